@@ -1,0 +1,71 @@
+"""Preallocated KV cache with append and rewind.
+
+One tensor pair per model, shaped (layers, batch, kv_heads, capacity, head_dim), filled from slot 0
+up to `length`. A forward pass writes its new keys/values at `length ... length+T` and the caller
+decides how many of them to keep (`commit`) — speculative decoding keeps the accepted prefix and
+drops the rest. Asking for more than the capacity fails loudly instead of reallocating.
+This module knows nothing about models or tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """The sequence would exceed the cache's capacity (the model's context limit)."""
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 batch_size: int = 1, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0  # committed slots
+        self.pending = 0  # slots written by the last forward but not yet committed
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    def reserve(self, num_new: int) -> int:
+        """Claim `num_new` slots after the committed ones for a forward pass; returns their start."""
+        if self.length + num_new > self.capacity:
+            raise CacheFullError(
+                f"KV cache holds {self.capacity} positions; {self.length} used, {num_new} more asked")
+        self.pending = num_new
+        return self.length
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a layer's new K/V (B, H_kv, T, D) in the reserved slots; return K/V over all slots so far."""
+        start, end = self.length, self.length + keys.shape[2]
+        assert end - start == self.pending, "write() must follow reserve() with the same token count"
+        self.keys[layer, :, :, start:end] = keys
+        self.values[layer, :, :, start:end] = values
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def commit(self, num_kept: int | None = None) -> None:
+        """Keep the first `num_kept` slots of the last forward (all when None); drop the rest."""
+        kept = self.pending if num_kept is None else num_kept
+        if not 0 <= kept <= self.pending:
+            raise ValueError(f"cannot keep {kept} of {self.pending} pending slots")
+        self.length += kept
+        self.pending = 0
+
+    def rewind(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` committed slots."""
+        if not 0 <= num_tokens <= self.length:
+            raise ValueError(f"cannot rewind {num_tokens} of {self.length} cached positions")
+        self.length -= num_tokens
+        self.pending = 0
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` committed slots."""
+        self.rewind(self.length - length)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.pending = 0

@@ -1,0 +1,170 @@
+"""Dataclass configs: decoder architecture, drafter, sampling and generation.
+
+Each config validates itself in `__post_init__` and round-trips through JSON, so checkpoints
+carry their config and bad parameters fail with a clear `ValueError` before any work starts.
+This module holds no behaviour beyond validation and (de)serialisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Family = Literal["llama", "qwen2", "qwen3"]
+BlockAttention = Literal["anchor_causal", "bidirectional", "causal"]
+
+
+class ConfigError(ValueError):
+    """A config or parameter that cannot be used; the message says which and why."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+class _JsonMixin:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = set(data) - names
+        _check(not unknown, f"{cls.__name__}: unknown fields {sorted(unknown)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass
+class ModelConfig(_JsonMixin):
+    """Architecture of a Llama / Qwen2 / Qwen3-family decoder."""
+
+    vocab_size: int  # rows of the embedding and the LM head
+    hidden_size: int  # width of the residual stream
+    intermediate_size: int  # width of the SwiGLU MLP
+    num_layers: int  # decoder layers
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA when fewer than num_heads)
+    head_dim: int  # width of one head
+    max_position_embeddings: int = 8192  # longest sequence the model supports (cache size cap)
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: dict[str, Any] | None = None  # HF rope_scaling dict (llama3, linear) or None
+    tie_word_embeddings: bool = True  # LM head shares the embedding matrix
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head's q and k before RoPE (Qwen3)
+    family: Family = "llama"  # which HF architecture this mirrors
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _check(getattr(self, name) > 0, f"ModelConfig.{name} must be positive")
+        _check(self.num_heads % self.num_kv_heads == 0,
+               "ModelConfig.num_heads must be a multiple of num_kv_heads")
+        _check(self.family in ("llama", "qwen2", "qwen3"), f"unsupported family {self.family!r}")
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        """Read a transformers LlamaConfig / Qwen2Config / Qwen3Config."""
+        model_type = getattr(hf_config, "model_type", "llama")
+        _check(model_type in ("llama", "qwen2", "qwen3"),
+               f"unsupported model type {model_type!r}: d3d supports llama, qwen2 and qwen3")
+        head_dim = getattr(hf_config, "head_dim", None) or (
+            hf_config.hidden_size // hf_config.num_attention_heads)
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        legacy_scaling = getattr(hf_config, "rope_scaling", None)
+        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        scaling = dict(rope) if rope.get("rope_type", "default") != "default" else None
+        if scaling is None and legacy_scaling and legacy_scaling.get("rope_type", "default") != "default":
+            scaling = dict(legacy_scaling)
+        if scaling is not None:
+            scaling.pop("rope_theta", None)
+        return cls(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=hf_config.num_attention_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+            head_dim=head_dim,
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 8192),
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            family=model_type,
+        )
+
+
+@dataclass
+class DrafterConfig(_JsonMixin):
+    """A D3D block-diffusion drafter: which decoder it is and how it drafts."""
+
+    model: ModelConfig  # the drafter's own decoder (usually fewer layers than the target)
+    block_size: int = 16  # B: positions per verification block (anchor + B-1 drafts)
+    mask_token_id: int = -1  # id of the MASK input; defaults to vocab_size (a new embedding row)
+    target_layers: list[int] = field(default_factory=list)  # target layers each drafter layer was copied from
+    target_vocab_size: int = 0  # the target vocabulary this drafter was made for
+    tokenizer_fingerprint: str = ""  # hash of the target tokenizer's vocabulary ("" = unchecked)
+    shared_embeddings: bool = True  # embedding / LM head / final norm are the target's, not stored
+    block_attention: BlockAttention = "anchor_causal"  # attention inside a draft block
+    denoising_steps: int = 1  # passes per block; later passes re-feed the argmax drafts
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, dict):
+            self.model = ModelConfig.from_dict(self.model)
+        if self.mask_token_id < 0:
+            self.mask_token_id = self.model.vocab_size
+        if self.target_vocab_size == 0:
+            self.target_vocab_size = self.model.vocab_size
+        _check(self.block_size >= 2, "block_size must be at least 2 (anchor + one draft)")
+        _check(self.denoising_steps >= 1, "denoising_steps must be at least 1")
+        _check(self.mask_token_id >= self.model.vocab_size,
+               "mask_token_id must be a dedicated id outside the vocabulary the drafter emits")
+        _check(self.block_attention in ("anchor_causal", "bidirectional", "causal"),
+               f"unknown block_attention {self.block_attention!r}")
+
+
+@dataclass
+class SamplingConfig(_JsonMixin):
+    """How a distribution is read off logits; the same transform applies to target and drafter."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax); > 0 scales logits by 1/temperature
+    top_k: int = 0  # keep the k most likely tokens (0 = all)
+    top_p: float = 1.0  # keep the smallest set with this much probability mass (1 = all)
+    seed: int | None = None  # seed of the sampling generator (None = nondeterministic)
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0 and self.temperature == self.temperature,
+               f"temperature must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationConfig(_JsonMixin):
+    """When a generation stops."""
+
+    max_new_tokens: int = 256  # tokens to generate at most
+    eos_token_ids: list[int] = field(default_factory=list)  # ids that end generation (kept in output)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # greedy by default
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sampling, dict):
+            self.sampling = SamplingConfig.from_dict(self.sampling)
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

@@ -1,0 +1,185 @@
+"""The D3D drafter: a token-only block-diffusion decoder and its checkpoint format.
+
+D3D (Chen et al., "Decoupled Diffusion Drafting for Asynchronous Speculative Decoding", arXiv
+2611.06425) drafts a block from token ids alone — never the target's hidden states — which is
+what lets drafting run ahead of verification. Each round the drafter reads the committed tokens it
+has not seen yet (clean, causal, kept in its own KV cache) and one block
+`[anchor, MASK × (B-1)]` at positions p … p+B-1, and returns a distribution for every block
+position. Labels are *shifted*: block row i predicts the token at p+i+1, like an AR model, so
+row 0 is the ordinary next-token prediction and one block yields B drafts (rows 0 … B-2 are
+verified, row B-1 serves the async engine's bonus guesses). The block's KV is dropped afterwards.
+
+A checkpoint is a folder: `config.json` (DrafterConfig + format tag) and `model.safetensors`.
+Weights shared with the target (embedding, LM head) are not stored; they come from the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from d3d.cache import KVCache
+from d3d.config import BlockAttention, ConfigError, DrafterConfig
+from d3d.loading import LoadError, read_safetensors
+from d3d.masks import draft_mask
+from d3d.models import Decoder
+
+FORMAT = "d3d-drafter"
+FORMAT_VERSION = 1
+SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig, target: Decoder) -> None:
+        super().__init__()
+        self.config = config
+        self.decoder = Decoder(config.model)
+        if config.shared_embeddings:
+            # Shared modules, not copies: the target's embedding and head are stored once.
+            self.decoder.embed_tokens = target.embed_tokens
+            self.decoder.lm_head = target.lm_head
+        self.mask_embedding = nn.Parameter(target.embed_tokens.weight.detach().float().mean(0).clone())
+        self.to(device=target.device, dtype=target.dtype)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @classmethod
+    def from_target(cls, target: Decoder, layers: list[int], block_size: int = 16,
+                    block_attention: BlockAttention = "anchor_causal", tokenizer_fingerprint: str = "",
+                    shared_embeddings: bool = True) -> "Drafter":
+        """A drafter whose layers are copies of the given target layers (final norm copied too)."""
+        if not layers or any(not 0 <= i < target.config.num_layers for i in layers):
+            raise ConfigError(f"drafter layers {layers} must be non-empty indices of the target's "
+                              f"{target.config.num_layers} layers")
+        model = dataclasses.replace(target.config, num_layers=len(layers))
+        config = DrafterConfig(model=model, block_size=block_size, target_layers=list(layers),
+                               target_vocab_size=target.config.vocab_size,
+                               tokenizer_fingerprint=tokenizer_fingerprint,
+                               shared_embeddings=shared_embeddings, block_attention=block_attention)
+        drafter = cls(config, target)
+        for own, source in zip(drafter.decoder.layers, layers):
+            own.load_state_dict(target.layers[source].state_dict())
+        drafter.decoder.norm.load_state_dict(target.norm.state_dict())
+        if not shared_embeddings:
+            drafter.decoder.embed_tokens.load_state_dict(target.embed_tokens.state_dict())
+            if target.lm_head is not None:
+                drafter.decoder.lm_head.load_state_dict(target.lm_head.state_dict())
+        return drafter
+
+    # -- checkpoint -------------------------------------------------------------------------
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """Parameters this drafter stores (shared target weights excluded)."""
+        state = self.state_dict()
+        if self.config.shared_embeddings:
+            state = {k: v for k, v in state.items()
+                     if not k.removeprefix("decoder.").startswith(SHARED_PREFIXES)}
+        return state
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.own_state().items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": FORMAT})
+        document = {"format": FORMAT, "format_version": FORMAT_VERSION, **self.config.to_dict()}
+        (folder / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True))
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, target: Decoder, tokenizer_fingerprint: str = "") -> "Drafter":
+        """Load a drafter for `target`; refuses one made for another vocabulary or tokenizer."""
+        folder = Path(folder)
+        config_file, weights_file = folder / "config.json", folder / "model.safetensors"
+        if not config_file.is_file() or not weights_file.is_file():
+            raise LoadError(f"{folder} is not a d3d drafter (needs config.json and model.safetensors)")
+        try:
+            document = json.loads(config_file.read_text())
+        except json.JSONDecodeError as error:
+            raise LoadError(f"{config_file} is not valid JSON ({error})") from None
+        if document.pop("format", None) != FORMAT:
+            raise LoadError(f"{config_file} is not a d3d drafter config")
+        version = document.pop("format_version", None)
+        if version != FORMAT_VERSION:
+            raise LoadError(f"{folder}: drafter format version {version} is not supported "
+                            f"(this d3d reads version {FORMAT_VERSION})")
+        config = DrafterConfig.from_dict(document)
+        check_compatible(config, target, tokenizer_fingerprint, str(folder))
+        drafter = cls(config, target)
+        state = read_safetensors(weights_file)
+        expected = drafter.own_state()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise LoadError(f"{weights_file}: weights do not match its config "
+                            f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        for key, tensor in state.items():
+            if tensor.shape != expected[key].shape:
+                raise LoadError(f"{weights_file}: {key} has shape {tuple(tensor.shape)}, "
+                                f"expected {tuple(expected[key].shape)}")
+        drafter.load_state_dict(state, strict=False)
+        return drafter.eval()
+
+    # -- drafting ---------------------------------------------------------------------------
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """A cache for committed tokens plus one block; may reach B positions past the context."""
+        c = self.config.model
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity + self.block_size,
+                       1, self.decoder.dtype, self.decoder.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids, MASK included → (B, T, hidden)."""
+        is_mask = ids == self.config.mask_token_id
+        embeds = self.decoder.embed_tokens(ids.masked_fill(is_mask, 0))
+        return torch.where(is_mask[..., None], self.mask_embedding.to(embeds.dtype), embeds)
+
+    def block_pass(self, cache: KVCache, clean: list[int], block: list[int]) -> torch.Tensor:
+        """One forward over clean tokens + one block; keeps the clean KV; returns block logits (B, V)."""
+        start = cache.length
+        device = self.decoder.device
+        ids = torch.tensor([clean + block], device=device)
+        positions = torch.arange(start, start + ids.shape[1], device=device)[None]
+        mask = draft_mask(len(clean), len(block), start, self.config.block_attention, device)[None]
+        hidden = self.decoder.hidden_states(self.embed(ids), positions, cache, mask)
+        cache.commit(len(clean))
+        return self.decoder.logits(hidden[0, len(clean):])
+
+    @torch.no_grad()
+    def draft(self, cache: KVCache, tokens: list[int]) -> torch.Tensor:
+        """Block logits (B, V) after the committed `tokens`; row i predicts position len(tokens)+i.
+
+        The cache holds a prefix of `tokens` (everything but the anchor at most); the missing
+        clean tokens are fed in the same pass as the block. With more than one denoising step,
+        each further pass re-feeds the most confident drafts in place of their masks.
+        """
+        if not cache.length < len(tokens):
+            raise ValueError("the drafter cache must not hold the anchor (the last committed token)")
+        mask_id, size = self.config.mask_token_id, self.block_size
+        anchor = tokens[-1]
+        logits = self.block_pass(cache, tokens[cache.length:-1], [anchor] + [mask_id] * (size - 1))
+        steps = self.config.denoising_steps
+        for step in range(1, steps):
+            confidence, guess = logits[:-1].float().softmax(-1).max(-1)  # row j-1 fills block slot j
+            num_fixed = (size - 1) * step // steps
+            fixed = set(torch.topk(confidence, num_fixed).indices.tolist())
+            block = [anchor] + [int(guess[j]) if j in fixed else mask_id for j in range(size - 1)]
+            logits = self.block_pass(cache, [], block)
+        return logits
+
+
+def check_compatible(config: DrafterConfig, target: Decoder, tokenizer_fingerprint: str, source: str) -> None:
+    """Refuse a drafter made for another vocabulary, tokenizer or width."""
+    if config.target_vocab_size != target.config.vocab_size:
+        raise LoadError(f"{source} was made for a vocabulary of {config.target_vocab_size} tokens; "
+                        f"this target has {target.config.vocab_size}")
+    if config.tokenizer_fingerprint and tokenizer_fingerprint and config.tokenizer_fingerprint != tokenizer_fingerprint:
+        raise LoadError(f"{source} was made for another tokenizer (fingerprint "
+                        f"{config.tokenizer_fingerprint}, target's is {tokenizer_fingerprint})")
+    if config.shared_embeddings and config.model.hidden_size != target.config.hidden_size:
+        raise LoadError(f"{source} shares the target's embeddings but its width "
+                        f"{config.model.hidden_size} differs from the target's {target.config.hidden_size}")

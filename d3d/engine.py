@@ -1,0 +1,174 @@
+"""Token engines: the AR reference and synchronous speculative decoding, as generators of steps.
+
+`reference_generate` is plain autoregressive decoding over the native decoder and cache — the
+definition every fast path is checked against, token for token. `speculative_generate` drafts a
+block with the D3D drafter, verifies it with one target forward, and commits the accepted drafts
+plus the target's bonus token. Both yield one `Step` per target forward and keep a running
+`SpecStats`. The engines know nothing about text: ids in, ids out (see `d3d.generation`).
+
+Cache invariant in both: the target cache holds every committed token but the last (the anchor),
+which is fed with the next forward; the drafter cache holds a prefix of the committed tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from d3d.cache import KVCache
+from d3d.config import GenerationConfig, SamplingConfig
+from d3d.drafter import Drafter
+from d3d.models import Decoder
+from d3d.sampling import make_generator, probabilities, sample
+from d3d.stats import SpecStats
+from d3d.verify import Verdict, verify_greedy, verify_sampling
+
+FinishReason = Literal["eos", "length"]
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be generated from (empty, or no room left in the context)."""
+
+
+@dataclass
+class Step:
+    """What one target forward committed."""
+
+    tokens: list[int]  # tokens committed by this step (truncated at EOS / length)
+    num_drafted: int  # drafts the target verified (0 for AR steps and the prefill)
+    num_accepted: int  # drafts it accepted
+    finish_reason: FinishReason | None  # set on the last step
+    stats: SpecStats = field(repr=False)  # running totals of the whole generation
+
+
+class Sequence:
+    """Committed tokens and the limits that end a generation."""
+
+    def __init__(self, prompt_ids: list[int], context: int, config: GenerationConfig) -> None:
+        if not prompt_ids:
+            raise PromptError("the prompt is empty: give at least one token")
+        if len(prompt_ids) >= context:
+            raise PromptError(f"the prompt has {len(prompt_ids)} tokens; the model's context holds "
+                              f"{context}, leaving no room to generate")
+        self.tokens = list(prompt_ids)
+        self.prompt_length = len(prompt_ids)
+        self.max_length = min(context, len(prompt_ids) + config.max_new_tokens)
+        self.eos = set(config.eos_token_ids)
+        self.finish_reason: FinishReason | None = None
+        self.stats = SpecStats()
+        self.started = time.perf_counter()
+
+    @property
+    def room(self) -> int:
+        """Tokens that may still be committed."""
+        return self.max_length - len(self.tokens)
+
+    def commit(self, tokens: list[int], num_drafted: int, num_accepted: int) -> Step:
+        kept = tokens[:self.room]
+        for i, token in enumerate(kept):
+            if token in self.eos:
+                kept = kept[:i + 1]
+                self.finish_reason = "eos"
+                break
+        self.tokens.extend(kept)
+        if self.finish_reason is None and self.room == 0:
+            self.finish_reason = "length"
+        if num_drafted or self.stats.new_tokens:  # the prefill's token is not a verification step
+            self.stats.record(num_drafted, num_accepted)
+        self.stats.new_tokens += len(kept)
+        self.stats.wall_seconds = time.perf_counter() - self.started
+        return Step(kept, num_drafted, num_accepted, self.finish_reason, self.stats)
+
+
+def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
+    """One token from (V,) logits: argmax when greedy, else a sample."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return int(sample(probabilities(logits, sampling), generator))
+
+
+def prefill(target: Decoder, sequence: Sequence, sampling: SamplingConfig,
+            generator: torch.Generator) -> tuple[Step, KVCache]:
+    cache = target.new_cache(sequence.max_length)
+    started = time.perf_counter()
+    ids = torch.tensor([sequence.tokens], device=target.device)
+    logits = target(ids, cache=cache, last_only=True)[0, -1]
+    cache.commit()
+    token = pick(logits, sampling, generator)
+    sequence.stats.verify_seconds += time.perf_counter() - started
+    return sequence.commit([token], 0, 0), cache
+
+
+@torch.no_grad()
+def reference_generate(target: Decoder, prompt_ids: list[int], config: GenerationConfig) -> Iterator[Step]:
+    """Plain autoregressive decoding: one target forward per token."""
+    sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
+    generator = make_generator(config.sampling)
+    step, cache = prefill(target, sequence, config.sampling, generator)
+    yield step
+    while sequence.finish_reason is None:
+        started = time.perf_counter()
+        ids = torch.tensor([[sequence.tokens[-1]]], device=target.device)
+        logits = target(ids, cache=cache)[0, -1]
+        cache.commit()
+        token = pick(logits, config.sampling, generator)
+        sequence.stats.verify_seconds += time.perf_counter() - started
+        yield sequence.commit([token], 0, 0)
+
+
+def propose(block_logits: torch.Tensor, sampling: SamplingConfig,
+            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts from (K, V) drafter logits → draft_tokens (K,) and, when sampling, draft_probs (K, V)."""
+    if sampling.greedy:
+        return block_logits.argmax(-1), None
+    draft_probs = probabilities(block_logits, sampling)
+    return sample(draft_probs, generator), draft_probs
+
+
+def verify_block(target: Decoder, cache: KVCache, anchor: int, draft_tokens: torch.Tensor,
+                 draft_probs: torch.Tensor | None, sampling: SamplingConfig,
+                 generator: torch.Generator) -> Verdict:
+    """One target forward over [anchor, drafts]; keeps the KV of the anchor and accepted drafts."""
+    ids = torch.cat([torch.tensor([anchor], device=draft_tokens.device), draft_tokens])[None]
+    target_logits = target(ids, cache=cache)[0]  # (K+1, V)
+    if sampling.greedy:
+        verdict = verify_greedy(draft_tokens, target_logits.argmax(-1))
+    else:
+        if draft_probs is None:  # no drafts: a plain sampling step
+            draft_probs = target_logits.new_zeros(0, target_logits.shape[-1])
+        verdict = verify_sampling(draft_tokens, draft_probs, probabilities(target_logits, sampling), generator)
+    cache.commit(verdict.num_accepted + 1)
+    return verdict
+
+
+@torch.no_grad()
+def speculative_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int],
+                         config: GenerationConfig) -> Iterator[Step]:
+    """Synchronous speculative decoding: draft a block, verify it, commit, repeat."""
+    if drafter.config.target_vocab_size != target.config.vocab_size:
+        raise ValueError("the drafter was made for another vocabulary")
+    sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
+    generator = make_generator(config.sampling)
+    step, target_cache = prefill(target, sequence, config.sampling, generator)
+    yield step
+    drafter_cache = drafter.new_cache(sequence.max_length)
+    while sequence.finish_reason is None:
+        # Never draft past the length limit: the bonus token always needs one slot.
+        num_drafts = min(drafter.block_size - 1, sequence.room - 1)
+        started = time.perf_counter()
+        if num_drafts > 0:
+            block_logits = drafter.draft(drafter_cache, sequence.tokens)[:num_drafts]
+            draft_tokens, draft_probs = propose(block_logits, config.sampling, generator)
+        else:
+            draft_tokens, draft_probs = torch.empty(0, dtype=torch.long), None
+        drafted = time.perf_counter()
+        verdict = verify_block(target, target_cache, sequence.tokens[-1], draft_tokens, draft_probs,
+                               config.sampling, generator)
+        sequence.stats.draft_seconds += drafted - started
+        sequence.stats.verify_seconds += time.perf_counter() - drafted
+        new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
+        yield sequence.commit(new_tokens, num_drafts, verdict.num_accepted)

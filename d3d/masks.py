@@ -1,0 +1,38 @@
+"""Boolean attention masks (True = attend) for the layouts d3d runs: causal, draft block, packed.
+
+Every mask is (T, S): T new tokens over S = cached + T key slots, where the new tokens occupy the
+last T slots in order. Masks say who may see whom; they know nothing about models or tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from d3d.config import BlockAttention
+
+
+def causal_mask(length: int, cached: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(T, cached + T): new token i attends to every cached slot and to new tokens ≤ i."""
+    rows = torch.arange(length, device=device)[:, None] + cached
+    cols = torch.arange(cached + length, device=device)[None]
+    return cols <= rows
+
+
+def draft_mask(num_clean: int, block_size: int, cached: int, block_attention: BlockAttention,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """(C + B, cached + C + B) for `num_clean` clean tokens followed by one draft block.
+
+    Clean tokens are causal. The block [anchor, MASK × (B-1)] sees every cached and clean token;
+    inside the block, `block_attention` decides: "causal" (like an AR model), "bidirectional"
+    (every block position sees the whole block), or "anchor_causal" (the anchor sees only itself
+    and the context, so its output stays the ordinary next-token prediction; the masks see the
+    whole block).
+    """
+    length = num_clean + block_size
+    mask = causal_mask(length, cached, device)
+    start = cached + num_clean  # key slot of the anchor
+    if block_attention == "bidirectional":
+        mask[num_clean:, start:] = True
+    elif block_attention == "anchor_causal":
+        mask[num_clean + 1:, start:] = True
+    return mask

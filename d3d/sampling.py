@@ -1,0 +1,47 @@
+"""Logits → probabilities under temperature / top-k / top-p, and drawing tokens from them.
+
+The same `probabilities` transform is applied to the target's and the drafter's logits, which is
+what keeps speculative sampling lossless for the *transformed* target distribution. Greedy
+decoding (temperature 0) never builds probabilities: it takes the argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from d3d.config import SamplingConfig
+
+
+def probabilities(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """(..., V) logits → (..., V) fp32 probabilities after temperature, top-k and top-p."""
+    if sampling.greedy:
+        raise ValueError("temperature 0 is greedy decoding: take the argmax instead of probabilities")
+    scores = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        sorted_probs = sorted_scores.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p; the top token always stays.
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row of (..., V) probabilities → (...) token ids."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    tokens = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return tokens.reshape(probs.shape[:-1])
+
+
+def make_generator(sampling: SamplingConfig) -> torch.Generator:
+    generator = torch.Generator()
+    if sampling.seed is not None:
+        generator.manual_seed(sampling.seed)
+    else:
+        generator.seed()
+    return generator

