@@ -66,6 +66,11 @@ class KVCache:
         """Keep the first `length` committed slots."""
         self.rewind(self.length - length)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the given batch rows (e.g. drop finished sequences from a batched decode)."""
+        self.keys = self.keys[:, rows].contiguous()
+        self.values = self.values[:, rows].contiguous()
+
     def reset(self) -> None:
         self.length = 0
         self.pending = 0

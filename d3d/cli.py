@@ -1,0 +1,207 @@
+"""The `d3d` command: subcommands are plain functions over the library, argparse only parses.
+
+    d3d generate "prompt"          stream a generation, print τ and tokens/s (--compare-ar: speedup)
+    d3d chat                       an interactive multi-turn chat
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from d3d.bench.datasets import DatasetError
+from d3d.config import ConfigError
+from d3d.engine import PromptError
+from d3d.generation import Chunk, Method, Pipeline
+from d3d.loading import LoadError
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass
+class RunResult:
+    text: str
+    tokens: list[int]
+    chunks: list[Chunk]
+
+    @property
+    def stats(self):
+        return self.chunks[-1].step.stats
+
+
+def run(pipeline: Pipeline, prompt: str | list[dict[str, str]], args: argparse.Namespace, method: Method,
+        echo: bool) -> RunResult:
+    chunks: list[Chunk] = []
+    for chunk in pipeline.generate(prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                   seed=args.seed, stop=args.stop, method=method):
+        chunks.append(chunk)
+        if echo:
+            print(chunk.text, end="", flush=True)
+    if echo:
+        print()
+    tokens = [t for c in chunks for t in c.step.tokens]
+    return RunResult("".join(c.text for c in chunks), tokens, chunks)
+
+
+def describe(label: str, result: RunResult) -> str:
+    s = result.stats
+    line = f"{label}: {s.new_tokens} tokens in {s.wall_seconds:.2f} s = {s.tokens_per_second:.1f} tok/s"
+    if s.drafted_at:
+        rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate[:8])
+        line += (f", τ = {s.tau:.2f} (tokens per verification, bonus included; {s.steps} steps), "
+                 f"acceptance by draft position: {rates}{' …' if len(s.acceptance_rate) > 8 else ''}, "
+                 f"drafting {100 * s.draft_seconds / max(s.wall_seconds, 1e-9):.0f}% of the time")
+    return line
+
+
+def load_pipeline(args: argparse.Namespace) -> Pipeline:
+    started = time.perf_counter()
+    layers = [int(x) for x in args.drafter_layers.split(",")] if args.drafter_layers else None
+    drafter = None if args.drafter == "none" else args.drafter
+    pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers)
+    d = pipeline.drafter
+    where = "none (plain AR decoding)" if d is None else (
+        f"{d.config.model.num_layers}-layer drafter, block {d.block_size}, {pipeline.drafter_source}")
+    print(f"# target: {pipeline.target.name} ({args.dtype}); drafter: {where}; "
+          f"loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return pipeline
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Stream one generation; with --compare-ar also run plain AR decoding and report the speedup."""
+    pipeline = load_pipeline(args)
+    method: Method = "ar" if pipeline.drafter is None else "speculative"
+    if args.compare_ar:
+        warm = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
+        for m in ("ar", method):  # warm-up: first calls pay for allocation and kernel selection
+            run(pipeline, args.prompt, warm, m, echo=False)
+    spec = run(pipeline, args.prompt, args, method, echo=True)
+    print(describe(method, spec), file=sys.stderr)
+    summary = {"method": method, **spec.stats.summary()}
+    if args.compare_ar and method != "ar":
+        ar = run(pipeline, args.prompt, args, "ar", echo=False)
+        print(describe("ar", ar), file=sys.stderr)
+        speedup = spec.stats.tokens_per_second / max(ar.stats.tokens_per_second, 1e-9)
+        same = spec.tokens == ar.tokens
+        print(f"speedup over AR: {speedup:.2f}x; output identical to AR: {'yes' if same else 'NO'}"
+              + ("" if args.temperature == 0 else " (sampling: outputs differ by design)"), file=sys.stderr)
+        summary.update(ar_tokens_per_second=round(ar.stats.tokens_per_second, 2), speedup=round(speedup, 3),
+                       identical_to_ar=same)
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def chat(args: argparse.Namespace) -> int:
+    """An interactive chat: each line you type is a user turn; an empty line or Ctrl-D ends it."""
+    pipeline = load_pipeline(args)
+    args.chat = True
+    messages: list[dict[str, str]] = []
+    method: Method = "ar" if pipeline.drafter is None else "speculative"
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        result = run(pipeline, messages, args, method, echo=True)
+        print(describe(method, result), file=sys.stderr)
+        messages.append({"role": "assistant", "content": result.text})
+    return 0
+
+
+def data(args: argparse.Namespace) -> int:
+    """Generate the target's own greedy responses to training prompts (resumable)."""
+    from d3d.loading import load_target
+    from d3d.train.data import DataConfig, generate_data
+
+    config = DataConfig(sources=args.sources.split(","), max_prompts=args.max_prompts,
+                        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                        shard_size=args.shard_size, batch_size=args.batch_size, seed=args.seed)
+    torch.set_num_threads(args.threads) if args.threads else None
+    target = load_target(args.target, DTYPES[args.dtype])
+    manifest = generate_data(target, args.out, config)
+    print(json.dumps({k: manifest[k] for k in ("num_prompts", "shards_done", "num_shards", "response_tokens")}))
+    return 0
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="default",
+                        help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file")
+    parser.add_argument("--drafter", default="default",
+                        help="drafter checkpoint folder, 'default', 'untrained' or 'none' (plain AR)")
+    parser.add_argument("--drafter-layers", default=None,
+                        help="with an untrained drafter: comma-separated target layers to copy (default: all)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="d3d", description="Lossless speculative decoding with a D3D drafter.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("generate", help="generate from one prompt")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the chat template (default); --no-chat for a raw completion prompt")
+    p.add_argument("--compare-ar", action="store_true", help="also run plain AR decoding and print the speedup")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.set_defaults(handler=generate)
+
+    p = commands.add_parser("data", help="generate training data: the target's own responses (resumable)")
+    p.add_argument("--out", required=True, help="output folder (re-run the same command to resume)")
+    p.add_argument("--target", default="default")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--sources", default="sharegpt,stdlib", help="comma-separated: sharegpt, stdlib, JSONL paths")
+    p.add_argument("--max-prompts", type=int, default=0, help="0 = all")
+    p.add_argument("--max-prompt-tokens", type=int, default=384)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--shard-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.set_defaults(handler=data)
+
+    p = commands.add_parser("chat", help="interactive multi-turn chat")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.set_defaults(handler=chat, chat=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_new_tokens", 1) < 1:
+        print("d3d: error: --max-new-tokens must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        return args.handler(args)
+    except (ConfigError, PromptError, LoadError, DatasetError) as error:
+        print(f"d3d: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nd3d: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

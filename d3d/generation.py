@@ -1,0 +1,127 @@
+"""Text in, text out: the user-facing pipeline over the token engines.
+
+`Pipeline` holds a loaded target, its tokenizer and (optionally) a drafter; `generate()` applies the
+chat template, runs an engine, and yields `Chunk`s of newly decoded text with the engine's `Step`
+(and so the running `SpecStats`). It handles what needs a tokenizer — incremental detokenisation
+that never emits half a UTF-8 character, and stop strings that never leak into the output — so
+that the engines stay token-only. CLI, server and benchmark all consume this generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from d3d.config import GenerationConfig, SamplingConfig
+from d3d.drafter import Drafter
+from d3d.engine import Step, reference_generate, speculative_generate
+from d3d.loading import Target, load_target
+
+Method = Literal["speculative", "ar"]
+DEFAULT_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
+
+
+@dataclass
+class Chunk:
+    text: str  # newly decoded text (may be empty while a character or stop string is pending)
+    step: Step  # the engine step that produced it
+    finish_reason: str | None = None  # "eos", "length" or "stop" on the last chunk
+
+
+class Pipeline:
+    def __init__(self, target: Target, drafter: Drafter | None = None, drafter_source: str = "") -> None:
+        self.target = target
+        self.drafter = drafter
+        self.drafter_source = drafter_source or ("none" if drafter is None else "given")  # for messages
+
+    @classmethod
+    def load(cls, target: str | None = None, drafter: str | Path | None = "default",
+             dtype: torch.dtype = torch.bfloat16, drafter_layers: list[int] | None = None) -> "Pipeline":
+        """Load a target and a drafter.
+
+        `drafter`: a checkpoint folder; "default" for the shipped drafter when the target is the
+        embedded default (falling back to an untrained one when none is shipped); "untrained" for a
+        drafter copied from `drafter_layers` of the target (all layers when None); None for no drafter.
+        """
+        loaded = load_target(target, dtype)
+        return cls(loaded, *resolve_drafter(loaded, drafter, target, drafter_layers))
+
+    def encode(self, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if isinstance(prompt, list) or chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            if tokenizer.chat_template is None:
+                raise ValueError("this target's tokenizer has no chat template: use a raw prompt")
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):
+                ids = ids["input_ids"]
+            return list(ids)
+        return tokenizer.encode(prompt, add_special_tokens=False)
+
+    def generation_config(self, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                          top_p: float = 1.0, seed: int | None = None) -> GenerationConfig:
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=list(self.target.eos_token_ids),
+                                sampling=sampling)
+
+    def steps(self, prompt_ids: list[int], config: GenerationConfig, method: Method = "speculative") -> Iterator[Step]:
+        """The token engine for `method`: speculative with the drafter, or the AR reference."""
+        if method == "ar" or self.drafter is None:
+            return reference_generate(self.target.decoder, prompt_ids, config)
+        return speculative_generate(self.target.decoder, self.drafter, prompt_ids, config)
+
+    def generate(self, prompt: str | list[dict[str, str]], *, chat: bool = True, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop: list[str] | None = None, method: Method = "speculative") -> Iterator[Chunk]:
+        config = self.generation_config(max_new_tokens, temperature, top_k, top_p, seed)
+        prompt_ids = self.encode(prompt, chat)
+        yield from self.stream_text(self.steps(prompt_ids, config, method), stop or [])
+
+    def stream_text(self, steps: Iterator[Step], stop: list[str]) -> Iterator[Chunk]:
+        """Decode steps into text chunks, ending at the first stop string (not included)."""
+        tokenizer = self.target.tokenizer
+        tokens: list[int] = []
+        emitted = 0  # characters of the decoded text already yielded
+        hold = max((len(s) for s in stop), default=1) - 1  # a stop string may still be forming
+        for step in steps:
+            tokens.extend(step.tokens)
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            cut = min((i for i in (text.find(s, max(0, emitted - hold)) for s in stop) if i >= 0), default=-1)
+            if cut >= 0:
+                yield Chunk(text[emitted:cut], step, "stop")
+                steps.close()  # type: ignore[attr-defined]
+                return
+            if step.finish_reason is not None:
+                yield Chunk(text[emitted:], step, step.finish_reason)
+                return
+            safe = len(text) - hold
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                safe = min(safe, len(text) - 1)
+            if safe > emitted:
+                yield Chunk(text[emitted:safe], step)
+                emitted = safe
+            else:
+                yield Chunk("", step)
+
+
+def resolve_drafter(target: Target, drafter: str | Path | None, target_source: str | None,
+                    drafter_layers: list[int] | None) -> tuple[Drafter | None, str]:
+    """The drafter and a description of where it came from."""
+    if drafter is None:
+        return None, "none"
+    fingerprint = target.fingerprint
+    decoder = target.decoder
+    if str(drafter) == "default":
+        embedded = target_source in (None, "default")
+        if embedded and (DEFAULT_DRAFTER / "config.json").is_file():
+            return Drafter.from_pretrained(DEFAULT_DRAFTER, decoder, fingerprint), "shipped default"
+        drafter = "untrained"
+    if str(drafter) == "untrained":
+        layers = drafter_layers or list(range(decoder.config.num_layers))
+        untrained = Drafter.from_target(decoder, layers, tokenizer_fingerprint=fingerprint).eval()
+        return untrained, "UNTRAINED (copied from the target's layers; no trained drafter for this target)"
+    return Drafter.from_pretrained(drafter, decoder, fingerprint), str(drafter)

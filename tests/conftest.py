@@ -1,0 +1,151 @@
+"""Shared fixtures: tiny random decoders and drafters with known behaviour.
+
+Everything here is built from fixed seeds in fp32 on the CPU, so every test is deterministic and
+needs no network. The "oracle" drafter proposes exactly the target's greedy continuation and the
+"adversarial" drafter never does; both still honour the `Drafter.draft` contract (block logits
+(block_size, V), drafter cache kept as a prefix of the committed tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from d3d.config import ModelConfig
+from d3d.drafter import Drafter
+from d3d.models import Decoder
+
+# Tiny models spend their time in thread synchronisation, not arithmetic: with 2 threads one CPU
+# SDPA call on a 1×20 problem takes ~6 ms, with 1 thread ~10 µs. One thread keeps the suite fast.
+torch.set_num_threads(1)
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+
+
+def tiny_config(family: str = "llama", **overrides) -> ModelConfig:
+    """A tiny ModelConfig of the given family (Qwen2: q/k/v bias, Qwen3: q/k norm)."""
+    extra = {"qwen2": dict(attention_bias=True), "qwen3": dict(qk_norm=True)}.get(family, {})
+    return ModelConfig(**{**TINY, **extra, "family": family, **overrides})
+
+
+def make_decoder(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Decoder:
+    """A Decoder with seeded random weights (norm weights perturbed too, biases non-zero), eval mode."""
+    torch.manual_seed(seed)
+    decoder = Decoder(config)
+    with torch.no_grad():
+        for name, param in decoder.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+            elif name == "lm_head.weight":
+                # A sharp untied head makes greedy output depend on the context instead of
+                # settling on one token, which the engine tests need.
+                param.normal_(0.0, 1.0)
+    return decoder.to(dtype).eval()
+
+
+@pytest.fixture
+def llama_config() -> ModelConfig:
+    return tiny_config("llama", tie_word_embeddings=False)
+
+
+@pytest.fixture
+def qwen2_config() -> ModelConfig:
+    return tiny_config("qwen2", tie_word_embeddings=False)
+
+
+@pytest.fixture
+def qwen3_config() -> ModelConfig:
+    return tiny_config("qwen3", tie_word_embeddings=False)
+
+
+@pytest.fixture
+def target(llama_config) -> Decoder:
+    """The tiny Llama target (2 layers, vocab 64, context 128, untied head), fp32, eval mode."""
+    return make_decoder(llama_config, seed=1)
+
+
+@pytest.fixture
+def prompt() -> list[int]:
+    return [3, 17, 42, 5, 9, 33, 60, 1]
+
+
+@torch.no_grad()
+def greedy_continuation(target: Decoder, tokens: list[int], count: int) -> list[int]:
+    """The target's next `count` greedy tokens after `tokens` (fewer if the context runs out)."""
+    count = min(count, target.config.max_position_embeddings - len(tokens))
+    if count <= 0:
+        return []
+    cache = target.new_cache(len(tokens) + count)
+    logits = target(torch.tensor([tokens]), cache=cache, last_only=True)[0, -1]
+    cache.commit()
+    out = [int(logits.argmax())]
+    while len(out) < count:
+        logits = target(torch.tensor([[out[-1]]]), cache=cache)[0, -1]
+        cache.commit()
+        out.append(int(logits.argmax()))
+    return out
+
+
+def one_hot_logits(tokens: list[int], rows: int, vocab: int, filler: int = 0) -> torch.Tensor:
+    """(rows, vocab) logits whose row i has its argmax at tokens[i] (filler past the end)."""
+    ids = tokens + [filler] * (rows - len(tokens))
+    logits = torch.full((rows, vocab), -10.0)
+    logits[torch.arange(rows), torch.tensor(ids[:rows])] = 10.0
+    return logits
+
+
+class OracleDrafter(Drafter):
+    """Proposes the target's own greedy continuation: every draft is accepted under greedy decoding."""
+
+    def __init__(self, config, target: Decoder) -> None:
+        super().__init__(config, target)
+        object.__setattr__(self, "oracle_target", target)  # not a submodule: nothing to save
+
+    @torch.no_grad()
+    def draft(self, cache, tokens):
+        logits = super().draft(cache, tokens)  # keeps the drafter cache exactly as the real one
+        wanted = greedy_continuation(self.oracle_target, tokens, self.block_size)
+        return one_hot_logits(wanted, self.block_size, logits.shape[-1]).to(logits.dtype)
+
+
+class AdversarialDrafter(Drafter):
+    """Row 0 is never the target's greedy token, so the first draft is always rejected."""
+
+    def __init__(self, config, target: Decoder) -> None:
+        super().__init__(config, target)
+        object.__setattr__(self, "oracle_target", target)
+
+    @torch.no_grad()
+    def draft(self, cache, tokens):
+        logits = super().draft(cache, tokens)
+        vocab = logits.shape[-1]
+        wanted = greedy_continuation(self.oracle_target, tokens, self.block_size)
+        wrong = [(t + 1) % vocab for t in wanted]
+        return one_hot_logits(wrong, self.block_size, vocab, filler=1).to(logits.dtype)
+
+
+def make_oracle(target: Decoder, block_size: int, layers: list[int] | None = None) -> OracleDrafter:
+    return OracleDrafter.from_target(target, layers or [0], block_size=block_size)
+
+
+def make_adversary(target: Decoder, block_size: int, layers: list[int] | None = None) -> AdversarialDrafter:
+    return AdversarialDrafter.from_target(target, layers or [0], block_size=block_size)
+
+
+@pytest.fixture
+def oracle_drafter(target) -> OracleDrafter:
+    return make_oracle(target, block_size=4)
+
+
+@pytest.fixture
+def adversarial_drafter(target) -> AdversarialDrafter:
+    return make_adversary(target, block_size=4)
+
+
+def with_context(config: ModelConfig, context: int) -> ModelConfig:
+    return dataclasses.replace(config, max_position_embeddings=context)

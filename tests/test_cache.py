@@ -1,0 +1,133 @@
+"""KVCache: reserve / write / commit / rewind / crop bookkeeping and its loud failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d3d.cache import CacheFullError, KVCache
+
+
+def make_cache(capacity: int = 8) -> KVCache:
+    return KVCache(num_layers=2, num_kv_heads=1, head_dim=2, capacity=capacity)
+
+
+def kv(values: list[float]) -> torch.Tensor:
+    """(1, 1, T, 2) keys whose slot t holds values[t] in both channels."""
+    return torch.tensor(values).repeat_interleave(2).view(1, 1, len(values), 2)
+
+
+def test_new_cache_is_empty_and_shaped():
+    """A fresh cache has nothing committed or pending and the documented tensor layout."""
+    cache = KVCache(num_layers=3, num_kv_heads=2, head_dim=4, capacity=10, batch_size=2)
+    assert cache.length == 0 and cache.pending == 0
+    assert cache.keys.shape == cache.values.shape == (3, 2, 2, 10, 4)
+    assert cache.batch_size == 2 and cache.capacity == 10
+
+
+def test_reserve_write_commit_appends():
+    """write() stores the reserved slots and returns K/V over every slot so far; commit keeps them."""
+    cache = make_cache()
+    assert cache.reserve(3) == 0
+    keys, values = cache.write(0, kv([1, 2, 3]), kv([10, 20, 30]))
+    assert keys.shape == (1, 1, 3, 2) and torch.equal(keys, kv([1, 2, 3]))
+    assert torch.equal(values, kv([10, 20, 30]))
+    cache.commit()
+    assert cache.length == 3 and cache.pending == 0
+
+    assert cache.reserve(2) == 3
+    keys, values = cache.write(0, kv([4, 5]), kv([40, 50]))
+    assert torch.equal(keys, kv([1, 2, 3, 4, 5]))
+    assert torch.equal(values, kv([10, 20, 30, 40, 50]))
+    cache.commit()
+    assert cache.length == 5
+
+
+def test_partial_commit_drops_the_rest():
+    """commit(k) keeps only the first k pending slots; the next forward overwrites the dropped ones."""
+    cache = make_cache()
+    cache.reserve(4)
+    cache.write(1, kv([1, 2, 3, 4]), kv([1, 2, 3, 4]))
+    cache.commit(2)
+    assert cache.length == 2 and cache.pending == 0
+    assert cache.reserve(1) == 2
+    keys, _ = cache.write(1, kv([9]), kv([9]))
+    assert torch.equal(keys, kv([1, 2, 9]))
+
+
+def test_commit_zero_and_invalid_counts():
+    """commit(0) keeps nothing; keeping more than pending or a negative count is refused."""
+    cache = make_cache()
+    cache.reserve(2)
+    cache.commit(0)
+    assert cache.length == 0
+    cache.reserve(2)
+    with pytest.raises(ValueError):
+        cache.commit(3)
+    with pytest.raises(ValueError):
+        cache.commit(-1)
+
+
+def test_write_must_match_reservation():
+    """Writing a different number of tokens than reserved is a programming error."""
+    cache = make_cache()
+    cache.reserve(2)
+    with pytest.raises(AssertionError):
+        cache.write(0, kv([1, 2, 3]), kv([1, 2, 3]))
+
+
+def test_layers_are_independent():
+    """Each layer has its own slots."""
+    cache = make_cache()
+    cache.reserve(1)
+    cache.write(0, kv([1]), kv([1]))
+    keys1, _ = cache.write(1, kv([7]), kv([7]))
+    cache.commit()
+    assert torch.equal(cache.keys[0, :, :, :1], kv([1]))
+    assert torch.equal(keys1, kv([7]))
+
+
+def test_reserve_over_capacity_raises():
+    """Filling exactly to capacity works; one more slot raises CacheFullError and changes nothing."""
+    cache = make_cache(capacity=4)
+    cache.reserve(4)
+    cache.commit()
+    assert cache.length == 4
+    with pytest.raises(CacheFullError, match="4"):
+        cache.reserve(1)
+    assert cache.length == 4
+    fresh = make_cache(capacity=4)
+    with pytest.raises(CacheFullError):
+        fresh.reserve(5)
+
+
+def test_rewind_and_crop():
+    """rewind(n) forgets the last n committed slots; crop(L) keeps the first L; both clear pending."""
+    cache = make_cache()
+    cache.reserve(6)
+    cache.commit()
+    cache.rewind(2)
+    assert cache.length == 4
+    cache.reserve(1)
+    cache.crop(1)
+    assert cache.length == 1 and cache.pending == 0
+    cache.rewind(0)
+    assert cache.length == 1
+    cache.crop(1)
+    assert cache.length == 1
+    cache.reset()
+    assert cache.length == 0 and cache.pending == 0
+
+
+def test_rewind_beyond_length_raises():
+    """Rewinding more than is cached (or a negative amount) raises and leaves the cache alone."""
+    cache = make_cache()
+    cache.reserve(3)
+    cache.commit()
+    with pytest.raises(ValueError):
+        cache.rewind(4)
+    with pytest.raises(ValueError):
+        cache.rewind(-1)
+    with pytest.raises(ValueError):
+        cache.crop(5)  # growing is not cropping
+    assert cache.length == 3

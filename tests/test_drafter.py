@@ -1,0 +1,215 @@
+"""The block drafter: layers copied from the target, the draft contract, and its checkpoint format."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import make_decoder, tiny_config
+from d3d.config import ConfigError, DrafterConfig
+from d3d.drafter import Drafter
+from d3d.loading import LoadError
+
+TOKENS = [3, 17, 42, 5, 9, 33, 60, 1, 12]
+
+
+@torch.no_grad()
+def next_token_logits(target, tokens: list[int]) -> torch.Tensor:
+    return target(torch.tensor([tokens]))[0, -1]
+
+
+def perturb(drafter: Drafter, seed: int = 5) -> None:
+    """Move the drafter's own weights away from the target copy (as training would)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in drafter.own_state().items():
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+
+
+@pytest.mark.parametrize("mode", ["anchor_causal", "causal"])
+def test_all_layer_drafter_row0_is_the_targets_next_token(target, mode):
+    """With every layer copied, block row 0 is the target's next-token prediction — also on later
+    calls, when the drafter cache already holds a prefix and only the new clean tokens are fed."""
+    drafter = Drafter.from_target(target, [0, 1], block_size=4, block_attention=mode)
+    cache = drafter.new_cache(64)
+    for length in (5, 6, 9):
+        tokens = TOKENS[:length]
+        logits = drafter.draft(cache, tokens)
+        assert logits.shape == (4, 64)
+        assert cache.length == length - 1  # committed tokens but the anchor; the block's KV is dropped
+        torch.testing.assert_close(logits[0], next_token_logits(target, tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_bidirectional_anchor_sees_the_masks(target):
+    """Contrast: with bidirectional block attention row 0 is no longer the plain next-token prediction."""
+    drafter = Drafter.from_target(target, [0, 1], block_size=4, block_attention="bidirectional")
+    logits = drafter.draft(drafter.new_cache(64), TOKENS)
+    assert not torch.allclose(logits[0], next_token_logits(target, TOKENS), atol=1e-3)
+
+
+def test_from_target_copies_the_chosen_layers(target):
+    """Layer i of the drafter is a copy of target layer layers[i]; embeddings are shared, not copied."""
+    drafter = Drafter.from_target(target, [1], block_size=3)
+    assert drafter.config.model.num_layers == 1 and drafter.config.target_layers == [1]
+    assert drafter.config.target_vocab_size == 64 and drafter.config.mask_token_id == 64
+    assert drafter.block_size == 3
+    for name, tensor in target.layers[1].state_dict().items():
+        assert torch.equal(drafter.decoder.layers[0].state_dict()[name], tensor)
+    assert torch.equal(drafter.decoder.norm.weight, target.norm.weight)
+    assert drafter.decoder.embed_tokens is target.embed_tokens
+    assert drafter.decoder.lm_head is target.lm_head
+
+
+@pytest.mark.parametrize("layers", [[], [2], [-1]])
+def test_from_target_refuses_bad_layers(target, layers):
+    with pytest.raises(ConfigError, match="layers"):
+        Drafter.from_target(target, layers)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_draft_returns_one_row_per_block_position(target, block_size):
+    drafter = Drafter.from_target(target, [0], block_size=block_size)
+    logits = drafter.draft(drafter.new_cache(64), TOKENS)
+    assert logits.shape == (block_size, 64) and torch.isfinite(logits).all()
+
+
+def test_draft_refuses_a_cache_holding_the_anchor(target):
+    """The cache may hold every committed token but the last; asking again with fewer tokens fails."""
+    drafter = Drafter.from_target(target, [0], block_size=4)
+    cache = drafter.new_cache(64)
+    drafter.draft(cache, TOKENS)
+    with pytest.raises(ValueError, match="anchor"):
+        drafter.draft(cache, TOKENS[:-1])
+
+
+def test_drafter_cache_has_room_for_a_block_past_the_context(target):
+    drafter = Drafter.from_target(target, [0], block_size=4)
+    assert drafter.new_cache(128).capacity == 128 + 4
+
+
+def test_denoising_steps_two(target):
+    """A second denoising pass still returns (B, V) logits, keeps the anchor row and drops the block KV,
+    but changes the later rows (they now see the guesses fed in place of some masks)."""
+    one_step = Drafter.from_target(target, [0, 1], block_size=4)
+    two_steps = Drafter.from_target(target, [0, 1], block_size=4)
+    two_steps.config = dataclasses.replace(two_steps.config, denoising_steps=2)
+    cache1, cache2 = one_step.new_cache(64), two_steps.new_cache(64)
+    first, second = one_step.draft(cache1, TOKENS), two_steps.draft(cache2, TOKENS)
+    assert second.shape == (4, 64)
+    assert cache2.length == len(TOKENS) - 1
+    torch.testing.assert_close(second[0], first[0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(second[1:], first[1:], atol=1e-4)
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_and_load_round_trip(tmp_path, tied):
+    """from_pretrained(save_pretrained(d)) drafts exactly the same logits; shared weights are not stored."""
+    target = make_decoder(tiny_config(tie_word_embeddings=tied), seed=1)
+    drafter = Drafter.from_target(target, [1], block_size=4, block_attention="bidirectional",
+                                  tokenizer_fingerprint="abc")
+    perturb(drafter)
+    drafter.save_pretrained(tmp_path)
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
+        keys = set(stored.keys())
+        assert stored.metadata()["format"] == "d3d-drafter"
+    assert "mask_embedding" in keys and "decoder.norm.weight" in keys
+    assert not any("embed_tokens" in k or "lm_head" in k for k in keys)
+    document = json.loads((tmp_path / "config.json").read_text())
+    assert document["format"] == "d3d-drafter" and document["block_attention"] == "bidirectional"
+
+    loaded = Drafter.from_pretrained(tmp_path, target, tokenizer_fingerprint="abc")
+    assert loaded.config == drafter.config
+    assert loaded.decoder.embed_tokens is target.embed_tokens
+    expected = drafter.draft(drafter.new_cache(64), TOKENS)
+    actual = loaded.draft(loaded.new_cache(64), TOKENS)
+    assert torch.equal(actual, expected)
+
+
+def test_loaded_drafter_is_not_the_untrained_copy(tmp_path, target):
+    """The round trip really restores saved weights (a fresh copy of the target layers differs)."""
+    drafter = Drafter.from_target(target, [0], block_size=4)
+    perturb(drafter)
+    drafter.save_pretrained(tmp_path)
+    fresh = Drafter.from_target(target, [0], block_size=4)
+    loaded = Drafter.from_pretrained(tmp_path, target)
+    tokens_logits = loaded.draft(loaded.new_cache(64), TOKENS)
+    assert not torch.allclose(tokens_logits, fresh.draft(fresh.new_cache(64), TOKENS), atol=1e-4)
+
+
+def test_refuses_a_drafter_for_another_vocabulary(tmp_path, target):
+    Drafter.from_target(target, [0], block_size=4).save_pretrained(tmp_path)
+    other = make_decoder(tiny_config(vocab_size=80, tie_word_embeddings=False), seed=2)
+    with pytest.raises(LoadError, match="vocabulary of 64 tokens; this target has 80"):
+        Drafter.from_pretrained(tmp_path, other)
+
+
+def test_refuses_a_drafter_for_another_tokenizer(tmp_path, target):
+    Drafter.from_target(target, [0], block_size=4, tokenizer_fingerprint="aaa").save_pretrained(tmp_path)
+    with pytest.raises(LoadError, match="another tokenizer") as error:
+        Drafter.from_pretrained(tmp_path, target, tokenizer_fingerprint="bbb")
+    assert "aaa" in str(error.value) and "bbb" in str(error.value)
+    Drafter.from_pretrained(tmp_path, target, tokenizer_fingerprint="aaa")  # the right one loads
+
+
+def test_refuses_a_drafter_of_another_width(tmp_path, target):
+    Drafter.from_target(target, [0], block_size=4).save_pretrained(tmp_path)
+    wide = make_decoder(tiny_config(hidden_size=48, tie_word_embeddings=False), seed=2)
+    with pytest.raises(LoadError, match="width"):
+        Drafter.from_pretrained(tmp_path, wide)
+
+
+def test_truncated_weights_are_reported(tmp_path, target):
+    Drafter.from_target(target, [0], block_size=4).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    with pytest.raises(LoadError, match="truncated or corrupt"):
+        Drafter.from_pretrained(tmp_path, target)
+
+
+def test_not_a_drafter_folder(tmp_path, target):
+    """Missing files, a foreign config and an unknown format version are refused with LoadError."""
+    with pytest.raises(LoadError, match="not a d3d drafter"):
+        Drafter.from_pretrained(tmp_path, target)
+    Drafter.from_target(target, [0], block_size=4).save_pretrained(tmp_path)
+    config_file = tmp_path / "config.json"
+    document = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**document, "format_version": 99}))
+    with pytest.raises(LoadError, match="version 99"):
+        Drafter.from_pretrained(tmp_path, target)
+    config_file.write_text(json.dumps({**document, "format": "something-else"}))
+    with pytest.raises(LoadError, match="not a d3d drafter config"):
+        Drafter.from_pretrained(tmp_path, target)
+    config_file.write_text("{not json")
+    with pytest.raises(LoadError, match="not valid JSON"):
+        Drafter.from_pretrained(tmp_path, target)
+
+
+def test_invalid_drafter_configs(target):
+    """block_size < 2, denoising_steps < 1 and a mask id inside the vocabulary are ConfigErrors."""
+    with pytest.raises(ConfigError, match="block_size"):
+        Drafter.from_target(target, [0], block_size=1)
+    model = target.config
+    with pytest.raises(ConfigError, match="block_size"):
+        DrafterConfig(model=model, block_size=1)
+    with pytest.raises(ConfigError, match="denoising_steps"):
+        DrafterConfig(model=model, denoising_steps=0)
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        DrafterConfig(model=model, mask_token_id=10)
+    with pytest.raises(ConfigError, match="block_attention"):
+        DrafterConfig(model=model, block_attention="sideways")
+
+
+def test_drafter_config_json_round_trip(target):
+    config = DrafterConfig(model=target.config, block_size=8, target_layers=[0, 1], denoising_steps=3)
+    again = DrafterConfig.from_json(config.to_json())
+    assert again == config and again.model == target.config
+    with pytest.raises(ConfigError, match="unknown fields"):
+        DrafterConfig.from_dict({**config.to_dict(), "colour": "red"})

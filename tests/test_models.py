@@ -1,0 +1,304 @@
+"""The native Decoder: parity with transformers, cache consistency, row-invariance, explicit masks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import make_decoder, tiny_config
+from d3d.cache import CacheFullError
+from d3d.config import ModelConfig
+from d3d.loading import load_state
+from d3d.masks import draft_mask
+from d3d.models import Decoder
+
+HF_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+               attn_implementation="eager")
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 128}  # head_dim 8: one frequency in each band
+
+
+def hf_model(family: str, seed: int = 0, **overrides):
+    """A transformers CausalLM of the given family with seeded, non-trivial random weights (fp32)."""
+    import transformers
+
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[family]
+    config = config_class(**{**HF_TINY, **overrides})
+    torch.manual_seed(seed)
+    model = model_class(config).float().eval()
+    with torch.no_grad():  # transformers' init (std 0.02) would make every logit ~0
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.3 * torch.randn_like(param))
+    return model
+
+
+def native_from_hf(model) -> Decoder:
+    decoder = Decoder(ModelConfig.from_hf(model.config))
+    load_state(decoder, model.state_dict(), "test")
+    return decoder.eval()
+
+
+def random_ids(length: int, vocab: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+PARITY_CASES = {
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama-untied": ("llama", dict(tie_word_embeddings=False)),
+    "llama-llama3-rope": ("llama", dict(tie_word_embeddings=False, rope_scaling=LLAMA3_SCALING,
+                                        rope_theta=10000.0)),
+    "llama-linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen2-untied": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True)),
+    "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False, rope_theta=1000000.0)),
+}
+
+
+@pytest.mark.parametrize("case", PARITY_CASES)
+@torch.no_grad()
+def test_logits_match_transformers(case):
+    """Same weights → same logits as transformers (fp32, atol 1e-4), on both attention paths.
+
+    20 tokens take the row-by-row causal path, 100 tokens the single masked call.
+    """
+    family, overrides = PARITY_CASES[case]
+    model = hf_model(family, **overrides)
+    decoder = native_from_hf(model)
+    assert decoder.config.family == family
+    assert decoder.config.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
+    for length in (20, 100):
+        ids = random_ids(length)
+        expected = model(ids).logits
+        actual = decoder(ids)
+        assert expected.abs().max() > 1.0  # the comparison is not between near-zero numbers
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@torch.no_grad()
+def test_attention_bias_matches_transformers(family):
+    """A Llama / Qwen3 config with attention_bias=True (biases on q, k, v *and* o_proj in transformers)."""
+    model = hf_model(family, attention_bias=True)
+    decoder = native_from_hf(model)
+    ids = random_ids(20)
+    torch.testing.assert_close(decoder(ids), model(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_llama3_scaling_changes_the_logits():
+    """The llama3 case is a real check: without the scaling the logits differ."""
+    model = hf_model("llama", tie_word_embeddings=False, rope_scaling=LLAMA3_SCALING)
+    decoder = native_from_hf(model)
+    plain = Decoder(dataclasses.replace(decoder.config, rope_scaling=None))
+    plain.load_state_dict(decoder.state_dict())
+    ids = random_ids(100)
+    assert not torch.allclose(plain(ids), decoder(ids), atol=1e-2)
+
+
+def test_unknown_rope_scaling_is_refused():
+    with pytest.raises(ValueError, match="rope scaling"):
+        Decoder(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@torch.no_grad()
+def test_cached_incremental_forward_equals_full_forward(family):
+    """Prefill + chunks + single tokens through the KV cache give the full forward's logits."""
+    decoder = make_decoder(tiny_config(family))
+    ids = random_ids(30)
+    full = decoder(ids)
+    cache = decoder.new_cache()
+    pieces = []
+    for start, end in [(0, 10), (10, 15), (15, 16), (16, 17), (17, 30)]:
+        pieces.append(decoder(ids[:, start:end], cache=cache))
+        cache.commit()
+    assert cache.length == 30
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_rejected_cache_slots_are_overwritten():
+    """Forwarding a block, keeping 2 of its 5 slots, then continuing equals never having seen the rest."""
+    decoder = make_decoder(tiny_config())
+    ids = random_ids(12)
+    cache = decoder.new_cache()
+    decoder(ids[:, :6], cache=cache)
+    cache.commit()
+    decoder(torch.tensor([[7, 7, 7, 7, 7]]), cache=cache)  # 5 speculative slots
+    cache.commit(0)
+    out = decoder(ids[:, 6:], cache=cache)
+    torch.testing.assert_close(out, decoder(ids)[:, 6:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@torch.no_grad()
+def test_multi_token_forward_is_bit_identical_to_single_steps(dtype, family):
+    """A T-token causal forward over the cache equals T one-token steps exactly (torch.equal).
+
+    This is what makes greedy speculative decoding reproduce plain decoding token for token.
+    """
+    decoder = make_decoder(tiny_config(family), dtype=dtype)
+    prefix, block = random_ids(7, seed=1), random_ids(16, seed=2)
+    caches = [decoder.new_cache(), decoder.new_cache()]
+    for cache in caches:
+        decoder(prefix, cache=cache)
+        cache.commit()
+    together = decoder(block, cache=caches[0])[0]
+    one_by_one = []
+    for i in range(block.shape[1]):
+        one_by_one.append(decoder(block[:, i:i + 1], cache=caches[1])[0, 0])
+        caches[1].commit()
+    assert together.dtype == dtype
+    assert torch.equal(together, torch.stack(one_by_one))
+
+
+@torch.no_grad()
+def test_last_only_returns_the_last_row():
+    decoder = make_decoder(tiny_config())
+    ids = random_ids(9)
+    out = decoder(ids, last_only=True)
+    assert out.shape == (1, 1, 64)
+    torch.testing.assert_close(out[:, 0], decoder(ids)[:, -1])
+
+
+@torch.no_grad()
+def test_batched_forward_matches_single_sequences():
+    decoder = make_decoder(tiny_config())
+    a, b = random_ids(10, seed=3), random_ids(10, seed=4)
+    both = decoder(torch.cat([a, b]))
+    torch.testing.assert_close(both[:1], decoder(a), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(both[1:], decoder(b), atol=1e-5, rtol=1e-5)
+
+
+def test_new_cache_respects_the_context():
+    """The cache is capped at max_position_embeddings; forwards past its capacity raise CacheFullError."""
+    decoder = make_decoder(tiny_config(max_position_embeddings=16))
+    assert decoder.new_cache().capacity == 16
+    with pytest.raises(ValueError, match="16"):
+        decoder.new_cache(17)
+    cache = decoder.new_cache(8)
+    with torch.no_grad():
+        decoder(random_ids(6), cache=cache)
+        cache.commit()
+        with pytest.raises(CacheFullError):
+            decoder(random_ids(3), cache=cache)
+
+
+# -- explicit masks ----------------------------------------------------------------------------
+
+CLEAN, BLOCK = 5, 4  # rows 0-4 clean, row 5 the anchor, rows 6-8 the block's later positions
+
+
+@torch.no_grad()
+def masked_logits(decoder: Decoder, ids: list[int], mode: str) -> torch.Tensor:
+    mask = draft_mask(CLEAN, BLOCK, 0, mode)[None]
+    return decoder(torch.tensor([ids]), mask=mask)[0]
+
+
+def changed(ids: list[int], position: int) -> list[int]:
+    out = list(ids)
+    out[position] = (out[position] + 1) % 64
+    return out
+
+
+@pytest.fixture
+def mask_decoder():
+    return make_decoder(tiny_config("qwen3"))
+
+
+BASE_IDS = [3, 14, 15, 9, 26, 5, 35, 8, 9]
+ANCHOR = CLEAN
+
+
+def test_anchor_causal_mask(mask_decoder):
+    """anchor_causal: the anchor ignores the block after it; later block positions see each other."""
+    base = masked_logits(mask_decoder, BASE_IDS, "anchor_causal")
+    later = masked_logits(mask_decoder, changed(BASE_IDS, ANCHOR + 2), "anchor_causal")
+    assert torch.equal(base[:ANCHOR + 1], later[:ANCHOR + 1])  # clean rows and anchor untouched
+    assert not torch.allclose(base[ANCHOR + 1], later[ANCHOR + 1])  # position 1 sees position 2
+    # The anchor row is the ordinary causal next-token prediction.
+    plain = mask_decoder(torch.tensor([BASE_IDS[:ANCHOR + 1]]))[0, -1]
+    torch.testing.assert_close(base[ANCHOR], plain, atol=1e-5, rtol=1e-5)
+    # Everything in the block sees the clean context.
+    earlier = masked_logits(mask_decoder, changed(BASE_IDS, 1), "anchor_causal")
+    assert not torch.allclose(base[ANCHOR:], earlier[ANCHOR:])
+
+
+def test_bidirectional_mask(mask_decoder):
+    """bidirectional: an early block position (the anchor too) sees later ones; clean rows do not."""
+    base = masked_logits(mask_decoder, BASE_IDS, "bidirectional")
+    later = masked_logits(mask_decoder, changed(BASE_IDS, ANCHOR + 3), "bidirectional")
+    assert torch.equal(base[:ANCHOR], later[:ANCHOR])
+    assert not torch.allclose(base[ANCHOR], later[ANCHOR])
+    assert not torch.allclose(base[ANCHOR + 1], later[ANCHOR + 1])
+
+
+def test_causal_block_mask(mask_decoder):
+    """causal: no block position sees a later one, and the result equals an unmasked forward."""
+    base = masked_logits(mask_decoder, BASE_IDS, "causal")
+    later = masked_logits(mask_decoder, changed(BASE_IDS, ANCHOR + 2), "causal")
+    assert torch.equal(base[:ANCHOR + 2], later[:ANCHOR + 2])
+    assert not torch.allclose(base[ANCHOR + 2], later[ANCHOR + 2])
+    torch.testing.assert_close(base, mask_decoder(torch.tensor([BASE_IDS]))[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_explicit_mask_over_a_cache(mask_decoder):
+    """A draft mask after cached context: the anchor row equals the cached causal prediction."""
+    ids = torch.tensor([BASE_IDS])
+    cache = mask_decoder.new_cache()
+    mask_decoder(ids[:, :3], cache=cache)
+    cache.commit()
+    mask = draft_mask(2, BLOCK, 3, "anchor_causal")[None]
+    out = mask_decoder(ids[:, 3:], cache=cache, mask=mask)[0]
+    plain = mask_decoder(ids[:, :ANCHOR + 1])[0, -1]
+    torch.testing.assert_close(out[2], plain, atol=1e-5, rtol=1e-5)
+
+
+# -- the real default target -------------------------------------------------------------------
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_default_target_matches_transformers():
+    """The embedded SmolLM2-135M, loaded natively in fp32, gives transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    from d3d.loading import _gguf_cache_dir, embedded_gguf_path, load_target
+
+    target = load_target(dtype=torch.float32)
+    assert target.decoder.dtype == torch.float32 and target.eos_token_ids
+    folder = _gguf_cache_dir(embedded_gguf_path())
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([target.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]])
+    expected = reference(ids).logits
+    actual = target.decoder(ids)
+    torch.testing.assert_close(actual, expected, atol=2e-3, rtol=1e-4)
+    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_rows_are_bit_identical_to_single_queries(dtype):
+    """`attend` without a mask: each of T causal rows equals a one-query call over its own keys."""
+    from d3d.models import attend
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 16, 8, generator=generator).to(dtype)
+    k = torch.randn(1, 2, 23, 8, generator=generator).to(dtype)
+    v = torch.randn(1, 2, 23, 8, generator=generator).to(dtype)
+    together = attend(q, k, v, None)
+    alone = [attend(q[:, :, i:i + 1], k[:, :, :8 + i], v[:, :, :8 + i], None) for i in range(16)]
+    assert torch.equal(together, torch.cat(alone, dim=2))
