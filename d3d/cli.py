@@ -17,7 +17,7 @@ import torch
 from d3d.bench.datasets import DatasetError
 from d3d.config import ConfigError
 from d3d.engine import PromptError
-from d3d.generation import Chunk, Method, Pipeline
+from d3d.generation import METHODS, Chunk, Method, Pipeline
 from d3d.loading import LoadError
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -76,7 +76,7 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
 def generate(args: argparse.Namespace) -> int:
     """Stream one generation; with --compare-ar also run plain AR decoding and report the speedup."""
     pipeline = load_pipeline(args)
-    method: Method = "ar" if pipeline.drafter is None else "speculative"
+    method: Method = args.method
     if args.compare_ar:
         warm = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
         for m in ("ar", method):  # warm-up: first calls pay for allocation and kernel selection
@@ -103,7 +103,7 @@ def chat(args: argparse.Namespace) -> int:
     pipeline = load_pipeline(args)
     args.chat = True
     messages: list[dict[str, str]] = []
-    method: Method = "ar" if pipeline.drafter is None else "speculative"
+    method: Method = "speculative"
     while True:
         try:
             line = input("you> ").strip()
@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply the chat template (default); --no-chat for a raw completion prompt")
     p.add_argument("--compare-ar", action="store_true", help="also run plain AR decoding and print the speedup")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--method", default="speculative", choices=METHODS,
+                   help="speculative: context lookup where it matches, the drafter elsewhere (default); "
+                        "drafter / lookup: one source alone; ar: plain decoding")
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.set_defaults(handler=generate)

@@ -61,6 +61,7 @@ class ModelConfig(_JsonMixin):
     rope_scaling: dict[str, Any] | None = None  # HF rope_scaling dict (llama3, linear) or None
     tie_word_embeddings: bool = True  # LM head shares the embedding matrix
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    mlp_bias: bool = False  # MLP projections carry a bias (Llama's mlp_bias)
     qk_norm: bool = False  # RMSNorm on each head's q and k before RoPE (Qwen3)
     family: Family = "llama"  # which HF architecture this mirrors
 
@@ -102,6 +103,7 @@ class ModelConfig(_JsonMixin):
             rope_scaling=scaling,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             family=model_type,
         )

@@ -22,12 +22,14 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
+from d3d.lookup import LookupConfig, lookup_drafts
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities, sample
 from d3d.stats import SpecStats
 from d3d.verify import Verdict, verify_greedy, verify_sampling
 
 FinishReason = Literal["eos", "length"]
+DraftSource = Literal["none", "lookup", "drafter"]
 
 
 class PromptError(ValueError):
@@ -41,6 +43,7 @@ class Step:
     tokens: list[int]  # tokens committed by this step (truncated at EOS / length)
     num_drafted: int  # drafts the target verified (0 for AR steps and the prefill)
     num_accepted: int  # drafts it accepted
+    source: DraftSource  # where the drafts came from
     finish_reason: FinishReason | None  # set on the last step
     stats: SpecStats = field(repr=False)  # running totals of the whole generation
 
@@ -67,7 +70,8 @@ class Sequence:
         """Tokens that may still be committed."""
         return self.max_length - len(self.tokens)
 
-    def commit(self, tokens: list[int], num_drafted: int, num_accepted: int) -> Step:
+    def commit(self, tokens: list[int], num_drafted: int, num_accepted: int,
+               source: DraftSource = "none") -> Step:
         kept = tokens[:self.room]
         for i, token in enumerate(kept):
             if token in self.eos:
@@ -77,11 +81,11 @@ class Sequence:
         self.tokens.extend(kept)
         if self.finish_reason is None and self.room == 0:
             self.finish_reason = "length"
-        if num_drafted or self.stats.new_tokens:  # the prefill's token is not a verification step
-            self.stats.record(num_drafted, num_accepted)
+        if self.stats.new_tokens:  # the prefill's token is not a verification step
+            self.stats.record(num_drafted, num_accepted, source)
         self.stats.new_tokens += len(kept)
         self.stats.wall_seconds = time.perf_counter() - self.started
-        return Step(kept, num_drafted, num_accepted, self.finish_reason, self.stats)
+        return Step(kept, num_drafted, num_accepted, source, self.finish_reason, self.stats)
 
 
 def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
@@ -145,30 +149,47 @@ def verify_block(target: Decoder, cache: KVCache, anchor: int, draft_tokens: tor
     return verdict
 
 
+def one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(K,) → (K, V): the draft distribution of deterministic drafts (context lookup)."""
+    return torch.nn.functional.one_hot(tokens, vocab_size).float()
+
+
 @torch.no_grad()
-def speculative_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int],
-                         config: GenerationConfig) -> Iterator[Step]:
-    """Synchronous speculative decoding: draft a block, verify it, commit, repeat."""
-    if drafter.config.target_vocab_size != target.config.vocab_size:
+def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: list[int],
+                         config: GenerationConfig, lookup: LookupConfig | None = None) -> Iterator[Step]:
+    """Synchronous speculative decoding: draft a block, verify it, commit, repeat.
+
+    Drafts come from context lookup when `lookup` is set and the context holds a match, else from
+    the diffusion drafter (when there is one); with neither, the step is a plain AR step.
+    """
+    if drafter is not None and drafter.config.target_vocab_size != target.config.vocab_size:
         raise ValueError("the drafter was made for another vocabulary")
+    block_size = drafter.block_size if drafter is not None else 16
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
     generator = make_generator(config.sampling)
     step, target_cache = prefill(target, sequence, config.sampling, generator)
     yield step
-    drafter_cache = drafter.new_cache(sequence.max_length)
+    drafter_cache = drafter.new_cache(sequence.max_length) if drafter is not None else None
+    vocab_size = target.config.vocab_size
     while sequence.finish_reason is None:
         # Never draft past the length limit: the bonus token always needs one slot.
-        num_drafts = min(drafter.block_size - 1, sequence.room - 1)
+        num_drafts = min(block_size - 1, sequence.room - 1)
         started = time.perf_counter()
-        if num_drafts > 0:
+        source: DraftSource = "none"
+        draft_tokens, draft_probs = torch.empty(0, dtype=torch.long), None
+        if num_drafts > 0 and lookup is not None:
+            found = lookup_drafts(sequence.tokens, num_drafts, lookup)
+            if found:
+                source, draft_tokens = "lookup", torch.tensor(found)
+                draft_probs = None if config.sampling.greedy else one_hot(draft_tokens, vocab_size)
+        if num_drafts > 0 and source == "none" and drafter is not None:
             block_logits = drafter.draft(drafter_cache, sequence.tokens)[:num_drafts]
             draft_tokens, draft_probs = propose(block_logits, config.sampling, generator)
-        else:
-            draft_tokens, draft_probs = torch.empty(0, dtype=torch.long), None
+            source = "drafter"
         drafted = time.perf_counter()
         verdict = verify_block(target, target_cache, sequence.tokens[-1], draft_tokens, draft_probs,
                                config.sampling, generator)
         sequence.stats.draft_seconds += drafted - started
         sequence.stats.verify_seconds += time.perf_counter() - drafted
         new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
-        yield sequence.commit(new_tokens, num_drafts, verdict.num_accepted)
+        yield sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted, source)

@@ -20,8 +20,12 @@ from d3d.config import GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
 from d3d.engine import Step, reference_generate, speculative_generate
 from d3d.loading import Target, load_target
+from d3d.lookup import LookupConfig
 
-Method = Literal["speculative", "ar"]
+# "speculative": lookup where the context matches, the drafter elsewhere; "drafter" / "lookup":
+# one source alone; "ar": the plain autoregressive reference.
+Method = Literal["speculative", "drafter", "lookup", "ar"]
+METHODS: tuple[str, ...] = ("speculative", "drafter", "lookup", "ar")
 DEFAULT_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
 
 
@@ -33,9 +37,11 @@ class Chunk:
 
 
 class Pipeline:
-    def __init__(self, target: Target, drafter: Drafter | None = None, drafter_source: str = "") -> None:
+    def __init__(self, target: Target, drafter: Drafter | None = None, drafter_source: str = "",
+                 lookup: LookupConfig | None = None) -> None:
         self.target = target
         self.drafter = drafter
+        self.lookup = lookup or LookupConfig()
         self.drafter_source = drafter_source or ("none" if drafter is None else "given")  # for messages
 
     @classmethod
@@ -69,10 +75,15 @@ class Pipeline:
                                 sampling=sampling)
 
     def steps(self, prompt_ids: list[int], config: GenerationConfig, method: Method = "speculative") -> Iterator[Step]:
-        """The token engine for `method`: speculative with the drafter, or the AR reference."""
-        if method == "ar" or self.drafter is None:
-            return reference_generate(self.target.decoder, prompt_ids, config)
-        return speculative_generate(self.target.decoder, self.drafter, prompt_ids, config)
+        """The token engine for `method` (see `Method`)."""
+        decoder = self.target.decoder
+        if method == "ar":
+            return reference_generate(decoder, prompt_ids, config)
+        if method == "drafter" and self.drafter is None:
+            raise ValueError("method 'drafter' needs a drafter")
+        drafter = None if method == "lookup" else self.drafter
+        lookup = None if method == "drafter" else self.lookup
+        return speculative_generate(decoder, drafter, prompt_ids, config, lookup)
 
     def generate(self, prompt: str | list[dict[str, str]], *, chat: bool = True, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

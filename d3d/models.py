@@ -69,7 +69,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        # Qwen2 biases q/k/v only; Llama and Qwen3 with attention_bias bias o_proj too.
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
+                                bias=bias and config.family != "qwen2")
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -96,8 +98,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     With no mask, the T queries are the last T positions and attend causally, each one computed
     alone over exactly the keys it sees. A query then goes through the same kernel with the same
     shapes whether it shares the forward with 15 others (verification) or not (one decoding step),
-    so its output is bit-identical in bf16 too; a masked multi-row call is not (fused kernels
-    block the key axis by the whole call's length). The loop costs ~20% of a 16-token verify here.
+    so its attention output is bit-identical; a masked multi-row call is not (fused kernels block
+    the key axis by the whole call's length). With oneDNN's bf16 GEMM, which is row-count
+    invariant on CPU, whole bf16 forwards are then bit-identical to one-token steps (measured: 0
+    logit difference on SmolLM2); MKL's fp32 sgemm is not (~1e-6). The loop costs ~20% of a
+    16-token verify here.
     """
     gqa = q.shape[1] != k.shape[1]
     if mask is not None:
@@ -114,9 +119,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -8,8 +8,6 @@ needs no network. The "oracle" drafter proposes exactly the target's greedy cont
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -129,6 +127,14 @@ class AdversarialDrafter(Drafter):
         return one_hot_logits(wrong, self.block_size, vocab, filler=1).to(logits.dtype)
 
 
+def perturb_drafter(drafter: Drafter, scale: float, seed: int) -> None:
+    """Add seeded noise to the drafter's own weights (a stand-in for training: its drafts now differ)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in drafter.own_state().values():
+            param.add_(scale * torch.randn(param.shape, generator=generator))
+
+
 def make_oracle(target: Decoder, block_size: int, layers: list[int] | None = None) -> OracleDrafter:
     return OracleDrafter.from_target(target, layers or [0], block_size=block_size)
 
@@ -145,7 +151,3 @@ def oracle_drafter(target) -> OracleDrafter:
 @pytest.fixture
 def adversarial_drafter(target) -> AdversarialDrafter:
     return make_adversary(target, block_size=4)
-
-
-def with_context(config: ModelConfig, context: int) -> ModelConfig:
-    return dataclasses.replace(config, max_position_embeddings=context)

@@ -131,3 +131,16 @@ def test_rewind_beyond_length_raises():
     with pytest.raises(ValueError):
         cache.crop(5)  # growing is not cropping
     assert cache.length == 3
+
+
+def test_select_rows_keeps_the_chosen_batch_rows():
+    """select_rows drops batch rows (finished sequences) and keeps the others' slots and length."""
+    cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=2, capacity=4, batch_size=3)
+    cache.reserve(2)
+    keys = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 1, 2, 2)
+    cache.write(0, keys, keys + 10)
+    cache.commit()
+    cache.select_rows(torch.tensor([0, 2]))
+    assert cache.batch_size == 2 and cache.length == 2
+    assert torch.equal(cache.keys[0, :, 0, :2, 0], torch.tensor([[0.0, 0.0], [2.0, 2.0]]))
+    assert torch.equal(cache.values[0, :, 0, :2, 0], torch.tensor([[10.0, 10.0], [12.0, 12.0]]))

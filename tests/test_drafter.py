@@ -213,3 +213,18 @@ def test_drafter_config_json_round_trip(target):
     assert again == config and again.model == target.config
     with pytest.raises(ConfigError, match="unknown fields"):
         DrafterConfig.from_dict({**config.to_dict(), "colour": "red"})
+
+
+def test_unshared_drafter_round_trip(tmp_path, target):
+    """shared_embeddings=False: the drafter owns (and stores) copies of the embedding and head."""
+    drafter = Drafter.from_target(target, [0], block_size=4, shared_embeddings=False)
+    assert drafter.decoder.embed_tokens is not target.embed_tokens
+    assert torch.equal(drafter.decoder.embed_tokens.weight, target.embed_tokens.weight)
+    assert torch.equal(drafter.decoder.lm_head.weight, target.lm_head.weight)
+    perturb(drafter)
+    drafter.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
+        keys = set(stored.keys())
+    assert {"decoder.embed_tokens.weight", "decoder.lm_head.weight"} <= keys
+    loaded = Drafter.from_pretrained(tmp_path, target)
+    assert torch.equal(loaded.draft(loaded.new_cache(64), TOKENS), drafter.draft(drafter.new_cache(64), TOKENS))

@@ -147,9 +147,12 @@ def test_rejected_cache_slots_are_overwritten():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @torch.no_grad()
 def test_multi_token_forward_is_bit_identical_to_single_steps(dtype, family):
-    """A T-token causal forward over the cache equals T one-token steps exactly (torch.equal).
+    """A T-token causal forward over the cache equals T one-token steps.
 
-    This is what makes greedy speculative decoding reproduce plain decoding token for token.
+    bf16: exactly (torch.equal) — oneDNN's bf16 GEMM is row-count invariant on CPU and attention
+    runs row by row, which is what makes greedy speculative decoding reproduce plain decoding
+    token for token. fp32: MKL's sgemm rounds differently for different row counts (~1e-6), so
+    there the logits agree to tolerance and token identity is checked end to end instead.
     """
     decoder = make_decoder(tiny_config(family), dtype=dtype)
     prefix, block = random_ids(7, seed=1), random_ids(16, seed=2)
@@ -163,7 +166,10 @@ def test_multi_token_forward_is_bit_identical_to_single_steps(dtype, family):
         one_by_one.append(decoder(block[:, i:i + 1], cache=caches[1])[0, 0])
         caches[1].commit()
     assert together.dtype == dtype
-    assert torch.equal(together, torch.stack(one_by_one))
+    if dtype == torch.bfloat16:
+        assert torch.equal(together, torch.stack(one_by_one))
+    else:
+        torch.testing.assert_close(together, torch.stack(one_by_one), rtol=0, atol=1e-5)
 
 
 @torch.no_grad()
@@ -283,11 +289,15 @@ def test_default_target_matches_transformers():
     assert target.decoder.dtype == torch.float32 and target.eos_token_ids
     folder = _gguf_cache_dir(embedded_gguf_path())
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.tensor([target.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]])
-    expected = reference(ids).logits
-    actual = target.decoder(ids)
-    torch.testing.assert_close(actual, expected, atol=2e-3, rtol=1e-4)
-    assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+    text = "The capital of France is Paris. The capital of Italy is"
+    short = target.tokenizer(text)["input_ids"]  # row-by-row path
+    long = target.tokenizer(" ".join([text] * 7))["input_ids"]  # > 64 tokens: one masked call
+    assert len(short) < 64 < len(long)
+    for ids in (torch.tensor([short]), torch.tensor([long])):
+        expected = reference(ids).logits
+        actual = target.decoder(ids)
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-5)
+        assert torch.equal(actual.argmax(-1), expected.argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
