@@ -134,6 +134,26 @@ def data(args: argparse.Namespace) -> int:
     return 0
 
 
+def train(args: argparse.Namespace) -> int:
+    """Train a drafter on `d3d data` output; re-running the same command resumes."""
+    from d3d.loading import load_target
+    from d3d.train.trainer import TrainConfig, Trainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = TrainConfig(layers=[int(x) for x in args.layers.split(",")] if args.layers else [],
+                         init_from=args.init_from, block_size=args.block_size,
+                         block_attention=args.block_attention, steps=args.steps, batch_size=args.batch_size,
+                         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, lambda_ar=args.lambda_ar,
+                         gamma=args.gamma, mask_ratio=args.mask_ratio, anchors=args.anchors,
+                         max_length=args.max_length, eval_every=args.eval_every, save_every=args.save_every,
+                         seed=args.seed)
+    target = load_target(args.target, torch.float32)  # fp32 master weights; compute autocasts to bf16
+    result = Trainer(target, args.data, args.out, config).run()
+    print(json.dumps(result))
+    return 0
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default",
                         help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file")
@@ -183,6 +203,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     p.set_defaults(handler=data)
+
+    p = commands.add_parser("train", help="train a D3D drafter on the target's responses (resumable)")
+    p.add_argument("--data", required=True, help="a `d3d data` output folder")
+    p.add_argument("--out", required=True, help="run folder: checkpoint/, drafter/, log.jsonl, curves.png")
+    p.add_argument("--target", default="default")
+    p.add_argument("--layers", default="0,1,2,3", help="comma-separated target layers to start from")
+    p.add_argument("--init-from", default="", help="start from this drafter checkpoint instead")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-attention", default="anchor_causal", choices=["anchor_causal", "bidirectional", "causal"])
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--lambda-ar", type=float, default=0.5)
+    p.add_argument("--gamma", type=float, default=0.0, help="L_diff decay exp(-(k-1)/γ) by draft position; 0 = off")
+    p.add_argument("--mask-ratio", default="all", choices=["all", "random"])
+    p.add_argument("--anchors", type=int, default=8, help="noisy blocks per sequence")
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(handler=train)
 
     p = commands.add_parser("chat", help="interactive multi-turn chat")
     add_model_arguments(p)

@@ -83,10 +83,11 @@ class Drafter(nn.Module):
                      if not k.removeprefix("decoder.").startswith(SHARED_PREFIXES)}
         return state
 
-    def save_pretrained(self, folder: str | Path) -> None:
+    def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
+        """Write config.json + model.safetensors (in `dtype`, default: as held)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.own_state().items()}
+        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.own_state().items()}
         save_file(state, str(folder / "model.safetensors"), metadata={"format": FORMAT})
         document = {"format": FORMAT, "format_version": FORMAT_VERSION, **self.config.to_dict()}
         (folder / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True))

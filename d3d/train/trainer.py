@@ -1,0 +1,257 @@
+"""`d3d train`: the D3D drafter's training loop, with exact resume.
+
+Loss per batch = L_diff + λ·L_AR (see `d3d.train.batch`): cross-entropy of the noisy blocks'
+shifted labels (optionally decayed by draft position) plus next-token cross-entropy on the clean
+tokens. AdamW, linear warm-up then cosine decay, gradient clipping and accumulation, bf16 autocast
+on CPU. Weights shared with the target (embedding, LM head) stay frozen.
+
+Checkpoints hold everything needed to continue bit-for-bit — drafter weights, AdamW moments,
+step, data position and RNG states — in safetensors + JSON (nothing is pickled), written to a
+staging folder and renamed into place. Re-running the same command resumes. Every `eval_every`
+steps a teacher-forced τ on held-out sequences goes to `log.jsonl` and `curves.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from d3d.config import BlockAttention, ConfigError, _JsonMixin
+from d3d.drafter import Drafter
+from d3d.estimate import teacher_forced_tau
+from d3d.loading import Target
+from d3d.train.batch import IGNORE, MaskRatio, collate, pack_example, sample_anchors
+from d3d.train.data import read_shards
+
+
+@dataclass
+class TrainConfig(_JsonMixin):
+    """One drafter training run."""
+
+    layers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # target layers the drafter starts from
+    init_from: str = ""  # a drafter checkpoint to start from instead (healing a pruned drafter)
+    block_size: int = 16  # B
+    block_attention: BlockAttention = "anchor_causal"  # attention inside a block
+    steps: int = 2000  # optimizer steps
+    batch_size: int = 4  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine floor as a share of lr
+    warmup: int = 50  # linear warm-up steps
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    clip: float = 1.0  # gradient norm clip (0 = off)
+    lambda_ar: float = 0.5  # weight of the auxiliary AR loss
+    gamma: float = 0.0  # position decay exp(-(k-1)/γ) of L_diff (0 = uniform)
+    mask_ratio: MaskRatio = "all"  # all-mask blocks, or a random share revealed
+    anchors: int = 8  # noisy blocks per sequence
+    max_length: int = 512  # clean tokens per sequence (prompt is cut from the left)
+    held_out: int = 64  # sequences kept out of training for the τ estimate
+    eval_every: int = 100  # steps between τ estimates (0 = only at the end)
+    save_every: int = 100  # steps between checkpoints
+    seed: int = 0  # data order, anchors, masks
+    autocast: bool = True  # bf16 autocast (CPU and CUDA)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "anchors", "max_length", "save_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if not self.layers and not self.init_from:
+            raise ConfigError("give the target layers to start from, or init_from")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("lr must be > 0 and min_lr_ratio in [0, 1]")
+
+
+def load_sequences(data_dir: str | Path, max_length: int) -> list[tuple[list[int], int]]:
+    """(tokens, response_start) per record, the prompt cut from the left to fit `max_length`."""
+    sequences = []
+    for record in read_shards(data_dir):
+        prompt, response = record["prompt_ids"], record["response_ids"]
+        if len(response) < 2:
+            continue
+        response = response[:max_length - 1]
+        prompt = prompt[-(max_length - len(response)):]
+        sequences.append((prompt + response, len(prompt)))
+    if not sequences:
+        raise ConfigError(f"{data_dir} holds no finished shards: run `d3d data` first")
+    return sequences
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = min(1.0, (step - config.warmup) / max(1, config.steps - config.warmup))
+    floor = config.min_lr_ratio
+    return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def drafter_loss(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: float) -> tuple[torch.Tensor, dict[str, float]]:
+    embeds = drafter.embed(batch["input_ids"])
+    hidden = drafter.decoder.hidden_states(embeds, batch["positions"], None, batch["mask"])
+    rows = batch["labels"] != IGNORE
+    logits = drafter.decoder.logits(hidden[rows]).float()  # only rows that carry a label
+    token_loss = F.cross_entropy(logits, batch["labels"][rows], reduction="none")
+    weights, in_block = batch["weights"][rows], batch["is_block"][rows]
+    diff = (token_loss * weights)[in_block].sum() / weights[in_block].sum().clamp_min(1e-9)
+    ar = (token_loss * weights)[~in_block].sum() / weights[~in_block].sum().clamp_min(1e-9)
+    return diff + lambda_ar * ar, {"diff": diff.item(), "ar": ar.item()}
+
+
+class Trainer:
+    def __init__(self, target: Target, data_dir: str | Path, out_dir: str | Path, config: TrainConfig) -> None:
+        self.config, self.target = config, target
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        sequences = load_sequences(data_dir, config.max_length)
+        random.Random(config.seed).shuffle(sequences)
+        held = min(config.held_out, len(sequences) // 10)
+        self.held_out, self.train_set = sequences[:held], sequences[held:]
+        torch.manual_seed(config.seed)
+        if config.init_from:
+            self.drafter = Drafter.from_pretrained(config.init_from, target.decoder, target.fingerprint)
+        else:
+            self.drafter = Drafter.from_target(target.decoder, config.layers, config.block_size,
+                                               config.block_attention, target.fingerprint)
+        self.drafter.float().train()
+        shared = {id(p) for p in target.decoder.parameters()}
+        self.parameters = {n: p for n, p in self.drafter.named_parameters() if id(p) not in shared}
+        for p in target.decoder.parameters():
+            p.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.parameters.values(), lr=config.lr,
+                                           weight_decay=config.weight_decay)
+        self.step, self.epoch, self.index = 0, 0, 0
+        self.rng = random.Random(config.seed)
+        self.order = self._order()
+        if (self.out / "checkpoint" / "state.json").is_file():
+            self._resume()
+
+    # -- data --------------------------------------------------------------------------------
+
+    def _order(self) -> list[int]:
+        order = list(range(len(self.train_set)))
+        random.Random(self.config.seed * 1000 + self.epoch).shuffle(order)
+        return order
+
+    def _next_batch(self) -> dict[str, torch.Tensor]:
+        c = self.config
+        examples = []
+        while len(examples) < c.batch_size:
+            if self.index >= len(self.order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self.order = self._order()
+            tokens, response_start = self.train_set[self.order[self.index]]
+            self.index += 1
+            anchors = sample_anchors(len(tokens), response_start, c.anchors, self.rng)
+            examples.append(pack_example(tokens, response_start, anchors, c.block_size,
+                                         self.drafter.config.mask_token_id, c.block_attention, c.gamma,
+                                         c.mask_ratio, self.rng))
+        return collate(examples)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def save(self) -> None:
+        staging = self.out / "checkpoint.staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        self.drafter.save_pretrained(staging / "drafter")  # fp32: resume must be exact
+        tensors = {"torch_rng": torch.get_rng_state()}
+        for name, p in self.parameters.items():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                tensors[f"{name}/{key}"] = value.detach().clone().contiguous()
+        save_file(tensors, str(staging / "optimizer.safetensors"))
+        version, internal, gauss = self.rng.getstate()
+        state = {"step": self.step, "epoch": self.epoch, "index": self.index, "config": self.config.to_dict(),
+                 "python_rng": [version, list(internal), gauss]}
+        (staging / "state.json").write_text(json.dumps(state))
+        final = self.out / "checkpoint"
+        previous = self.out / "checkpoint.previous"
+        shutil.rmtree(previous, ignore_errors=True)
+        if final.exists():
+            os.replace(final, previous)
+        os.replace(staging, final)
+        shutil.rmtree(previous, ignore_errors=True)
+
+    def _resume(self) -> None:
+        folder = self.out / "checkpoint"
+        state = json.loads((folder / "state.json").read_text())
+        if state["config"] != self.config.to_dict():
+            raise ConfigError(f"{self.out} holds a run with another config; use a new --out or the same options")
+        loaded = Drafter.from_pretrained(folder / "drafter", self.target.decoder, self.target.fingerprint)
+        self.drafter.load_state_dict(loaded.float().state_dict())
+        tensors = load_file(str(folder / "optimizer.safetensors"))
+        for name, p in self.parameters.items():
+            moments = {key.split("/", 1)[1]: value for key, value in tensors.items() if key.split("/", 1)[0] == name}
+            if moments:
+                self.optimizer.state[p] = moments
+        torch.set_rng_state(tensors["torch_rng"])
+        version, internal, gauss = state["python_rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.step, self.epoch, self.index = state["step"], state["epoch"], state["index"]
+        self.order = self._order()
+
+    # -- loop --------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, float]:
+        c = self.config
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(c, self.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = {"loss": 0.0, "diff": 0.0, "ar": 0.0}
+        for _ in range(c.grad_accum):
+            batch = self._next_batch()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.autocast):
+                loss, parts = drafter_loss(self.drafter, batch, c.lambda_ar)
+            (loss / c.grad_accum).backward()
+            totals["loss"] += loss.item() / c.grad_accum
+            totals["diff"] += parts["diff"] / c.grad_accum
+            totals["ar"] += parts["ar"] / c.grad_accum
+        if c.clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(self.parameters.values()), c.clip)
+        self.optimizer.step()
+        self.step += 1
+        return {**totals, "lr": learning_rate(c, self.step - 1)}
+
+    def evaluate(self) -> dict[str, Any]:
+        self.drafter.eval()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.autocast):
+            estimate = teacher_forced_tau(self.drafter, self.held_out, seed=12345)
+        self.drafter.train()
+        return {"tau": round(estimate.tau, 4), "acceptance_rate": [round(r, 4) for r in estimate.acceptance_rate]}
+
+    def log(self, record: dict[str, Any]) -> None:
+        with open(self.out / "log.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def run(self, progress: bool = True) -> dict[str, Any]:
+        c = self.config
+        if self.step == 0:
+            self.log({"step": 0, **self.evaluate()})
+        bar = tqdm(total=c.steps, initial=self.step, desc="train drafter", unit="step", disable=not progress)
+        started = time.perf_counter()
+        while self.step < c.steps:
+            metrics = self.train_step()
+            record = {"step": self.step, **{k: round(v, 5) for k, v in metrics.items()},
+                      "seconds": round(time.perf_counter() - started, 1)}
+            if c.eval_every and self.step % c.eval_every == 0 or self.step == c.steps:
+                record.update(self.evaluate())
+            self.log(record)
+            if self.step % c.save_every == 0 or self.step == c.steps:
+                self.save()
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"tau": record["tau"]} if "tau" in record else {}))
+            bar.update(1)
+        bar.close()
+        self.drafter.save_pretrained(self.out / "drafter", dtype=torch.bfloat16)
+        from d3d.train.curves import plot_curves
+        plot_curves(self.out / "log.jsonl", self.out / "curves.png")
+        return {"step": self.step, **self.evaluate()}
