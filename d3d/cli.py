@@ -11,15 +11,17 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from d3d.bench.datasets import DatasetError
-from d3d.config import ConfigError
+from d3d.config import ConfigError, SamplingConfig
 from d3d.engine import PromptError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
 from d3d.loading import LoadError
 
+DEFAULT_BENCH_DATASETS = "humaneval,mtbench,math500"
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
 
@@ -62,7 +64,10 @@ def describe(label: str, result: RunResult) -> str:
 
 def load_pipeline(args: argparse.Namespace) -> Pipeline:
     started = time.perf_counter()
-    layers = [int(x) for x in args.drafter_layers.split(",")] if args.drafter_layers else None
+    try:
+        layers = [int(x) for x in args.drafter_layers.split(",")] if args.drafter_layers else None
+    except ValueError:
+        raise ConfigError(f"--drafter-layers takes comma-separated layer indices, got {args.drafter_layers!r}") from None
     drafter = None if args.drafter == "none" else args.drafter
     pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers)
     d = pipeline.drafter
@@ -154,6 +159,44 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    """Every method on the same prompts in one process; exits 1 if a d3d method's output differs from AR."""
+    from d3d.bench.harness import BenchConfig, run_benchmark, save_result
+    from d3d.bench.report import markdown, plots
+
+    datasets = args.datasets.split(",") if args.datasets else []
+    datasets += args.prompts
+    config = BenchConfig(datasets=datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                         methods=args.methods.split(","), temperature=args.temperature, seed=args.seed)
+    if args.quick:
+        config.datasets = config.datasets if args.datasets != DEFAULT_BENCH_DATASETS else ["humaneval", "mtbench"]
+        config.num_prompts, config.max_new_tokens = min(config.num_prompts, 2), min(config.max_new_tokens, 48)
+    pipeline = load_pipeline(args)
+    result = run_benchmark(pipeline, config)
+    path = save_result(result, args.out)
+    command = "d3d " + " ".join(sys.argv[1:]) if argv_is_cli() else "d3d bench ..."
+    report = markdown(result, command)
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        stem = Path(args.report).stem
+        images = plots(result, Path(args.report).parent, stem)
+        body = report + "".join(f"\n![{Path(i).stem}]({Path(i).name})\n" for i in images)
+        Path(args.report).write_text(f"# Benchmark: {stem}\n\n" + body)
+    print(report, file=sys.stderr)
+    summary = {"result": path, "identical": result["identical"],
+               "speedup": {n: result["table"]["all"][n]["all"]["speedup"] for n in result["descriptions"]},
+               "tau": {n: result["table"]["all"][n]["all"]["tau"] for n in result["descriptions"]}}
+    print(json.dumps(summary))
+    if not result["identical"]:
+        print("d3d: error: " + "; ".join(result["mismatches"][:5]), file=sys.stderr)
+        return 1
+    return 0
+
+
+def argv_is_cli() -> bool:
+    return Path(sys.argv[0]).name in ("d3d", "cli.py", "__main__.py")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default",
                         help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file")
@@ -228,6 +271,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0)
     p.set_defaults(handler=train)
 
+    p = commands.add_parser("bench", help="benchmark methods on the same prompts, interleaved, identity-checked")
+    p.add_argument("--datasets", default=DEFAULT_BENCH_DATASETS,
+                   help="comma-separated: humaneval, mtbench, math500, aime24, aime25")
+    p.add_argument("--prompts", action="append", default=[], help="a user JSONL prompt file (repeatable)")
+    p.add_argument("--num-prompts", type=int, default=16, help="per dataset")
+    p.add_argument("--methods", default="ar,hf,hf_lookup,lookup,drafter,speculative")
+    p.add_argument("--quick", action="store_true", help="2 prompts of HumanEval and MT-Bench, 48 tokens")
+    p.add_argument("--out", default="runs/bench", help="folder for the JSON result")
+    p.add_argument("--report", default="", help="write a Markdown report (+ PNG plots beside it) here")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    add_model_arguments(p)
+    p.set_defaults(handler=bench)
+
     p = commands.add_parser("chat", help="interactive multi-turn chat")
     add_model_arguments(p)
     add_sampling_arguments(p)
@@ -237,10 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "max_new_tokens", 1) < 1:
-        print("d3d: error: --max-new-tokens must be at least 1", file=sys.stderr)
-        return 2
     try:
+        if hasattr(args, "temperature"):  # check sampling options before loading anything
+            SamplingConfig(temperature=args.temperature, top_k=args.top_k if hasattr(args, "top_k") else 0,
+                           top_p=args.top_p if hasattr(args, "top_p") else 1.0)
+        if getattr(args, "max_new_tokens", 1) < 1:
+            raise ConfigError("--max-new-tokens must be at least 1")
         return args.handler(args)
     except (ConfigError, PromptError, LoadError, DatasetError) as error:
         print(f"d3d: error: {error}", file=sys.stderr)

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from d3d.config import GenerationConfig, SamplingConfig
+from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
 from d3d.engine import Step, reference_generate, speculative_generate
 from d3d.loading import Target, load_target
@@ -77,10 +77,12 @@ class Pipeline:
     def steps(self, prompt_ids: list[int], config: GenerationConfig, method: Method = "speculative") -> Iterator[Step]:
         """The token engine for `method` (see `Method`)."""
         decoder = self.target.decoder
+        if method not in METHODS:
+            raise ConfigError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
         if method == "ar":
             return reference_generate(decoder, prompt_ids, config)
         if method == "drafter" and self.drafter is None:
-            raise ValueError("method 'drafter' needs a drafter")
+            raise ConfigError("method 'drafter' needs a drafter (got --drafter none)")
         drafter = None if method == "lookup" else self.drafter
         lookup = None if method == "drafter" else self.lookup
         return speculative_generate(decoder, drafter, prompt_ids, config, lookup)
@@ -95,6 +97,7 @@ class Pipeline:
     def stream_text(self, steps: Iterator[Step], stop: list[str]) -> Iterator[Chunk]:
         """Decode steps into text chunks, ending at the first stop string (not included)."""
         tokenizer = self.target.tokenizer
+        stop = [s for s in stop if s]  # an empty stop string would match everywhere
         tokens: list[int] = []
         emitted = 0  # characters of the decoded text already yielded
         hold = max((len(s) for s in stop), default=1) - 1  # a stop string may still be forming

@@ -42,6 +42,7 @@ class Target:
     tokenizer: Any  # a transformers tokenizer
     name: str  # where it came from
     eos_token_ids: list[int] = field(default_factory=list)
+    folder: str = ""  # the Hugging Face folder holding its weights (the conversion cache for a GGUF)
 
     @property
     def fingerprint(self) -> str:
@@ -128,7 +129,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Target:
     generation = folder / "generation_config.json"
     tokenizer = AutoTokenizer.from_pretrained(folder)
     eos = _eos_ids(tokenizer, json.loads(generation.read_text()) if generation.is_file() else None)
-    return Target(decoder.to(dtype).eval(), tokenizer, str(folder), eos)
+    return Target(decoder.to(dtype).eval(), tokenizer, str(folder), eos, str(folder))
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:

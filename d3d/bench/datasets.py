@@ -93,6 +93,11 @@ def load_mmath(name: str) -> list[Prompt]:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    return [row for _, row in read_jsonl_numbered(path)]
+
+
+def read_jsonl_numbered(path: str | Path) -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank line."""
     rows = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
@@ -104,7 +109,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 raise DatasetError(f"{path}:{number}: not valid JSON ({error.msg})") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+            rows.append((number, row))
     return rows
 
 
@@ -112,7 +117,7 @@ def load_prompt_file(path: str | Path) -> list[Prompt]:
     """A user JSONL file: {"id", "prompt"} or {"id", "messages"} per line."""
     prompts, seen = [], set()
     name = Path(path).stem
-    for number, row in enumerate(read_jsonl(path), 1):
+    for number, row in read_jsonl_numbered(path):
         where = f"{path}:{number}"
         prompt_id = str(row.get("id", f"{name}/{number}"))
         if prompt_id in seen:

@@ -114,8 +114,10 @@ def collect_prompts(config: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
         elif source == "stdlib":
             items = stdlib_prompts()
         elif Path(source).is_file():
-            items = ((p.id, p.text if p.text is not None else p.messages[-1]["content"])
-                     for p in load_prompt_file(source))
+            items = ((p.id, p.text if p.text is not None else
+                      [m for m in p.messages if m["role"] == "user"][-1]["content"])
+                     for p in load_prompt_file(source) if p.text is not None or
+                     any(m["role"] == "user" for m in p.messages))
         else:
             raise DatasetError(f"unknown prompt source {source!r}: use sharegpt, stdlib or a JSONL path")
         for prompt_id, text in items:
@@ -148,7 +150,7 @@ def generate_batch(decoder: Decoder, prompts: list[list[int]], max_new_tokens: i
     positions = (slots[None] - padding[:, None]).clamp_min(0)
     key_valid = slots[None] >= padding[:, None]  # (B, S): False on padding
     # Padding queries attend to themselves only, so no softmax row is empty.
-    mask = (causal_mask(longest, 0, device)[None] & key_valid[:, None]) | torch.eye(longest, dtype=torch.bool)[None]
+    mask = (causal_mask(longest, 0, device)[None] & key_valid[:, None]) | torch.eye(longest, dtype=torch.bool, device=device)[None]
     cache = decoder.new_cache(longest + max_new_tokens, batch_size=batch)
     logits = decoder(ids, positions, cache, mask, last_only=True)[:, -1]
     cache.commit()
@@ -190,6 +192,8 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
         if {k: previous.get(k) for k in identity} != identity:
             raise ConfigError(f"{out} holds data made with another config or target; "
                               "use a new folder or the same options")
+    else:  # record the identity before anything else, so a rerun with other options is refused
+        write_atomic(manifest_path, json.dumps({**identity, "shards_done": 0}, indent=2))
     prompts_path = out / "prompts.jsonl"
     if prompts_path.is_file():
         prompts = [json.loads(line) for line in prompts_path.read_text(encoding="utf-8").splitlines()]

@@ -1,0 +1,107 @@
+"""The decoding methods a benchmark compares, behind one call shape.
+
+Each method takes prompt ids and a GenerationConfig and returns a `MethodRun`: the generated ids,
+the wall time, and — for speculative methods — the engine's SpecStats. d3d's own methods run
+through `Pipeline.steps`; the transformers baselines (plain `generate`, prompt lookup) run on a
+transformers model holding the very same weights, so they are what users of transformers get.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from d3d.config import GenerationConfig
+from d3d.generation import Pipeline
+from d3d.stats import SpecStats
+
+OURS = ("ar", "lookup", "drafter", "speculative")
+TRANSFORMERS = ("hf", "hf_lookup")
+ALL_METHODS = OURS + TRANSFORMERS
+DESCRIPTIONS = {
+    "ar": "d3d plain AR decoding (the reference)",
+    "lookup": "d3d speculative, context lookup drafts only",
+    "drafter": "d3d speculative, D3D drafter only (sync)",
+    "speculative": "d3d speculative, lookup where it matches + D3D drafter elsewhere (sync)",
+    "hf": "transformers generate (AR)",
+    "hf_lookup": "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)",
+}
+
+
+@dataclass
+class MethodRun:
+    tokens: list[int]
+    seconds: float
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+Method = Callable[[list[int], GenerationConfig], MethodRun]
+
+
+def ours(pipeline: Pipeline, name: str) -> Method:
+    def run(prompt_ids: list[int], config: GenerationConfig) -> MethodRun:
+        started = time.perf_counter()
+        tokens: list[int] = []
+        stats = SpecStats()
+        for step in pipeline.steps(prompt_ids, config, name):  # type: ignore[arg-type]
+            tokens.extend(step.tokens)
+            stats = step.stats
+        return MethodRun(tokens, time.perf_counter() - started, stats)
+    return run
+
+
+def transformers_model(pipeline: Pipeline):
+    """A transformers LlamaForCausalLM-family model sharing the target's weights (no copy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not pipeline.target.folder:
+        raise ValueError("transformers baselines need a target loaded from a Hugging Face folder or GGUF")
+    config = AutoConfig.from_pretrained(pipeline.target.folder)
+    model = AutoModelForCausalLM.from_config(config, dtype=pipeline.target.decoder.dtype)
+    state = {f"model.{k}" if not k.startswith("lm_head") else k: v
+             for k, v in pipeline.target.decoder.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    return model.eval()
+
+
+def transformers_method(model, lookup: bool, pad_token_id: int) -> Method:
+    def run(prompt_ids: list[int], config: GenerationConfig) -> MethodRun:
+        ids = torch.tensor([prompt_ids])
+        sampling = config.sampling
+        kwargs = dict(max_new_tokens=config.max_new_tokens, eos_token_id=config.eos_token_ids or None,
+                      pad_token_id=pad_token_id, do_sample=not sampling.greedy)
+        if not sampling.greedy:
+            kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+        if lookup:
+            kwargs["prompt_lookup_num_tokens"] = 10
+        started = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, **kwargs)
+        seconds = time.perf_counter() - started
+        return MethodRun(out[0, ids.shape[1]:].tolist(), seconds)
+    return run
+
+
+def build_methods(pipeline: Pipeline, names: list[str]) -> dict[str, Method]:
+    unknown = [n for n in names if n not in ALL_METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    if pipeline.drafter is None and any(n in ("drafter", "speculative") for n in names):
+        raise ValueError("methods 'drafter' and 'speculative' need a drafter")
+    methods: dict[str, Method] = {}
+    model = None
+    for name in names:
+        if name in OURS:
+            methods[name] = ours(pipeline, name)
+        else:
+            model = model or transformers_model(pipeline)
+            pad = pipeline.target.tokenizer.pad_token_id
+            methods[name] = transformers_method(model, name == "hf_lookup",
+                                                pad if pad is not None else pipeline.target.eos_token_ids[0])
+    return methods

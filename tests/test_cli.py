@@ -1,0 +1,218 @@
+"""The `d3d` command: bad input ends with exit code 2 and a one-line `d3d: error: …` on stderr (never a
+traceback), and good input runs end to end. Fast tests swap the embedded target for the tiny random
+one (`d3d.generation.load_target` / `d3d.loading.load_target` patched); the slow ones load SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import d3d.generation
+import d3d.loading
+from d3d.cli import main
+from test_generation import tiny_target
+
+REAL_LOAD_TARGET = d3d.loading.load_target
+_real_targets: dict = {}  # the real target, loaded once for all slow tests of this module
+
+
+@pytest.fixture
+def tiny_default(monkeypatch):
+    """'default' (or no) target → the tiny random target with the byte tokenizer; other paths load for real."""
+    loads = []
+
+    def load(source=None, dtype=torch.bfloat16):
+        loads.append(source)
+        if source is None or str(source) == "default":
+            return tiny_target(eos_token_ids=[])
+        return REAL_LOAD_TARGET(source, dtype)
+
+    monkeypatch.setattr(d3d.generation, "load_target", load)
+    monkeypatch.setattr(d3d.loading, "load_target", load)
+    return loads
+
+
+@pytest.fixture
+def real_default(monkeypatch):
+    """The real embedded target, loaded once per module (the CLI's own loading path, memoised)."""
+    def load(source=None, dtype=torch.bfloat16):
+        key = (str(source), dtype)
+        if key not in _real_targets:
+            _real_targets[key] = REAL_LOAD_TARGET(source, dtype)
+        return _real_targets[key]
+
+    monkeypatch.setattr(d3d.generation, "load_target", load)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_usage_error(code: int, err: str, *fragments: str) -> None:
+    """Exit code 2, a `d3d: error:` line naming the problem, and no traceback."""
+    assert code == 2
+    assert "d3d: error:" in err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+
+
+# -- generate: invalid input ------------------------------------------------------------------
+
+def test_empty_raw_prompt(capsys, tiny_default):
+    """`generate "" --no-chat` has no tokens to start from: exit 2, 'empty' on stderr."""
+    code, _, err = run_cli(capsys, "generate", "", "--no-chat", "--drafter", "none")
+    assert_usage_error(code, err, "empty")
+
+
+@pytest.mark.parametrize("flag, value, fragment", [("--temperature", "-1", "temperature"),
+                                                   ("--top-p", "0", "top_p"),
+                                                   ("--top-p", "1.5", "top_p"),
+                                                   ("--top-k", "-3", "top_k")])
+def test_invalid_sampling_arguments(capsys, tiny_default, flag, value, fragment):
+    """Out-of-range sampling parameters: exit 2 with a message naming the parameter."""
+    code, out, err = run_cli(capsys, "generate", "hello", flag, value, "--drafter", "none")
+    assert_usage_error(code, err, fragment)
+    assert out == ""  # nothing was generated
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_max_new_tokens_must_be_positive(capsys, tiny_default, value):
+    """--max-new-tokens below 1 is refused before anything is loaded."""
+    code, _, err = run_cli(capsys, "generate", "hello", "--max-new-tokens", value)
+    assert_usage_error(code, err, "--max-new-tokens")
+    assert tiny_default == []  # no target was loaded
+
+
+def test_nonexistent_drafter(capsys, tiny_default):
+    """--drafter /nonexistent: exit 2 naming the path and what a drafter folder needs."""
+    code, _, err = run_cli(capsys, "generate", "hello", "--drafter", "/nonexistent")
+    assert_usage_error(code, err, "/nonexistent", "not a d3d drafter")
+
+
+def test_nonexistent_target(capsys):
+    """--target /nonexistent: exit 2 naming the path (no download is attempted)."""
+    code, _, err = run_cli(capsys, "generate", "hello", "--target", "/nonexistent")
+    assert_usage_error(code, err, "/nonexistent", "neither a .gguf file nor a Hugging Face folder")
+
+
+def test_target_folder_without_config(capsys, tmp_path):
+    """An existing folder that is not a model: exit 2 saying config.json is missing."""
+    code, _, err = run_cli(capsys, "generate", "hello", "--target", str(tmp_path))
+    assert_usage_error(code, err, "config.json")
+
+
+def test_drafter_layers_out_of_range(capsys, tiny_default):
+    """--drafter-layers naming a layer the target does not have: exit 2."""
+    code, _, err = run_cli(capsys, "generate", "hello", "--drafter", "untrained", "--drafter-layers", "0,7")
+    assert_usage_error(code, err, "layers")
+
+
+def test_malformed_drafter_layers(capsys, tiny_default):
+    """--drafter-layers that are not integers: exit 2 naming the option (from d3d or argparse), no traceback."""
+    try:
+        code = main(["generate", "hello", "--drafter", "untrained", "--drafter-layers", "0,x"])
+    except SystemExit as exit_info:  # an argparse `type=` check would exit here instead
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2 and "error:" in err and "--drafter-layers" in err and "Traceback" not in err
+
+
+def test_drafter_method_without_drafter(capsys, tiny_default):
+    """--method drafter --drafter none: exit 2 with a message, not a ValueError traceback."""
+    code, _, err = run_cli(capsys, "generate", "hello", "--method", "drafter", "--drafter", "none")
+    assert_usage_error(code, err, "drafter")
+
+
+def test_unknown_choices_are_argparse_errors(capsys):
+    """An unknown --method / --dtype is rejected by argparse itself (SystemExit 2)."""
+    for argv in (["generate", "hi", "--method", "beam"], ["generate", "hi", "--dtype", "int8"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert "invalid choice" in capsys.readouterr().err
+
+
+# -- generate / chat / data: valid input on the tiny target -----------------------------------
+
+def test_generate_compare_ar_json_on_tiny_target(capsys, tiny_default):
+    """generate --compare-ar --json: exit 0, the text on stdout, a JSON summary last, identical to AR."""
+    code, out, err = run_cli(capsys, "generate", "hello", "--max-new-tokens", "12", "--compare-ar", "--json",
+                             "--dtype", "float32", "--drafter", "untrained", "--drafter-layers", "0")
+    assert code == 0
+    lines = out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["method"] == "speculative" and summary["new_tokens"] == 12
+    assert summary["identical_to_ar"] is True
+    assert summary["speedup"] > 0 and summary["ar_tokens_per_second"] > 0
+    assert "speedup over AR" in err and "output identical to AR: yes" in err
+    assert "tiny-random" in err  # the load line names the target
+
+
+def test_generate_stop_string(capsys, tiny_default):
+    """--stop ends the printed text before the stop string."""
+    code, full, _ = run_cli(capsys, "generate", "hello", "--max-new-tokens", "12", "--drafter", "none")
+    assert code == 0
+    text = full.rstrip("\n")
+    stop = text[2:5]
+    code, out, _ = run_cli(capsys, "generate", "hello", "--max-new-tokens", "12", "--drafter", "none", "--stop", stop)
+    assert code == 0 and out.rstrip("\n") == text[:text.index(stop)]
+
+
+def test_chat_reads_turns_until_empty_line(capsys, tiny_default, monkeypatch):
+    """chat: each input line is answered; an empty line ends the session with exit 0."""
+    lines = iter(["hello", "the world", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    code, out, err = run_cli(capsys, "chat", "--drafter", "none", "--max-new-tokens", "4")
+    assert code == 0
+    assert out.count("assistant> ") == 2
+    assert err.count("speculative: 4 tokens") == 2
+
+
+def test_data_on_tiny_target(capsys, tiny_default, tmp_path):
+    """data: a user JSONL source answered by the (tiny) target; prints the manifest summary."""
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "hello " * (i + 1)}) + "\n" for i in range(5)))
+    out_dir = tmp_path / "out"
+    argv = ["data", "--out", str(out_dir), "--sources", str(source), "--max-new-tokens", "3", "--shard-size", "2",
+            "--batch-size", "2"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    assert json.loads(out.strip().splitlines()[-1]) == {"num_prompts": 5, "shards_done": 3, "num_shards": 3,
+                                                         "response_tokens": 15}
+    # A different config in the same folder is a usage error, not a traceback.
+    code, _, err = run_cli(capsys, *argv[:-1], "3")
+    assert_usage_error(code, err, "another config")
+
+
+@pytest.mark.parametrize("argv, fragment", [(["--sources", "nope"], "unknown prompt source"),
+                                            (["--shard-size", "0"], "shard_size")])
+def test_data_bad_arguments(capsys, tiny_default, tmp_path, argv, fragment):
+    """data with an unknown source or a zero shard size: exit 2 with the reason."""
+    code, _, err = run_cli(capsys, "data", "--out", str(tmp_path / "out"), *argv)
+    assert_usage_error(code, err, fragment)
+
+
+# -- the real embedded target -------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_empty_raw_prompt_on_real_target(capsys, real_default):
+    """SmolLM2, `generate "" --no-chat`: the empty prompt is refused with exit 2, not a traceback."""
+    code, _, err = run_cli(capsys, "generate", "", "--no-chat", "--dtype", "float32", "--drafter", "none")
+    assert_usage_error(code, err, "empty")
+
+
+@pytest.mark.slow
+def test_generate_end_to_end_on_real_target(capsys, real_default):
+    """SmolLM2 with an untrained 2-layer drafter: exit 0, JSON summary last, output identical to AR."""
+    code, out, err = run_cli(capsys, "generate", "Say hi", "--max-new-tokens", "8", "--compare-ar", "--json",
+                             "--dtype", "float32", "--drafter", "untrained", "--drafter-layers", "0,1")
+    assert code == 0
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["identical_to_ar"] is True
+    assert summary["new_tokens"] == 8 and summary["method"] == "speculative"
+    assert "UNTRAINED" in err and "SmolLM2" in err
