@@ -169,7 +169,8 @@ def bench(args: argparse.Namespace) -> int:
     config = BenchConfig(datasets=datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                          methods=args.methods.split(","), temperature=args.temperature, seed=args.seed)
     if args.quick:
-        config.datasets = config.datasets if args.datasets != DEFAULT_BENCH_DATASETS else ["humaneval", "mtbench"]
+        if args.datasets == DEFAULT_BENCH_DATASETS:
+            config.datasets = ["humaneval", "mtbench"] + args.prompts
         config.num_prompts, config.max_new_tokens = min(config.num_prompts, 2), min(config.max_new_tokens, 48)
     pipeline = load_pipeline(args)
     result = run_benchmark(pipeline, config)
@@ -228,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--method", default="speculative", choices=METHODS,
                    help="speculative: context lookup where it matches, the drafter elsewhere (default); "
-                        "drafter / lookup: one source alone; ar: plain decoding")
+                        "drafter / lookup: one source alone; async: the drafter, drafting ahead during "
+                        "verification; ar: plain decoding")
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.set_defaults(handler=generate)

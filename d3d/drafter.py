@@ -26,7 +26,7 @@ from torch import nn
 from d3d.cache import KVCache
 from d3d.config import BlockAttention, ConfigError, DrafterConfig
 from d3d.loading import LoadError, read_safetensors
-from d3d.masks import draft_mask
+from d3d.masks import draft_mask, packed_mask
 from d3d.models import Decoder
 
 FORMAT = "d3d-drafter"
@@ -171,6 +171,42 @@ class Drafter(nn.Module):
             block = [anchor] + [int(guess[j]) if j in fixed else mask_id for j in range(size - 1)]
             logits = self.block_pass(cache, [], block)
         return logits
+
+    @torch.no_grad()
+    def packed_draft(self, cache: KVCache, clean: list[int], draft_tokens: list[int],
+                     branches: list[tuple[int, int]]) -> torch.Tensor:
+        """Branch block logits (N, B, V) from one packed forward (the async engine's drafting pass).
+
+        Trunk = `clean` (the committed tokens the cache lacks, ending with the anchor a at position
+        p) + `draft_tokens` d_1..d_K (the block under verification), causal. Branch (k, b) is the
+        block [b, MASK × (B-1)] at positions p+k+1 … p+k+B, the draft after the outcome "k drafts
+        accepted, bonus b": it sees the cache, trunk tokens a, d_1..d_k and itself (as in `draft`).
+        The forward stays pending in `cache`; once the verdict is known the caller keeps the trunk
+        KV of the committed prefix with `cache.commit(len(clean) + num_accepted)` — valid KV,
+        because the trunk is clean causal input. One denoising step only.
+        """
+        if not clean:
+            raise ValueError("the trunk needs the anchor: `clean` must end with the last committed token")
+        if self.config.denoising_steps != 1:
+            raise ValueError("packed drafting runs one denoising step; this drafter is configured for "
+                             f"{self.config.denoising_steps}")
+        num_drafts, size = len(draft_tokens), self.block_size
+        if any(not 0 <= k <= num_drafts for k, _ in branches):
+            raise ValueError(f"branch k values {[k for k, _ in branches]} must lie in 0 … {num_drafts}")
+        start, device = cache.length, self.decoder.device
+        trunk = clean + draft_tokens
+        anchor_position = start + len(clean) - 1
+        masks = [self.config.mask_token_id] * (size - 1)
+        ids = trunk + [token for _, bonus in branches for token in [bonus] + masks]
+        offsets = torch.arange(size)
+        positions = torch.cat([torch.arange(start, start + len(trunk))]
+                              + [anchor_position + k + 1 + offsets for k, _ in branches]).to(device)
+        mask = packed_mask(len(trunk), [len(clean) + k for k, _ in branches], size, start,
+                           self.config.block_attention, device)
+        hidden = self.decoder.hidden_states(self.embed(torch.tensor([ids], device=device)), positions[None],
+                                            cache, mask[None])
+        logits = self.decoder.logits(hidden[0, len(trunk):])  # (N·B, V)
+        return logits.view(len(branches), size, logits.shape[-1])
 
 
 def check_compatible(config: DrafterConfig, target: Decoder, tokenizer_fingerprint: str, source: str) -> None:

@@ -50,14 +50,15 @@ def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]],
             block_counts.append(len(anchors))
         if not examples:
             continue
-        batch = collate(examples)
-        embeds = drafter.embed(batch["input_ids"].to(drafter.decoder.device))
+        device = drafter.decoder.device
+        batch = {k: v.to(device) for k, v in collate(examples).items()}
+        embeds = drafter.embed(batch["input_ids"])
         hidden = drafter.decoder.hidden_states(embeds, batch["positions"], None, batch["mask"])
         for row, (example, count) in enumerate(zip(examples, block_counts)):
-            block_rows = example.is_block.nonzero()[:, 0]
+            block_rows = example.is_block.nonzero()[:, 0].to(device)
             logits = drafter.decoder.logits(hidden[row, block_rows])  # (count·B, V)
             predictions = logits.argmax(-1).view(count, size)[:, :size - 1]  # rows verified as drafts
-            labels = example.labels[block_rows].view(count, size)[:, :size - 1]
+            labels = example.labels.to(device)[block_rows].view(count, size)[:, :size - 1]
             accepted_all.append(accepted_prefix(predictions, labels))
     if not accepted_all:
         return TauEstimate(1.0, [], 0)

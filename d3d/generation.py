@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 
+from d3d.async_engine import AsyncConfig, async_generate
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
 from d3d.engine import Step, reference_generate, speculative_generate
@@ -23,9 +24,10 @@ from d3d.loading import Target, load_target
 from d3d.lookup import LookupConfig
 
 # "speculative": lookup where the context matches, the drafter elsewhere; "drafter" / "lookup":
-# one source alone; "ar": the plain autoregressive reference.
-Method = Literal["speculative", "drafter", "lookup", "ar"]
-METHODS: tuple[str, ...] = ("speculative", "drafter", "lookup", "ar")
+# one source alone; "async": the drafter, drafting the next block during verification
+# (d3d.async_engine); "ar": the plain autoregressive reference.
+Method = Literal["speculative", "drafter", "lookup", "async", "ar"]
+METHODS: tuple[str, ...] = ("speculative", "drafter", "lookup", "async", "ar")
 DEFAULT_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
 
 
@@ -38,10 +40,11 @@ class Chunk:
 
 class Pipeline:
     def __init__(self, target: Target, drafter: Drafter | None = None, drafter_source: str = "",
-                 lookup: LookupConfig | None = None) -> None:
+                 lookup: LookupConfig | None = None, async_config: AsyncConfig | None = None) -> None:
         self.target = target
         self.drafter = drafter
         self.lookup = lookup or LookupConfig()
+        self.async_config = async_config or AsyncConfig()  # method "async" only
         self.drafter_source = drafter_source or ("none" if drafter is None else "given")  # for messages
 
     @classmethod
@@ -81,8 +84,10 @@ class Pipeline:
             raise ConfigError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
         if method == "ar":
             return reference_generate(decoder, prompt_ids, config)
-        if method == "drafter" and self.drafter is None:
-            raise ConfigError("method 'drafter' needs a drafter (got --drafter none)")
+        if method in ("drafter", "async") and self.drafter is None:
+            raise ConfigError(f"method {method!r} needs a drafter (got --drafter none)")
+        if method == "async":
+            return async_generate(decoder, self.drafter, prompt_ids, config, self.async_config)
         drafter = None if method == "lookup" else self.drafter
         lookup = None if method == "drafter" else self.lookup
         return speculative_generate(decoder, drafter, prompt_ids, config, lookup)

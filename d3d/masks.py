@@ -36,3 +36,25 @@ def draft_mask(num_clean: int, block_size: int, cached: int, block_attention: Bl
     elif block_attention == "anchor_causal":
         mask[num_clean + 1:, start:] = True
     return mask
+
+
+def packed_mask(trunk_length: int, branch_prefixes: list[int], block_size: int, cached: int,
+                block_attention: BlockAttention, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(N, cached + N), N = trunk_length + len(branch_prefixes) · B: a trunk and draft-block branches.
+
+    The trunk (clean tokens, e.g. [anchor, drafts under verification]) is causal. Branch j is one
+    draft block that sees every cached slot, the first `branch_prefixes[j]` trunk tokens, and itself
+    inside the block as `draft_mask` lays it out; it never sees other branches or later trunk tokens.
+    """
+    length = trunk_length + len(branch_prefixes) * block_size
+    mask = torch.zeros(length, cached + length, dtype=torch.bool, device=device)
+    mask[:trunk_length, :cached + trunk_length] = causal_mask(trunk_length, cached, device)
+    inside = draft_mask(0, block_size, 0, block_attention, device)  # (B, B): the block over itself
+    for j, prefix in enumerate(branch_prefixes):
+        if not 0 <= prefix <= trunk_length:
+            raise ValueError(f"branch {j} sees {prefix} trunk tokens; the trunk holds {trunk_length}")
+        row = trunk_length + j * block_size
+        rows = slice(row, row + block_size)
+        mask[rows, :cached + prefix] = True
+        mask[rows, cached + row:cached + row + block_size] = inside
+    return mask

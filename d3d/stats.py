@@ -4,6 +4,11 @@
   mean(num_accepted + 1), so 1 ≤ τ ≤ block_size. Plain AR decoding has τ = 1.
 - acceptance_rate[i] = P(draft i+1 accepted | it was drafted and drafts 1..i were accepted).
 - tokens_per_second = new tokens / wall time of the whole generation (prefill included).
+- Asynchronous drafting (`d3d.async_engine`): hit_rate = share of verification steps after which
+  the next block was already drafted (a branch matched the verdict (k, bonus)), overall and per k;
+  wait_seconds = time the loop waited for a packed drafting pass after verifying (all of it when
+  serial); overlap_fraction = 1 − wait_seconds / packed_seconds, the packed drafting hidden behind
+  verification.
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ class SpecStats:
     wall_seconds: float = 0.0  # whole generation
     draft_seconds: float = 0.0  # spent in the drafter on the critical path
     verify_seconds: float = 0.0  # spent in target forwards (prefill included)
+    # Asynchronous drafting only (empty / zero for the other engines):
+    branch_rounds_at: list[int] = field(default_factory=list)  # [k] = async steps that accepted k drafts
+    branch_hits_at: list[int] = field(default_factory=list)  # [k] = of those, steps whose outcome had a branch
+    packed_seconds: float = 0.0  # drafter time in packed passes (concurrent with verification or not)
+    wait_seconds: float = 0.0  # loop time spent waiting for packed passes (included in draft_seconds)
 
     def record(self, num_drafted: int, num_accepted: int, source: str = "none") -> None:
         self.steps_by_source[source] = self.steps_by_source.get(source, 0) + 1
@@ -37,6 +47,29 @@ class SpecStats:
             self.reached_at[i] += 1
         for i in range(num_accepted):
             self.accepted_at[i] += 1
+
+    def record_branch(self, num_accepted: int, hit: bool) -> None:
+        """One async step's outcome: did a drafted-ahead branch match it?"""
+        for values in (self.branch_rounds_at, self.branch_hits_at):
+            values.extend([0] * (num_accepted + 1 - len(values)))
+        self.branch_rounds_at[num_accepted] += 1
+        self.branch_hits_at[num_accepted] += int(hit)
+
+    @property
+    def hit_rate(self) -> float:
+        rounds = sum(self.branch_rounds_at)
+        return sum(self.branch_hits_at) / rounds if rounds else 0.0
+
+    @property
+    def hit_rate_at(self) -> list[float]:
+        """[k] = P(a branch was ready | k drafts accepted)."""
+        return [h / r if r else 0.0 for h, r in zip(self.branch_hits_at, self.branch_rounds_at)]
+
+    @property
+    def overlap_fraction(self) -> float:
+        if self.packed_seconds <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.wait_seconds / self.packed_seconds))
 
     @property
     def tau(self) -> float:
@@ -56,11 +89,13 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> "SpecStats":
         """Sum of two stats (for dataset-level totals)."""
         merged = SpecStats()
-        for name in ("new_tokens", "steps", "wall_seconds", "draft_seconds", "verify_seconds"):
+        for name in ("new_tokens", "steps", "wall_seconds", "draft_seconds", "verify_seconds",
+                     "packed_seconds", "wait_seconds"):
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         merged.steps_by_source = {k: self.steps_by_source.get(k, 0) + other.steps_by_source.get(k, 0)
                                   for k in {**self.steps_by_source, **other.steps_by_source}}
-        for name in ("accepted_histogram", "drafted_at", "reached_at", "accepted_at"):
+        for name in ("accepted_histogram", "drafted_at", "reached_at", "accepted_at", "branch_rounds_at",
+                     "branch_hits_at"):
             a, b = getattr(self, name), getattr(other, name)
             size = max(len(a), len(b))
             setattr(merged, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0)
@@ -68,9 +103,14 @@ class SpecStats:
         return merged
 
     def summary(self) -> dict[str, float | int | list[float]]:
-        return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 3),
-                "tokens_per_second": round(self.tokens_per_second, 2),
-                "acceptance_rate": [round(r, 3) for r in self.acceptance_rate],
-                "steps_by_source": dict(self.steps_by_source),
-                "draft_seconds": round(self.draft_seconds, 3), "verify_seconds": round(self.verify_seconds, 3),
-                "wall_seconds": round(self.wall_seconds, 3)}
+        summary = {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 3),
+                   "tokens_per_second": round(self.tokens_per_second, 2),
+                   "acceptance_rate": [round(r, 3) for r in self.acceptance_rate],
+                   "steps_by_source": dict(self.steps_by_source),
+                   "draft_seconds": round(self.draft_seconds, 3), "verify_seconds": round(self.verify_seconds, 3),
+                   "wall_seconds": round(self.wall_seconds, 3)}
+        if self.branch_rounds_at:  # async runs only
+            summary.update(hit_rate=round(self.hit_rate, 3), hit_rate_at=[round(r, 3) for r in self.hit_rate_at],
+                           packed_seconds=round(self.packed_seconds, 3), wait_seconds=round(self.wait_seconds, 3),
+                           overlap_fraction=round(self.overlap_fraction, 3))
+        return summary

@@ -109,7 +109,7 @@ def run_benchmark(pipeline: Pipeline, config: BenchConfig, progress: bool = True
     methods = build_methods(pipeline, names)
     prompts = [(name, p) for name in config.datasets
                for p in sample_prompts(load_dataset(name), config.num_prompts, config.seed)]
-    warm = pipeline.encode("Say hello.")
+    warm = pipeline.encode("Say hello.", chat=pipeline.target.tokenizer.chat_template is not None)
     warm_config = GenerationConfig(max_new_tokens=16, eos_token_ids=generation.eos_token_ids, sampling=sampling)
     for method in methods.values():
         method(warm, warm_config)

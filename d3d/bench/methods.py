@@ -103,5 +103,5 @@ def build_methods(pipeline: Pipeline, names: list[str]) -> dict[str, Method]:
             model = model or transformers_model(pipeline)
             pad = pipeline.target.tokenizer.pad_token_id
             methods[name] = transformers_method(model, name == "hf_lookup",
-                                                pad if pad is not None else pipeline.target.eos_token_ids[0])
+                                                pad if pad is not None else (pipeline.target.eos_token_ids or [0])[0])
     return methods

@@ -64,6 +64,8 @@ class TrainConfig(_JsonMixin):
     autocast: bool = True  # bf16 autocast (CPU and CUDA)
 
     def __post_init__(self) -> None:
+        if self.held_out < 0 or self.eval_every < 0:
+            raise ConfigError("held_out and eval_every must be >= 0")
         for name in ("steps", "batch_size", "grad_accum", "anchors", "max_length", "save_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
@@ -199,6 +201,10 @@ class Trainer:
         self.rng.setstate((version, tuple(internal), gauss))
         self.step, self.epoch, self.index = state["step"], state["epoch"], state["index"]
         self.order = self._order()
+        log = self.out / "log.jsonl"
+        if log.is_file():  # drop lines past the checkpoint: those steps are about to be redone
+            kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+            log.write_text("".join(line + "\n" for line in kept))
 
     # -- loop --------------------------------------------------------------------------------
 

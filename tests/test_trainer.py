@@ -1,0 +1,247 @@
+"""The drafter training loop (`d3d.train.trainer`) on the tiny target: the loss falls, a resumed run
+is bit-for-bit the uninterrupted one, shared target weights stay frozen and unsaved, `run()` writes
+its log, drafter and curves, and the `d3d train` command works end to end.
+
+The data folder has the layout `d3d data` writes (shards/shard-NNNNN.jsonl with id, prompt_ids,
+response_ids): 24 random prompts answered greedily by the tiny target itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import d3d.generation
+import d3d.loading
+from conftest import make_decoder, tiny_config
+from d3d.cli import main
+from d3d.config import ConfigError
+from d3d.drafter import Drafter
+from d3d.loading import Target
+from d3d.train.data import generate_batch
+from d3d.train.trainer import TrainConfig, Trainer, learning_rate, load_sequences
+from test_generation import EOS, ByteTokenizer
+
+NUM_RECORDS = 24
+
+
+def tiny_train_target() -> Target:
+    """A fresh fp32 tiny target (seed 1) with the byte tokenizer."""
+    decoder = make_decoder(tiny_config("llama", tie_word_embeddings=False), seed=1)
+    return Target(decoder, ByteTokenizer(), "tiny", [EOS])
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """24 records of ~30 tokens: random prompts (6–11 tokens) and the target's greedy responses (20 tokens)."""
+    folder = tmp_path_factory.mktemp("data")
+    (folder / "shards").mkdir()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, 64) for _ in range(rng.randint(6, 11))] for _ in range(NUM_RECORDS)]
+    responses = generate_batch(tiny_train_target().decoder, prompts, 20, [])
+    for shard in range(2):
+        lines = [json.dumps({"id": f"r{i}", "prompt_ids": prompts[i], "response_ids": responses[i]}) + "\n"
+                 for i in range(shard * 12, (shard + 1) * 12)]
+        (folder / "shards" / f"shard-{shard:05d}.jsonl").write_text("".join(lines))
+    return folder
+
+
+def config(**overrides) -> TrainConfig:
+    base = dict(layers=[0], block_size=4, steps=6, batch_size=2, lr=1e-2, warmup=2, anchors=3, max_length=64,
+                held_out=4, eval_every=0, save_every=3, seed=3, autocast=False)
+    return TrainConfig(**{**base, **overrides})
+
+
+def own_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer.parameters.items()}
+
+
+def test_load_sequences_reads_the_shards(data_dir):
+    """Every record becomes (prompt + response, len(prompt)); max_length cuts the prompt from the left."""
+    sequences = load_sequences(data_dir, 512)
+    assert len(sequences) == NUM_RECORDS
+    first = json.loads((data_dir / "shards" / "shard-00000.jsonl").read_text().splitlines()[0])
+    assert sequences[0] == (first["prompt_ids"] + first["response_ids"], len(first["prompt_ids"]))
+    short = load_sequences(data_dir, 24)
+    assert all(len(tokens) <= 24 for tokens, _ in short)
+    assert short[0] == ((first["prompt_ids"] + first["response_ids"])[-24:], 4)  # 20 response tokens kept
+
+
+def test_no_shards_is_a_config_error(tmp_path):
+    """A folder without finished shards is refused with ConfigError naming `d3d data`."""
+    with pytest.raises(ConfigError, match="d3d data"):
+        load_sequences(tmp_path, 64)
+
+
+def test_loss_falls(data_dir, tmp_path):
+    """20 steps at lr 1e-2 lower the training loss (mean of the last 3 steps well below the first 3)."""
+    trainer = Trainer(tiny_train_target(), data_dir, tmp_path, config(steps=20, warmup=1, batch_size=4, anchors=4))
+    losses = [trainer.train_step()["loss"] for _ in range(20)]
+    assert all(math.isfinite(x) for x in losses)
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.8 * first, losses
+
+
+def test_held_out_split_is_disjoint(data_dir, tmp_path):
+    """min(held_out, 10%) sequences are held out for τ and never trained on."""
+    trainer = Trainer(tiny_train_target(), data_dir, tmp_path, config(held_out=64))
+    assert len(trainer.held_out) == NUM_RECORDS // 10
+    assert len(trainer.train_set) == NUM_RECORDS - NUM_RECORDS // 10
+    assert not {tuple(t) for t, _ in trainer.held_out} & {tuple(t) for t, _ in trainer.train_set}
+
+
+def test_resume_reproduces_the_uninterrupted_run(data_dir, tmp_path):
+    """3 steps, save, a new Trainer resuming, 3 more steps: weights bit-identical to a 6-step run, and the next loss equal."""
+    # grad_accum and random masks make the run consume more RNG and wrap an epoch after the resume.
+    c = config(grad_accum=2, mask_ratio="random", gamma=2.0)
+    whole = Trainer(tiny_train_target(), data_dir, tmp_path / "a", c)
+    whole.run(progress=False)
+    assert whole.step == 6 and whole.epoch == 1  # 24 sequences drawn from 22 training ones
+
+    first = Trainer(tiny_train_target(), data_dir, tmp_path / "b", c)
+    for _ in range(3):
+        first.train_step()
+    first.save()
+    interrupted = own_params(first)
+    del first
+
+    resumed = Trainer(tiny_train_target(), data_dir, tmp_path / "b", c)
+    assert resumed.step == 3
+    for name, value in own_params(resumed).items():
+        assert torch.equal(value, interrupted[name]), name
+    while resumed.step < c.steps:
+        resumed.train_step()
+    assert (resumed.epoch, resumed.index) == (whole.epoch, whole.index)
+    expected = own_params(whole)
+    for name, value in own_params(resumed).items():
+        assert torch.equal(value, expected[name]), name
+    assert resumed.train_step() == whole.train_step()  # same next batch, same loss, same lr
+
+
+def test_resume_with_another_config_is_refused(data_dir, tmp_path):
+    """A checkpoint made with one config cannot be continued with another: ConfigError."""
+    trainer = Trainer(tiny_train_target(), data_dir, tmp_path, config())
+    trainer.train_step()
+    trainer.save()
+    with pytest.raises(ConfigError, match="another config"):
+        Trainer(tiny_train_target(), data_dir, tmp_path, config(lr=2e-2))
+    assert Trainer(tiny_train_target(), data_dir, tmp_path, config()).step == 1  # the same config resumes
+
+
+def test_shared_target_weights_stay_frozen_and_unsaved(data_dir, tmp_path):
+    """Training changes the drafter's own weights but no target weight; embedding and head are in no saved file."""
+    target = tiny_train_target()
+    before = {name: p.detach().clone() for name, p in target.decoder.named_parameters()}
+    trainer = Trainer(target, data_dir, tmp_path, config(steps=3, eval_every=1, save_every=1))
+    assert trainer.drafter.decoder.embed_tokens is target.decoder.embed_tokens  # shared, not copied
+    assert not any("embed_tokens" in n or "lm_head" in n for n in trainer.parameters)
+    initial = own_params(trainer)
+    trainer.run(progress=False)
+    for name, p in target.decoder.named_parameters():
+        assert torch.equal(p, before[name]), name
+    changed = [n for n, p in trainer.parameters.items() if not torch.equal(p, initial[n])]
+    assert "mask_embedding" in changed and len(changed) == len(initial)
+    for folder in ("checkpoint/drafter", "drafter"):
+        keys = load_file(str(tmp_path / folder / "model.safetensors")).keys()
+        assert not any("embed_tokens" in k or "lm_head" in k for k in keys), folder
+        assert "mask_embedding" in keys
+    optimizer_keys = load_file(str(tmp_path / "checkpoint" / "optimizer.safetensors")).keys()
+    assert not any("embed_tokens" in k or "lm_head" in k for k in optimizer_keys)
+
+
+def test_run_writes_log_drafter_and_curves(data_dir, tmp_path):
+    """run(): log.jsonl with losses and τ entries, a bf16 drafter/ that loads, and curves.png."""
+    target = tiny_train_target()
+    trainer = Trainer(target, data_dir, tmp_path, config(steps=4, eval_every=2, save_every=2))
+    result = trainer.run(progress=False)
+    assert result["step"] == 4 and 1.0 <= result["tau"] <= 4.0 and len(result["acceptance_rate"]) == 3
+
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [("tau" in r) for r in records] == [True, False, True, False, True]
+    assert all({"loss", "diff", "ar", "lr"} <= set(r) for r in records[1:])
+    assert records[-1]["tau"] == result["tau"]
+
+    weights = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    loaded = Drafter.from_pretrained(tmp_path / "drafter", target.decoder, target.fingerprint)
+    assert loaded.block_size == 4 and loaded.config.target_layers == [0]
+    for name, value in loaded.own_state().items():
+        assert torch.equal(value, trainer.drafter.state_dict()[name].to(torch.bfloat16).float()), name
+
+    png = (tmp_path / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    assert (tmp_path / "checkpoint" / "state.json").is_file() and not (tmp_path / "checkpoint.staging").exists()
+
+
+def test_learning_rate_schedule():
+    """Linear warm-up to lr, then cosine decay to the floor lr·min_lr_ratio at the last step (and after)."""
+    c = TrainConfig(lr=1.0, warmup=10, steps=110, min_lr_ratio=0.1)
+    assert learning_rate(c, 0) == pytest.approx(0.1)
+    assert learning_rate(c, 4) == pytest.approx(0.5)
+    assert learning_rate(c, 9) == pytest.approx(1.0)
+    assert learning_rate(c, 10) == pytest.approx(1.0)
+    assert learning_rate(c, 60) == pytest.approx(0.55)
+    assert learning_rate(c, 110) == pytest.approx(0.1)
+    assert learning_rate(c, 500) == pytest.approx(0.1)
+    rates = [learning_rate(c, s) for s in range(111)]
+    assert all(a <= b for a, b in zip(rates[:10], rates[1:10]))
+    assert all(a >= b for a, b in zip(rates[10:], rates[11:]))
+    no_warmup = TrainConfig(lr=2.0, warmup=0, steps=4, min_lr_ratio=0.0)
+    assert [learning_rate(no_warmup, s) for s in range(5)] == pytest.approx([2.0, 1.0 + 2 ** -0.5, 1.0,
+                                                                              1.0 - 2 ** -0.5, 0.0])
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"steps": 0}, "steps"), ({"batch_size": 0}, "batch_size"), ({"grad_accum": 0}, "grad_accum"),
+    ({"anchors": 0}, "anchors"), ({"max_length": 0}, "max_length"), ({"save_every": 0}, "save_every"),
+    ({"layers": []}, "layers"), ({"lr": 0.0}, "lr"), ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
+    ({"min_lr_ratio": -0.1}, "min_lr_ratio"),
+])
+def test_train_config_validation(overrides, fragment):
+    """Invalid TrainConfig values raise ConfigError naming the field."""
+    with pytest.raises(ConfigError, match=fragment):
+        TrainConfig(**overrides)
+    TrainConfig(layers=[], init_from="somewhere")  # layers may be empty when starting from a checkpoint
+
+
+@pytest.fixture
+def patched_load_target(monkeypatch):
+    """`d3d train --target default` gets a fresh tiny target instead of SmolLM2 (as test_cli patches it)."""
+    loads = []
+
+    def load(source=None, dtype=torch.bfloat16):
+        loads.append((source, dtype))
+        return tiny_train_target()
+
+    monkeypatch.setattr(d3d.loading, "load_target", load)
+    monkeypatch.setattr(d3d.generation, "load_target", load)
+    return loads
+
+
+def test_cli_train_runs_resumes_and_refuses_another_config(capsys, data_dir, tmp_path, patched_load_target):
+    """`d3d train`: exit 0 with a JSON result; re-running resumes (no new steps); other options exit 2."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(data_dir), "--out", str(out), "--layers", "0", "--block-size", "4",
+            "--steps", "2", "--batch-size", "2", "--anchors", "2", "--max-length", "64", "--warmup", "1",
+            "--eval-every", "0", "--save-every", "1", "--lr", "0.001"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["step"] == 2 and 1.0 <= result["tau"] <= 4.0
+    assert patched_load_target[0][1] == torch.float32  # fp32 master weights
+    assert (out / "drafter" / "config.json").is_file() and (out / "curves.png").is_file()
+    log_lines = (out / "log.jsonl").read_text().splitlines()
+
+    assert main(argv) == 0  # the same command again: already at step 2, nothing to train
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 2
+    assert (out / "log.jsonl").read_text().splitlines() == log_lines
+
+    assert main(argv[:-1] + ["0.002"]) == 2
+    err = capsys.readouterr().err
+    assert "d3d: error:" in err and "another config" in err and "Traceback" not in err
