@@ -339,3 +339,20 @@ def test_stdlib_prompts():
     for prompt_id, text in prompts[:200]:
         assert prompt_id.startswith("stdlib/") and ".py:" in prompt_id
         assert text.startswith("Write a Python function `") and "that does the following:\n" in text
+
+
+def test_prompts_with_unicode_line_separators_survive_resume(target, tmp_path):
+    """A prompt holding U+2028 / U+0085 (which str.splitlines() splits on) is read back intact on resume."""
+    source = tmp_path / "odd.jsonl"
+    texts = [f"line one\u2028line two {i}\x85tail" for i in range(3)]
+    source.write_text("".join(json.dumps({"id": f"odd/{i}", "prompt": t}, ensure_ascii=False) + "\n"
+                              for i, t in enumerate(texts)), encoding="utf-8")
+    config = DataConfig(sources=[str(source)], shard_size=2, batch_size=2, max_new_tokens=3)
+    out = tmp_path / "out"
+    first = generate_data(target, out, config, progress=False)
+    (out / "shards" / "shard-00001.jsonl").unlink()
+    second = generate_data(target, out, config, progress=False)
+    assert second["num_prompts"] == first["num_prompts"] == 3
+    stored = [json.loads(line) for line in (out / "prompts.jsonl").read_text(encoding="utf-8").split("\n") if line]
+    assert sorted(p["messages"][0]["content"] for p in stored) == sorted(texts)
+    assert len(list(read_shards(out))) == 3

@@ -175,6 +175,12 @@ def generate_batch(decoder: Decoder, prompts: list[list[int]], max_new_tokens: i
     return responses
 
 
+def jsonl_lines(path: Path) -> list[str]:
+    """Non-empty lines split on "\n" only: str.splitlines() would also split on U+2028 and
+    friends, which JSON strings may hold raw."""
+    return [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+
+
 def write_atomic(path: Path, text: str) -> None:
     staging = path.with_name(f".{path.name}.tmp")
     staging.write_text(text, encoding="utf-8")
@@ -196,15 +202,15 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
         write_atomic(manifest_path, json.dumps({**identity, "shards_done": 0}, indent=2))
     prompts_path = out / "prompts.jsonl"
     if prompts_path.is_file():
-        prompts = [json.loads(line) for line in prompts_path.read_text(encoding="utf-8").splitlines()]
+        prompts = [json.loads(line) for line in jsonl_lines(prompts_path)]
     else:
         prompts = collect_prompts(config, target.tokenizer)
-        write_atomic(prompts_path, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
+        write_atomic(prompts_path, "".join(json.dumps(p) + "\n" for p in prompts))
     num_shards = (len(prompts) + config.shard_size - 1) // config.shard_size
     manifest = {**identity, "num_prompts": len(prompts), "num_shards": num_shards}
     done = {p.name for p in (out / "shards").glob("shard-*.jsonl")}
     tokens_done = sum(len(json.loads(line)["response_ids"]) for name in done
-                      for line in (out / "shards" / name).read_text().splitlines())
+                      for line in jsonl_lines(out / "shards" / name))
     bar = tqdm(total=num_shards, initial=len(done), desc="target responses", unit="shard", disable=not progress)
     started, new_tokens = time.perf_counter(), 0
     for index in range(num_shards):
@@ -238,5 +244,5 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
 def read_shards(data_dir: str | Path) -> Iterator[dict[str, Any]]:
     """Every finished (prompt_ids, response_ids) record, in shard order."""
     for path in sorted((Path(data_dir) / "shards").glob("shard-*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in jsonl_lines(path):
             yield json.loads(line)
