@@ -22,6 +22,7 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
+from d3d.gate import SpeculationGate
 from d3d.lookup import LookupConfig, lookup_drafts
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities, sample
@@ -156,12 +157,15 @@ def one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: list[int],
-                         config: GenerationConfig, lookup: LookupConfig | None = None) -> Iterator[Step]:
+                         config: GenerationConfig, lookup: LookupConfig | None = None,
+                         adaptive: bool = False) -> Iterator[Step]:
     """Synchronous speculative decoding: draft a block, verify it, commit, repeat.
 
     Drafts come from context lookup when `lookup` is set and the context holds a match, else from
-    the diffusion drafter (when there is one); with neither, the step is a plain AR step.
+    the diffusion drafter (when there is one); with neither, the step is a plain AR step. With
+    `adaptive`, a `SpeculationGate` skips a source whose measured rate falls below plain decoding.
     """
+    gate = SpeculationGate() if adaptive else None
     if drafter is not None and drafter.config.target_vocab_size != target.config.vocab_size:
         raise ValueError("the drafter was made for another vocabulary")
     block_size = drafter.block_size if drafter is not None else 16
@@ -177,19 +181,22 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
         started = time.perf_counter()
         source: DraftSource = "none"
         draft_tokens, draft_probs = torch.empty(0, dtype=torch.long), None
-        if num_drafts > 0 and lookup is not None:
+        if num_drafts > 0 and lookup is not None and (gate is None or gate.allows("lookup")):
             found = lookup_drafts(sequence.tokens, num_drafts, lookup)
             if found:
                 source, draft_tokens = "lookup", torch.tensor(found)
                 draft_probs = None if config.sampling.greedy else one_hot(draft_tokens, vocab_size)
-        if num_drafts > 0 and source == "none" and drafter is not None:
+        if num_drafts > 0 and source == "none" and drafter is not None and (gate is None or gate.allows("drafter")):
             block_logits = drafter.draft(drafter_cache, sequence.tokens)[:num_drafts]
             draft_tokens, draft_probs = propose(block_logits, config.sampling, generator)
             source = "drafter"
         drafted = time.perf_counter()
         verdict = verify_block(target, target_cache, sequence.tokens[-1], draft_tokens, draft_probs,
                                config.sampling, generator)
+        finished = time.perf_counter()
         sequence.stats.draft_seconds += drafted - started
-        sequence.stats.verify_seconds += time.perf_counter() - drafted
+        sequence.stats.verify_seconds += finished - drafted
+        if gate is not None:
+            gate.record(source, verdict.num_accepted + 1, finished - started)
         new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
         yield sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted, source)
