@@ -72,14 +72,43 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return digest[:16]
 
 
-def hf_to_native(name: str) -> str:
-    """transformers parameter name → the native decoder's name."""
-    return name[len("model."):] if name.startswith("model.") else name
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def hf_to_native(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers state dict → the native decoder's (no "model." prefix; q/k/v and gate/up fused)."""
+    state = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()
+             if "rotary_emb" not in k}
+    for fused, parts in FUSED.items():
+        for key in [k for k in state if f".{parts[0]}." in k]:
+            prefix, suffix = key.split(f".{parts[0]}.")
+            names = [f"{prefix}.{part}.{suffix}" for part in parts]
+            if all(name in state for name in names):
+                state[f"{prefix}.{fused}.{suffix}"] = torch.cat([state.pop(name) for name in names])
+    return state
+
+
+def native_to_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The native decoder's state dict → transformers names (for the transformers baselines)."""
+    head = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    sizes = {"self_attn.qkv_proj": [head, kv, kv], "mlp.gate_up_proj": [config.intermediate_size] * 2}
+    out = {}
+    for key, tensor in state.items():
+        fused = next((f for f in FUSED if f".{f}." in key), None)
+        if fused is None:
+            out[key if key.startswith("lm_head") else f"model.{key}"] = tensor
+            continue
+        prefix, suffix = key.split(f".{fused}.")
+        for part, piece in zip(FUSED[fused], tensor.split(sizes[fused])):
+            out[f"model.{prefix}.{part}.{suffix}"] = piece
+    return out
 
 
 def load_state(decoder: Decoder, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy weights into the decoder, refusing missing, unexpected or mis-shaped tensors."""
-    state = {hf_to_native(k): v for k, v in state.items() if "rotary_emb" not in k}
+    state = hf_to_native(state)
     if decoder.lm_head is None:
         state.pop("lm_head.weight", None)
     check_state(decoder.state_dict(), state, source)

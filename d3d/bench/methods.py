@@ -57,12 +57,13 @@ def transformers_model(pipeline: Pipeline):
     """A transformers LlamaForCausalLM-family model sharing the target's weights (no copy)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from d3d.loading import native_to_hf
+
     if not pipeline.target.folder:
         raise ValueError("transformers baselines need a target loaded from a Hugging Face folder or GGUF")
     config = AutoConfig.from_pretrained(pipeline.target.folder)
     model = AutoModelForCausalLM.from_config(config, dtype=pipeline.target.decoder.dtype)
-    state = {f"model.{k}" if not k.startswith("lm_head") else k: v
-             for k, v in pipeline.target.decoder.state_dict().items()}
+    state = native_to_hf(pipeline.target.decoder.state_dict(), pipeline.target.decoder.config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     model.load_state_dict(state, strict=False, assign=True)
