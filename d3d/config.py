@@ -122,6 +122,7 @@ class DrafterConfig(_JsonMixin):
     shared_embeddings: bool = True  # embedding / LM head / final norm are the target's, not stored
     block_attention: BlockAttention = "anchor_causal"  # attention inside a draft block
     denoising_steps: int = 1  # passes per block; later passes re-feed the argmax drafts
+    draft_vocab_size: int = 0  # drafts only among this many frequent tokens (0 = whole vocabulary)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):
@@ -132,6 +133,8 @@ class DrafterConfig(_JsonMixin):
             self.target_vocab_size = self.model.vocab_size
         _check(self.block_size >= 2, "block_size must be at least 2 (anchor + one draft)")
         _check(self.denoising_steps >= 1, "denoising_steps must be at least 1")
+        _check(0 <= self.draft_vocab_size <= self.model.vocab_size,
+               "draft_vocab_size must be between 0 (whole vocabulary) and the vocabulary size")
         _check(self.mask_token_id >= self.model.vocab_size,
                "mask_token_id must be a dedicated id outside the vocabulary the drafter emits")
         _check(self.block_attention in ("anchor_causal", "bidirectional", "causal"),

@@ -56,7 +56,7 @@ def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]],
         hidden = drafter.decoder.hidden_states(embeds, batch["positions"], None, batch["mask"])
         for row, (example, count) in enumerate(zip(examples, block_counts)):
             block_rows = example.is_block.nonzero()[:, 0].to(device)
-            logits = drafter.decoder.logits(hidden[row, block_rows])  # (count·B, V)
+            logits = drafter.logits(hidden[row, block_rows])  # (count·B, V)
             predictions = logits.argmax(-1).view(count, size)[:, :size - 1]  # rows verified as drafts
             labels = example.labels.to(device)[block_rows].view(count, size)[:, :size - 1]
             accepted_all.append(accepted_prefix(predictions, labels))

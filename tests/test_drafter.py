@@ -27,7 +27,8 @@ def perturb(drafter: Drafter, seed: int = 5) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in drafter.own_state().items():
-            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+            if param.is_floating_point():  # not the draft vocabulary's ids
+                param.add_(0.1 * torch.randn(param.shape, generator=generator))
 
 
 @pytest.mark.parametrize("mode", ["anchor_causal", "causal"])
@@ -228,3 +229,26 @@ def test_unshared_drafter_round_trip(tmp_path, target):
     assert {"decoder.embed_tokens.weight", "decoder.lm_head.weight"} <= keys
     loaded = Drafter.from_pretrained(tmp_path, target)
     assert torch.equal(loaded.draft(loaded.new_cache(64), TOKENS), drafter.draft(drafter.new_cache(64), TOKENS))
+
+
+@torch.no_grad()
+def test_reduced_draft_vocabulary_round_trip_and_never_drafts_outside(tmp_path):
+    """A drafter restricted to a draft vocabulary scores only those ids (-inf elsewhere), matches the
+    full head on them, and keeps the vocabulary through save/load."""
+    target = make_decoder(tiny_config(), seed=3)
+    vocab = torch.tensor([5, 1, 9, 30, 2, 17])
+    full = Drafter.from_target(target, [0, 1], block_size=4)
+    reduced = Drafter.from_target(target, [0, 1], block_size=4, draft_vocab=vocab)
+    tokens = [3, 4, 5, 6, 7]
+    a = full.draft(full.new_cache(32), tokens)
+    b = reduced.draft(reduced.new_cache(32), tokens)
+    outside = torch.ones(a.shape[-1], dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isinf(b[:, outside]).all() and (b[:, outside] < 0).all()
+    torch.testing.assert_close(b[:, vocab], a[:, vocab])
+    reduced.save_pretrained(tmp_path / "d")
+    loaded = Drafter.from_pretrained(tmp_path / "d", target)
+    assert torch.equal(loaded.draft_vocab, vocab)
+    torch.testing.assert_close(loaded.draft(loaded.new_cache(32), tokens), b)
+    labels = torch.tensor([[9, 4, -100, 17]])
+    assert reduced.to_draft_ids(labels).tolist() == [[2, -100, -100, 5]]

@@ -60,6 +60,7 @@ class TrainConfig(_JsonMixin):
     held_out: int = 64  # sequences kept out of training for the τ estimate
     eval_every: int = 100  # steps between τ estimates (0 = only at the end)
     save_every: int = 100  # steps between checkpoints
+    draft_vocab_size: int = 0  # draft among the most frequent response tokens only (0 = whole vocabulary)
     seed: int = 0  # data order, anchors, masks
     autocast: bool = True  # bf16 autocast (CPU and CUDA)
 
@@ -90,6 +91,15 @@ def load_sequences(data_dir: str | Path, max_length: int) -> list[tuple[list[int
     return sequences
 
 
+def frequent_tokens(sequences: list[tuple[list[int], int]], count: int, vocab_size: int) -> torch.Tensor:
+    """The `count` most frequent response tokens (ties by lower id), for a reduced draft vocabulary."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for tokens, response_start in sequences:
+        counts += torch.bincount(torch.tensor(tokens[response_start:], dtype=torch.long), minlength=vocab_size)
+    order = torch.argsort(-counts, stable=True)  # stable: equal counts keep id order
+    return order[:count].clone()
+
+
 def learning_rate(config: TrainConfig, step: int) -> float:
     if step < config.warmup:
         return config.lr * (step + 1) / config.warmup
@@ -101,9 +111,10 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 def drafter_loss(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: float) -> tuple[torch.Tensor, dict[str, float]]:
     embeds = drafter.embed(batch["input_ids"])
     hidden = drafter.decoder.hidden_states(embeds, batch["positions"], None, batch["mask"])
-    rows = batch["labels"] != IGNORE
-    logits = drafter.decoder.logits(hidden[rows]).float()  # only rows that carry a label
-    token_loss = F.cross_entropy(logits, batch["labels"][rows], reduction="none")
+    labels = drafter.to_draft_ids(batch["labels"], missing=IGNORE)  # outside the draft vocabulary: no loss
+    rows = labels != IGNORE
+    logits = drafter.draft_scores(hidden[rows]).float()  # only rows that carry a label
+    token_loss = F.cross_entropy(logits, labels[rows], reduction="none")
     weights, in_block = batch["weights"][rows], batch["is_block"][rows]
     diff = (token_loss * weights)[in_block].sum() / weights[in_block].sum().clamp_min(1e-9)
     ar = (token_loss * weights)[~in_block].sum() / weights[~in_block].sum().clamp_min(1e-9)
@@ -123,8 +134,10 @@ class Trainer:
         if config.init_from:
             self.drafter = Drafter.from_pretrained(config.init_from, target.decoder, target.fingerprint)
         else:
+            vocab = (frequent_tokens(self.train_set, config.draft_vocab_size, target.decoder.config.vocab_size)
+                     if config.draft_vocab_size else None)
             self.drafter = Drafter.from_target(target.decoder, config.layers, config.block_size,
-                                               config.block_attention, target.fingerprint)
+                                               config.block_attention, target.fingerprint, draft_vocab=vocab)
         self.drafter.float().train()
         shared = {id(p) for p in target.decoder.parameters()}
         self.parameters = {n: p for n, p in self.drafter.named_parameters() if id(p) not in shared}
