@@ -245,3 +245,23 @@ def test_cli_train_runs_resumes_and_refuses_another_config(capsys, data_dir, tmp
     assert main(argv[:-1] + ["0.002"]) == 2
     err = capsys.readouterr().err
     assert "d3d: error:" in err and "another config" in err and "Traceback" not in err
+
+
+def test_reduced_draft_vocabulary_trains_on_frequent_tokens(data_dir, tmp_path):
+    """With draft_vocab_size, the drafter's vocabulary is the most frequent response tokens, the loss
+    falls, and the saved drafter drafts only inside that vocabulary."""
+    from d3d.train.trainer import frequent_tokens
+
+    trainer = Trainer(tiny_train_target(), data_dir, tmp_path / "run", config(steps=20, draft_vocab_size=16))
+    counts = torch.zeros(64, dtype=torch.long)
+    for tokens, start in trainer.train_set:
+        counts += torch.bincount(torch.tensor(tokens[start:]), minlength=64)
+    vocab = trainer.drafter.draft_vocab
+    assert torch.equal(vocab, frequent_tokens(trainer.train_set, 16, 64))
+    assert counts[vocab].min() >= counts[[i for i in range(64) if i not in set(vocab.tolist())]].max()
+    losses = [trainer.train_step()["loss"] for _ in range(20)]
+    assert sum(losses[-3:]) < sum(losses[:3])
+    trainer.save()
+    loaded = Drafter.from_pretrained(tmp_path / "run" / "checkpoint" / "drafter", trainer.target.decoder)
+    logits = loaded.draft(loaded.new_cache(64), [5, 6, 7, 8])
+    assert set(logits.argmax(-1).tolist()) <= set(vocab.tolist())
