@@ -1,8 +1,8 @@
-"""Asynchronous speculative decoding: packed successor drafting overlapped with verification.
+"""Asynchronous speculative decoding: successor blocks drafted while the target verifies.
 
 D3D's drafter reads token ids only, so it can work ahead (SPEC §2, "Asynchronous packed
 drafting"). While the target verifies the block [a, d_1..d_K] after anchor a at position p, a
-drafting worker runs one packed forward (`Drafter.packed_draft`) over
+drafting worker runs `Drafter.packed_draft` over
 - the *trunk* a, d_1..d_K as clean causal tokens, whose KV for a, d_1..d_k is valid whenever the
   target accepts k drafts, and
 - one *branch* per anticipated outcome (k accepted, bonus guess b): the draft block
@@ -10,6 +10,20 @@ drafting worker runs one packed forward (`Drafter.packed_draft`) over
 The verdict (k, bonus) then picks its branch (a *hit*: the next block is drafted already and the
 next verification starts at once) or finds none (a *miss*: `miss_policy` decides). Round time is
 ≈ T_verify + (1 − hit rate) · T_draft instead of T_verify + T_draft.
+
+Where the bonus guesses come from (`AsyncConfig.guess_source`):
+- "block": the drafter's rows of the block under verification (row k predicts the token at
+  p+k+1, seeing only the anchor and masks in between); trunk and branches share one forward.
+- "trunk": the trunk is forwarded first, and its causal outputs — the drafter's AR prediction
+  after a, d_1..d_k, the very context the target judges — give both P(accept) and the guesses;
+  the branches follow in a second forward. Two forwards, both off the critical path. Measured
+  (greedy, 2 branches): SmolLM2-135M with an untrained full-copy drafter hits 3% of outcomes with
+  "block" and 93-97% with "trunk"; tiny random drafters 1-52% vs 69-100%. Mask rows are weak
+  guessers; causal rows are what a drafter (and its L_AR loss) is good at. Hence the default.
+
+On this project's 2-core CPU the worker competes with verification for the same cores (a verify
+took ~2× as long while the worker ran), so concurrency only pays with spare compute: a second
+device, a CUDA stream with idle SMs, or many cores.
 
 Lossless in every case: the target verifies every draft, and at T > 0 each draft is drawn from a
 distribution fixed before its verification, which is all rejection sampling needs. The engine
@@ -36,11 +50,13 @@ from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities
 
 Branch = tuple[int, int]  # (num_accepted k, bonus guess b)
-# A planner maps (committed tokens, draft_tokens, block_logits (B, V), largest useful k) to the
-# branches to draft, most probable first. Tests inject planners that know the true outcome.
+# A planner maps (committed tokens, draft_tokens, guess_logits (≥ K+1, V), largest useful k) to
+# the branches to draft, most probable first; guess_logits row i predicts the token after the
+# anchor's i-th successor (see `plan_branches`). Tests inject planners that know the outcome.
 Planner = Callable[[list[int], list[int], torch.Tensor, int], list[Branch]]
 MissPolicy = Literal["redraft", "reanchor"]
 Selection = Literal["joint", "per_k"]
+GuessSource = Literal["block", "trunk"]
 
 
 @dataclass
@@ -57,6 +73,9 @@ class AsyncConfig(_JsonMixin):
     # same-k branch (drafted for a wrong bonus guess) behind the true bonus, with no drafting pass
     # on the critical path (redraft when no branch has that k).
     miss_policy: MissPolicy = "redraft"
+    # "trunk": plan from the drafter's causal outputs over the drafts (a second forward in the
+    # worker); "block": plan from the block logits that drafted them (one packed forward).
+    guess_source: GuessSource = "trunk"
     concurrent: bool = True  # run packed passes in a worker thread; False = the same schedule, serially
     drafter_threads: int = 1  # torch CPU threads of the worker (0 = torch's default); thread-local
 
@@ -69,36 +88,39 @@ class AsyncConfig(_JsonMixin):
             raise ConfigError(f"unknown selection {self.selection!r}: use joint or per_k")
         if self.miss_policy not in ("redraft", "reanchor"):
             raise ConfigError(f"unknown miss_policy {self.miss_policy!r}: use redraft or reanchor")
+        if self.guess_source not in ("block", "trunk"):
+            raise ConfigError(f"unknown guess_source {self.guess_source!r}: use block or trunk")
         if self.drafter_threads < 0:
             raise ConfigError(f"drafter_threads must be >= 0, got {self.drafter_threads}")
 
 
 # -- branch plan ---------------------------------------------------------------------------------
 
-def plan_branches(block_logits: torch.Tensor, draft_tokens: list[int], max_k: int, config: AsyncConfig,
+def plan_branches(guess_logits: torch.Tensor, draft_tokens: list[int], max_k: int, config: AsyncConfig,
                   sampling: SamplingConfig) -> list[Branch]:
     """The outcomes (k, b) worth drafting ahead, most probable first, judged by the drafter alone.
 
-    block_logits (B, V): the pass that drafted d_1..d_K; row i predicts the token after d_i (row 0:
-    after the anchor), so row K — the extra row when K = B-1 — predicts the bonus after a full
-    accept. With c_i = q_i(d_{i+1}) the drafter's confidence in its own draft,
+    guess_logits (≥ K+1, V), row i predicting the token after d_i (row 0: after the anchor): the
+    block logits that drafted d_1..d_K (row K is then the extra row when K = B-1), or the trunk's
+    causal outputs at a, d_1..d_K. Row K predicts the bonus after a full accept. With q_i row i's
+    distribution and c_i = q_i(d_{i+1}) the drafter's confidence in its own draft,
     P(k accepted, bonus b) ≈ c_0 ⋯ c_{k-1} · q_k(b), b ≠ d_{k+1} (the target rejected it) for k < K.
     Only k ≤ max_k are planned (a larger k leaves no room to draft another block).
     """
     num_drafts = len(draft_tokens)
-    assert block_logits.dim() == 2 and block_logits.shape[0] > num_drafts, \
-        f"block_logits {tuple(block_logits.shape)} needs a row per draft and one after them"
+    assert guess_logits.dim() == 2 and guess_logits.shape[0] > num_drafts, \
+        f"guess_logits {tuple(guess_logits.shape)} needs a row per draft and one after them"
     max_k = min(max_k, num_drafts)
     if config.max_branches == 0 or max_k < 0:
         return []
-    rows = block_logits[:max_k + 1].float()
-    draft_probs = rows.softmax(-1) if sampling.greedy else probabilities(rows, sampling)  # (max_k+1, V)
+    rows = guess_logits[:max_k + 1].float().cpu()  # a few rows: planning is bookkeeping, not compute
+    row_probs = rows.softmax(-1) if sampling.greedy else probabilities(rows, sampling)  # (max_k+1, V)
     num_judged = min(max_k + 1, num_drafts)  # rows k whose draft d_{k+1} is under verification
     judged = torch.arange(num_judged)
     drafts = torch.tensor(draft_tokens[:num_judged], dtype=torch.long)
-    confidence = draft_probs[judged, drafts]  # (num_judged,)
+    confidence = row_probs[judged, drafts]  # (num_judged,)
     reach = torch.cat([torch.ones(1), torch.cumprod(confidence, 0)])[:max_k + 1]  # P(d_1..d_k accepted)
-    guesses = draft_probs.clone()
+    guesses = row_probs.clone()
     guesses[judged, drafts] = 0.0  # a rejected draft is never the bonus
     guess_probs, guess_tokens = torch.topk(guesses, min(config.guesses_per_k, guesses.shape[-1]), dim=-1)
     scores = reach[:, None] * guess_probs  # (max_k+1, F): P(k, b) estimates
@@ -120,11 +142,11 @@ def plan_branches(block_logits: torch.Tensor, draft_tokens: list[int], max_k: in
 class PackedResult:
     branches: list[Branch]  # the outcomes drafted ahead, in plan order
     logits: torch.Tensor  # (N, B, V) block logits, one block per branch
-    seconds: float  # the packed pass's own duration
+    seconds: float  # the worker's time on this job
 
 
 class DraftWorker:
-    """Runs packed drafting passes in one dedicated thread (concurrent) or inline (serial).
+    """Runs drafting jobs in one dedicated thread (concurrent) or inline (serial).
 
     A thread suffices on CPU: torch kernels release the GIL, and `torch.set_num_threads` is
     thread-local under OpenMP (measured: setting it in the worker leaves the main thread's count
@@ -133,7 +155,6 @@ class DraftWorker:
     """
 
     def __init__(self, drafter: Drafter, concurrent: bool, threads: int) -> None:
-        self.drafter = drafter
         self.threads = threads
         self.stream = None
         self.executor: ThreadPoolExecutor | None = None
@@ -146,33 +167,61 @@ class DraftWorker:
         if self.threads:
             torch.set_num_threads(self.threads)
 
-    def _run(self, cache: KVCache, clean: list[int], draft_tokens: list[int], branches: list[Branch]) -> PackedResult:
+    def _run(self, job: Callable[[], tuple[list[Branch], torch.Tensor]]) -> PackedResult:
         started = time.perf_counter()
         if self.stream is not None:
             # Work queued on the main stream (an earlier synchronous draft into this cache) first.
             self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            logits = self.drafter.packed_draft(cache, clean, draft_tokens, branches)
+            branches, logits = job()
         if self.stream is not None:
             self.stream.synchronize()
         return PackedResult(branches, logits, time.perf_counter() - started)
 
-    def submit(self, cache: KVCache, clean: list[int], draft_tokens: list[int],
-               branches: list[Branch]) -> Future[PackedResult]:
+    def submit(self, job: Callable[[], tuple[list[Branch], torch.Tensor]]) -> Future[PackedResult]:
         if self.executor is not None:
-            return self.executor.submit(self._run, cache, clean, draft_tokens, branches)
+            return self.executor.submit(self._run, job)
         future: Future[PackedResult] = Future()
         try:
-            future.set_result(self._run(cache, clean, draft_tokens, branches))
+            future.set_result(self._run(job))
         except Exception as error:  # delivered by result(), as from the thread
             future.set_exception(error)
         return future
 
     def close(self) -> None:
-        """Wait for a running pass (a torch kernel cannot be interrupted) and end the thread."""
+        """Wait for a running job (a torch kernel cannot be interrupted) and end the thread."""
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
             self.executor = None
+
+
+def drafting_job(drafter: Drafter, cache: KVCache, clean: list[int], draft_tokens: list[int],
+                 plan: Callable[[torch.Tensor], list[Branch]], guess_logits: torch.Tensor | None,
+                 ) -> Callable[[], tuple[list[Branch], torch.Tensor]]:
+    """The worker's job for one verification: trunk + branches → (branches, logits (N, B, V)).
+
+    With `guess_logits` (guess source "block") the plan is made from them and one packed forward
+    runs; without, the trunk runs first and the plan is made from its causal outputs. Either way
+    the cache ends holding the whole trunk and no branch; the caller crops it to the verdict.
+    """
+    trunk = clean + draft_tokens
+    anchor_slot = cache.length + len(clean) - 1
+
+    def job() -> tuple[list[Branch], torch.Tensor]:
+        if guess_logits is not None:
+            branches = plan(guess_logits)
+            _, logits = drafter.packed_draft(cache, trunk, branches, anchor_slot)
+            cache.commit(len(trunk))
+            return branches, logits
+        trunk_logits, _ = drafter.packed_draft(cache, trunk, [], anchor_slot, with_trunk=True)
+        cache.commit(len(trunk))
+        branches = plan(trunk_logits)
+        _, logits = drafter.packed_draft(cache, [], branches, anchor_slot) if branches else (None, None)
+        cache.commit(0)
+        if logits is None:
+            logits = trunk_logits.new_zeros(0, drafter.block_size, trunk_logits.shape[-1])
+        return branches, logits
+    return job
 
 
 # -- engine --------------------------------------------------------------------------------------
@@ -196,8 +245,8 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     """Speculative decoding with successor blocks drafted during verification (see module docstring).
 
     Same contract as `d3d.engine.speculative_generate`: one `Step` per target forward with running
-    `SpecStats` (which here also count branch hits, packed-pass time and waiting). The worker thread
-    ends when the generator is exhausted, closed or interrupted by an exception.
+    `SpecStats` (which here also count branch hits, drafting-job time and waiting). The worker
+    thread ends when the generator is exhausted, closed or interrupted by an exception.
     """
     async_config = async_config or AsyncConfig()
     if drafter is None:
@@ -209,10 +258,10 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
                           f"this drafter is configured for {drafter.config.denoising_steps}")
     sampling = config.sampling
     if planner is None:
-        def planner(tokens: list[int], draft_tokens: list[int], block_logits: torch.Tensor, max_k: int) -> list[Branch]:
-            return plan_branches(block_logits, draft_tokens, max_k, async_config, sampling)
+        def planner(tokens: list[int], draft_tokens: list[int], guess_logits: torch.Tensor, max_k: int) -> list[Branch]:
+            return plan_branches(guess_logits, draft_tokens, max_k, async_config, sampling)
 
-    block_size = drafter.block_size
+    block_size, budget = drafter.block_size, async_config.max_branches
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
     generator = make_generator(sampling)
     step, target_cache = prefill(target, sequence, sampling, generator)
@@ -220,9 +269,14 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     if sequence.finish_reason is not None:
         return
     stats = sequence.stats
-    # Room for the committed tokens plus one packed pass: the trunk and every branch block.
-    drafter_cache = drafter.new_cache(sequence.max_length + async_config.max_branches * block_size)
+    # Room for the committed tokens, a trunk and every branch block of one packed forward.
+    drafter_cache = drafter.new_cache(sequence.max_length + budget * block_size)
     worker = DraftWorker(drafter, async_config.concurrent, async_config.drafter_threads)
+    # Give the worker its own cores: the main thread keeps what the worker does not take (two
+    # OpenMP teams oversubscribing 2 cores run many times slower than one thread each).
+    main_threads = torch.get_num_threads()
+    if async_config.concurrent and async_config.drafter_threads and target.device.type == "cpu":
+        torch.set_num_threads(max(1, main_threads - async_config.drafter_threads))
     try:
         block_logits: torch.Tensor | None = None  # (B, V) drafted for the block after tokens[-1]
         while sequence.finish_reason is None:
@@ -234,10 +288,18 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
                                          if num_drafts > 0 else (torch.empty(0, dtype=torch.long), None))
             # k accepted commits k+1 tokens; a branch is useful only if two slots remain to draft into.
             max_k = min(num_drafts, sequence.room - 3)
-            branches = planner(sequence.tokens, draft_tokens.tolist(), block_logits, max_k) if max_k >= 0 else []
-            branches = list(dict.fromkeys(b for b in branches if 0 <= b[0] <= max_k))[:async_config.max_branches]
-            clean = sequence.tokens[drafter_cache.length:]  # ends with the anchor
-            packed = worker.submit(drafter_cache, clean, draft_tokens.tolist(), branches) if branches else None
+            packed = None
+            if max_k >= 0 and budget > 0:
+                drafts = draft_tokens.tolist()
+
+                def plan(guess_logits: torch.Tensor, tokens: list[int] = list(sequence.tokens),
+                         drafts: list[int] = drafts, max_k: int = max_k) -> list[Branch]:
+                    branches = planner(tokens, drafts, guess_logits, max_k)
+                    return list(dict.fromkeys(b for b in branches if 0 <= b[0] <= max_k))[:budget]
+                guesses = block_logits if async_config.guess_source == "block" else None
+                clean = sequence.tokens[drafter_cache.length:]  # ends with the anchor
+                anchor_slot = len(sequence.tokens) - 1
+                packed = worker.submit(drafting_job(drafter, drafter_cache, clean, drafts, plan, guesses))
             drafted = time.perf_counter()
             verdict = verify_block(target, target_cache, sequence.tokens[-1], draft_tokens, draft_probs,
                                    sampling, generator)
@@ -246,20 +308,20 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
             waited = time.perf_counter()
             stats.draft_seconds += (drafted - started) + (waited - verified)
             stats.verify_seconds += verified - drafted
+            block_logits, hit = None, False
             if result is not None:
                 stats.packed_seconds += result.seconds
-                # Serially the pass ran before verification, inside `drafted - started`.
+                # Serially the job ran before verification, inside `drafted - started`.
                 stats.wait_seconds += waited - verified if async_config.concurrent else result.seconds
-                drafter_cache.commit(len(clean) + verdict.num_accepted)  # a, d_1..d_k are committed now
+                drafter_cache.crop(anchor_slot + verdict.num_accepted + 1)  # a, d_1..d_k are committed now
+                block_logits, hit = next_block(result, verdict.num_accepted, verdict.bonus_token,
+                                               async_config.miss_policy)
             new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
             step = sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted,
                                    "drafter" if num_drafts > 0 else "none")
-            block_logits, hit = None, False
-            if result is not None:
-                block_logits, hit = next_block(result, verdict.num_accepted, verdict.bonus_token,
-                                               async_config.miss_policy)
-            if num_drafts > 0 and sequence.finish_reason is None:
-                stats.record_branch(verdict.num_accepted, hit)
+            if num_drafts > 0 and sequence.finish_reason is None and sequence.room >= 2:
+                stats.record_branch(verdict.num_accepted, hit)  # a next block is needed: was it ready?
             yield step
     finally:
         worker.close()
+        torch.set_num_threads(main_threads)

@@ -59,6 +59,9 @@ def describe(label: str, result: RunResult) -> str:
         line += (f", τ = {s.tau:.2f} (tokens per verification, bonus included; {s.steps} steps), "
                  f"acceptance by draft position: {rates}{' …' if len(s.acceptance_rate) > 8 else ''}, "
                  f"drafting {100 * s.draft_seconds / max(s.wall_seconds, 1e-9):.0f}% of the time")
+    if s.branch_rounds_at:  # method "async"
+        line += (f", next block drafted ahead for {100 * s.hit_rate:.0f}% of verdicts, "
+                 f"{100 * s.overlap_fraction:.0f}% of that drafting overlapped with verification")
     return line
 
 

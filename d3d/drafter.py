@@ -210,40 +210,39 @@ class Drafter(nn.Module):
         return logits
 
     @torch.no_grad()
-    def packed_draft(self, cache: KVCache, clean: list[int], draft_tokens: list[int],
-                     branches: list[tuple[int, int]]) -> torch.Tensor:
-        """Branch block logits (N, B, V) from one packed forward (the async engine's drafting pass).
+    def packed_draft(self, cache: KVCache, trunk: list[int], branches: list[tuple[int, int]], anchor_slot: int,
+                     with_trunk: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One packed forward (the async engine's drafting pass) → (trunk logits (T', V) from the
+        anchor's row on, when `with_trunk`; branch block logits (N, B, V)).
 
-        Trunk = `clean` (the committed tokens the cache lacks, ending with the anchor a at position
-        p) + `draft_tokens` d_1..d_K (the block under verification), causal. Branch (k, b) is the
-        block [b, MASK × (B-1)] at positions p+k+1 … p+k+B, the draft after the outcome "k drafts
-        accepted, bonus b": it sees the cache, trunk tokens a, d_1..d_k and itself (as in `draft`).
-        The forward stays pending in `cache`; once the verdict is known the caller keeps the trunk
-        KV of the committed prefix with `cache.commit(len(clean) + num_accepted)` — valid KV,
-        because the trunk is clean causal input. One denoising step only.
+        `trunk`: clean tokens after the cache — e.g. committed tokens it lacks, the anchor a, then
+        the drafts d_1..d_K under verification — causal. `anchor_slot`: a's slot (= position), in
+        the cache or the trunk. Branch (k, b) is the block [b, MASK × (B-1)] at positions
+        anchor_slot+k+1 … anchor_slot+k+B that `draft` would run after the outcome "k drafts
+        accepted, bonus b": it sees slots 0 … anchor_slot+k (context, a, d_1..d_k) and itself, never
+        other branches or later drafts. Everything stays pending in `cache`: the caller keeps the
+        trunk KV (clean causal input, so valid for any accepted prefix) and drops the branches.
         """
-        if not clean:
-            raise ValueError("the trunk needs the anchor: `clean` must end with the last committed token")
         if self.config.denoising_steps != 1:
             raise ValueError("packed drafting runs one denoising step; this drafter is configured for "
                              f"{self.config.denoising_steps}")
-        num_drafts, size = len(draft_tokens), self.block_size
-        if any(not 0 <= k <= num_drafts for k, _ in branches):
-            raise ValueError(f"branch k values {[k for k, _ in branches]} must lie in 0 … {num_drafts}")
-        start, device = cache.length, self.decoder.device
-        trunk = clean + draft_tokens
-        anchor_position = start + len(clean) - 1
+        size, start, device = self.block_size, cache.length, self.decoder.device
+        end = start + len(trunk)
+        if not 0 <= anchor_slot < end or any(not 0 <= k < end - anchor_slot for k, _ in branches):
+            raise ValueError(f"branches {branches} after the anchor at slot {anchor_slot} must lie within "
+                             f"the {end} slots of cache and trunk")
         masks = [self.config.mask_token_id] * (size - 1)
         ids = trunk + [token for _, bonus in branches for token in [bonus] + masks]
         offsets = torch.arange(size)
-        positions = torch.cat([torch.arange(start, start + len(trunk))]
-                              + [anchor_position + k + 1 + offsets for k, _ in branches]).to(device)
-        mask = packed_mask(len(trunk), [len(clean) + k for k, _ in branches], size, start,
+        positions = torch.cat([torch.arange(start, end)]
+                              + [anchor_slot + k + 1 + offsets for k, _ in branches]).to(device)
+        mask = packed_mask(len(trunk), [anchor_slot + k + 1 for k, _ in branches], size, start,
                            self.config.block_attention, device)
         hidden = self.decoder.hidden_states(self.embed(torch.tensor([ids], device=device)), positions[None],
-                                            cache, mask[None])
-        logits = self.logits(hidden[0, len(trunk):])  # (N·B, V)
-        return logits.view(len(branches), size, logits.shape[-1])
+                                            cache, mask[None])[0]
+        trunk_logits = self.logits(hidden[max(0, anchor_slot - start):len(trunk)]) if with_trunk else None
+        logits = self.logits(hidden[len(trunk):])  # (N·B, V)
+        return trunk_logits, logits.view(len(branches), size, logits.shape[-1])
 
 
 def check_compatible(config: DrafterConfig, target: Decoder, tokenizer_fingerprint: str, source: str) -> None:

@@ -22,7 +22,7 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
-from d3d.gate import SpeculationGate
+from d3d.gate import VERIFY_COST_PER_DRAFT, SpeculationGate, drafter_cost
 from d3d.lookup import LookupConfig, lookup_drafts
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities, sample
@@ -163,12 +163,16 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
 
     Drafts come from context lookup when `lookup` is set and the context holds a match, else from
     the diffusion drafter (when there is one); with neither, the step is a plain AR step. With
-    `adaptive`, a `SpeculationGate` skips a source whose measured rate falls below plain decoding.
+    `adaptive`, a `SpeculationGate` skips a source whose expected rate falls below plain decoding.
     """
-    gate = SpeculationGate() if adaptive else None
+    block_size = drafter.block_size if drafter is not None else 16
+    gate = None
+    if adaptive:
+        verify = 1.0 + VERIFY_COST_PER_DRAFT * (block_size - 1)
+        gate = SpeculationGate({"none": 1.0, "lookup": verify,
+                                "drafter": verify + (drafter_cost(target, drafter) if drafter is not None else 0.0)})
     if drafter is not None and drafter.config.target_vocab_size != target.config.vocab_size:
         raise ValueError("the drafter was made for another vocabulary")
-    block_size = drafter.block_size if drafter is not None else 16
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
     generator = make_generator(config.sampling)
     step, target_cache = prefill(target, sequence, config.sampling, generator)
@@ -197,6 +201,6 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
         sequence.stats.draft_seconds += drafted - started
         sequence.stats.verify_seconds += finished - drafted
         if gate is not None:
-            gate.record(source, verdict.num_accepted + 1, finished - started)
+            gate.record(source, verdict.num_accepted + 1)
         new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
         yield sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted, source)

@@ -44,6 +44,7 @@ class Pipeline:
         self.target = target
         self.drafter = drafter
         self.lookup = lookup or LookupConfig()
+        self.adaptive = True  # gate speculation by its measured rate (see d3d.gate)
         self.async_config = async_config or AsyncConfig()  # method "async" only
         self.drafter_source = drafter_source or ("none" if drafter is None else "given")  # for messages
 
@@ -90,7 +91,10 @@ class Pipeline:
             return async_generate(decoder, self.drafter, prompt_ids, config, self.async_config)
         drafter = None if method == "lookup" else self.drafter
         lookup = None if method == "drafter" else self.lookup
-        return speculative_generate(decoder, drafter, prompt_ids, config, lookup)
+        # The product default is gated (never knowingly slower than plain decoding); the
+        # single-source methods are not, so that benchmarks measure the source itself.
+        adaptive = self.adaptive and method == "speculative"
+        return speculative_generate(decoder, drafter, prompt_ids, config, lookup, adaptive)
 
     def generate(self, prompt: str | list[dict[str, str]], *, chat: bool = True, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

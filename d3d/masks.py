@@ -38,23 +38,23 @@ def draft_mask(num_clean: int, block_size: int, cached: int, block_attention: Bl
     return mask
 
 
-def packed_mask(trunk_length: int, branch_prefixes: list[int], block_size: int, cached: int,
+def packed_mask(trunk_length: int, branch_visible: list[int], block_size: int, cached: int,
                 block_attention: BlockAttention, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(N, cached + N), N = trunk_length + len(branch_prefixes) · B: a trunk and draft-block branches.
+    """(N, cached + N), N = trunk_length + len(branch_visible) · B: a trunk and draft-block branches.
 
-    The trunk (clean tokens, e.g. [anchor, drafts under verification]) is causal. Branch j is one
-    draft block that sees every cached slot, the first `branch_prefixes[j]` trunk tokens, and itself
-    inside the block as `draft_mask` lays it out; it never sees other branches or later trunk tokens.
+    The trunk (clean tokens after the cache, e.g. [anchor, drafts under verification]) is causal.
+    Branch j is one draft block that sees the first `branch_visible[j]` of the cached + trunk slots
+    and itself, inside the block as `draft_mask` lays it out; never other branches or later slots.
     """
-    length = trunk_length + len(branch_prefixes) * block_size
+    length = trunk_length + len(branch_visible) * block_size
     mask = torch.zeros(length, cached + length, dtype=torch.bool, device=device)
     mask[:trunk_length, :cached + trunk_length] = causal_mask(trunk_length, cached, device)
     inside = draft_mask(0, block_size, 0, block_attention, device)  # (B, B): the block over itself
-    for j, prefix in enumerate(branch_prefixes):
-        if not 0 <= prefix <= trunk_length:
-            raise ValueError(f"branch {j} sees {prefix} trunk tokens; the trunk holds {trunk_length}")
+    for j, visible in enumerate(branch_visible):
+        if not 0 <= visible <= cached + trunk_length:
+            raise ValueError(f"branch {j} sees {visible} slots; cache and trunk hold {cached + trunk_length}")
         row = trunk_length + j * block_size
         rows = slice(row, row + block_size)
-        mask[rows, :cached + prefix] = True
+        mask[rows, :visible] = True
         mask[rows, cached + row:cached + row + block_size] = inside
     return mask

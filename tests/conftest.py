@@ -132,7 +132,8 @@ def perturb_drafter(drafter: Drafter, scale: float, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in drafter.own_state().values():
-            param.add_(scale * torch.randn(param.shape, generator=generator))
+            if param.is_floating_point():  # not the draft vocabulary's ids
+                param.add_(scale * torch.randn(param.shape, generator=generator))
 
 
 def make_oracle(target: Decoder, block_size: int, layers: list[int] | None = None) -> OracleDrafter:

@@ -14,18 +14,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from d3d.config import GenerationConfig
+from d3d.config import ConfigError, GenerationConfig
 from d3d.generation import Pipeline
 from d3d.stats import SpecStats
 
-OURS = ("ar", "lookup", "drafter", "speculative")
+OURS = ("ar", "lookup", "drafter", "speculative", "async")
 TRANSFORMERS = ("hf", "hf_lookup")
 ALL_METHODS = OURS + TRANSFORMERS
 DESCRIPTIONS = {
     "ar": "d3d plain AR decoding (the reference)",
     "lookup": "d3d speculative, context lookup drafts only",
     "drafter": "d3d speculative, D3D drafter only (sync)",
-    "speculative": "d3d speculative, lookup where it matches + D3D drafter elsewhere (sync)",
+    "speculative": "d3d speculative, lookup where it matches + D3D drafter elsewhere (sync, gated)",
+    "async": "d3d asynchronous: the drafter drafts successor blocks in a worker during verification",
     "hf": "transformers generate (AR)",
     "hf_lookup": "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)",
 }
@@ -93,8 +94,8 @@ def build_methods(pipeline: Pipeline, names: list[str]) -> dict[str, Method]:
     unknown = [n for n in names if n not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
-    if pipeline.drafter is None and any(n in ("drafter", "speculative") for n in names):
-        raise ValueError("methods 'drafter' and 'speculative' need a drafter")
+    if pipeline.drafter is None and any(n in ("drafter", "speculative", "async") for n in names):
+        raise ConfigError("methods 'drafter', 'speculative' and 'async' need a drafter")
     methods: dict[str, Method] = {}
     model = None
     for name in names:

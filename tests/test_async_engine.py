@@ -1,0 +1,550 @@
+"""Async engine: packed branches equal unpacked drafts, async == sync == reference output under every
+plan (all hits, all misses, none), both miss policies, serial and concurrent; sampling keeps the
+target's distribution; branch plans follow the drafter's own probabilities; no worker outlives a
+generation."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import multiprocessing
+import threading
+
+import pytest
+import torch
+
+import d3d.async_engine
+import d3d.generation
+from conftest import (AdversarialDrafter, OracleDrafter, greedy_continuation, make_decoder, one_hot_logits,
+                      tiny_config)
+from d3d.async_engine import AsyncConfig, async_generate, plan_branches
+from d3d.cli import main
+from d3d.config import ConfigError, GenerationConfig, SamplingConfig
+from d3d.drafter import Drafter
+from d3d.engine import reference_generate, speculative_generate
+from d3d.masks import draft_mask, packed_mask
+from d3d.sampling import probabilities
+from test_generation import tiny_target
+
+GREEDY = SamplingConfig()
+
+
+def run(steps) -> tuple[list[int], list]:
+    steps = list(steps)
+    return [t for s in steps for t in s.tokens], steps
+
+
+def greedy(max_new_tokens: int, eos: list[int] | None = None) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos or [])
+
+
+def perturb_drafter(drafter: Drafter, scale: float, seed: int) -> None:
+    """Seeded noise on the drafter's own float weights (its drafts now differ from the target's layers)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in drafter.own_state().values():
+            if param.is_floating_point():  # not the draft-vocabulary index buffer
+                param.add_(scale * torch.randn(param.shape, generator=generator))
+
+
+def m(rows: list[str]) -> torch.Tensor:
+    return torch.tensor([[c == "1" for c in row] for row in rows])
+
+
+def no_workers() -> bool:
+    return (not any(t.name.startswith("d3d-drafter") for t in threading.enumerate())
+            and not multiprocessing.active_children())
+
+
+# -- drafters and planners with known behaviour ----------------------------------------------
+
+class HistoryMixin:
+    """Tracks the token at every drafter-cache slot, so packed branches know their full context."""
+
+    def draft(self, cache, tokens):
+        self.history = list(tokens)
+        self.sync_drafts = getattr(self, "sync_drafts", 0) + 1
+        return super().draft(cache, tokens)
+
+    @torch.no_grad()
+    def packed_draft(self, cache, trunk, branches, anchor_slot, with_trunk=False):
+        slots = self.history[:cache.length] + trunk
+        trunk_logits, logits = super().packed_draft(cache, trunk, branches, anchor_slot, with_trunk)
+        self.history = slots  # the cache may keep the trunk
+        for j, (k, bonus) in enumerate(branches):
+            logits[j] = self.branch_logits(slots[:anchor_slot + k + 1] + [bonus], logits.shape[-1])
+        if trunk_logits is not None:  # causal row i predicts the token after slot anchor_slot + i
+            for i in range(trunk_logits.shape[0]):
+                trunk_logits[i] = self.branch_logits(slots[:anchor_slot + i + 1], trunk_logits.shape[-1])[0]
+        return trunk_logits, logits
+
+
+class AsyncOracle(HistoryMixin, OracleDrafter):
+    """Drafts (sync and packed) are the target's greedy continuation: every draft is accepted."""
+
+    def branch_logits(self, tokens, vocab):
+        return one_hot_logits(greedy_continuation(self.oracle_target, tokens, self.block_size), self.block_size, vocab)
+
+
+class AsyncAdversary(HistoryMixin, AdversarialDrafter):
+    """Every first draft (sync and packed) is wrong: τ = 1."""
+
+    def branch_logits(self, tokens, vocab):
+        wanted = greedy_continuation(self.oracle_target, tokens, 1)  # only the first draft matters
+        return one_hot_logits([(t + 1) % vocab for t in wanted], self.block_size, vocab, filler=1)
+
+
+def truth(target, tokens, draft_tokens) -> tuple[int, int]:
+    """The greedy verdict (k, bonus) the target will give."""
+    wanted = greedy_continuation(target, tokens, len(draft_tokens) + 1)
+    k = next((i for i, (d, w) in enumerate(zip(draft_tokens, wanted)) if d != w), len(draft_tokens))
+    return k, wanted[k]
+
+
+def hit_planner(target, extra: int = 0):
+    """Plans the true outcome (after `extra` wrong guesses, so the budget matters): all hits."""
+    def plan(tokens, draft_tokens, block_logits, max_k):
+        k, bonus = truth(target, tokens, draft_tokens)
+        vocab = block_logits.shape[-1]
+        wrong = [(j % (max_k + 1), (bonus + 1 + j) % vocab) for j in range(extra)]
+        return wrong + ([(k, bonus)] if k <= max_k else [])
+    return plan
+
+
+def miss_planner(target):
+    """Every k, but never the true bonus: all misses (and a same-k branch for "reanchor")."""
+    def plan(tokens, draft_tokens, block_logits, max_k):
+        k, bonus = truth(target, tokens, draft_tokens)
+        vocab = block_logits.shape[-1]
+        return [(j, (bonus + 1) % vocab if j == k else bonus) for j in range(max_k + 1)]
+    return plan
+
+
+def make_drafter(kind: str, target, block_size: int = 4) -> Drafter:
+    if kind == "oracle":
+        return AsyncOracle.from_target(target, [0], block_size=block_size)
+    if kind == "adversary":
+        return AsyncAdversary.from_target(target, [0], block_size=block_size)
+    drafter = Drafter.from_target(target, [0], block_size=block_size)
+    perturb_drafter(drafter, 0.05, seed=3)  # an imperfect drafter: a mix of hits and misses
+    return drafter
+
+
+# -- packed mask ------------------------------------------------------------------------------
+
+def test_packed_mask_by_hand():
+    """Trunk of 3 after 1 cached slot; branch 0 sees 2 slots (cache + trunk 0), branch 1 all 4."""
+    expected = m(["11......",   # trunk 0 (the anchor)
+                  "111.....",   # trunk 1
+                  "1111....",   # trunk 2
+                  "11..1...",   # branch 0 anchor: cache, trunk 0, itself (anchor_causal)
+                  "11..11..",   # branch 0 mask: + the whole block
+                  "1111..1.",   # branch 1 anchor
+                  "1111..11",   # branch 1 mask
+                  ])
+    mask = packed_mask(3, [2, 4], 2, 1, "anchor_causal")
+    assert mask.shape == (7, 8)
+    assert torch.equal(mask, expected[:, :8])
+
+
+@pytest.mark.parametrize("mode", ["causal", "anchor_causal", "bidirectional"])
+def test_packed_mask_branch_matches_draft_mask(mode):
+    """Each branch's rows over (visible slots, own block) are exactly a draft_mask layout."""
+    trunk, visible_slots, size, cached = 5, [3, 5, 8, 1], 4, 3
+    mask = packed_mask(trunk, visible_slots, size, cached, mode)
+    for j, visible in enumerate(visible_slots):
+        rows = mask[trunk + j * size:trunk + (j + 1) * size]
+        own = cached + trunk + j * size
+        seen = torch.cat([rows[:, :visible], rows[:, own:own + size]], 1)
+        assert torch.equal(seen, draft_mask(0, size, visible, mode))
+        assert rows.sum() == seen.sum()  # nothing else: no other branch, no later slot
+    with pytest.raises(ValueError):
+        packed_mask(2, [3], 2, 0, mode)
+
+
+# -- packed pass == unpacked drafts -------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("mode", ["causal", "anchor_causal", "bidirectional"])
+@pytest.mark.parametrize("cached_all", [True, False], ids=["cache-holds-context", "cache-behind"])
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one-forward", "trunk-first"])
+def test_packed_branches_equal_unpacked_drafts(family, mode, cached_all, two_pass):
+    """Branch (k, b) == `draft` on a fresh cache over committed + a, d_1..d_k + b, whether the trunk
+    shares the forward or ran first; the trunk's outputs are the drafter's causal predictions."""
+    target = make_decoder(tiny_config(family, tie_word_embeddings=False), seed=1)
+    drafter = Drafter.from_target(target, [0, 1], block_size=5, block_attention=mode)
+    perturb_drafter(drafter, 0.1, seed=2)
+    tokens = [3, 17, 42, 5, 9, 33, 60, 1, 7]
+    draft_tokens = [11, 12, 13, 14]
+    branches = [(0, 20), (2, 21), (4, 22), (1, 23), (2, 24)]
+    cache = drafter.new_cache(64 + 5 * 5)
+    known = len(tokens) - 1 if cached_all else 3
+    if known:
+        drafter.block_pass(cache, tokens[:known], [])  # committed context in the cache
+    trunk, anchor_slot = tokens[known:] + draft_tokens, len(tokens) - 1
+    if two_pass:
+        trunk_logits, _ = drafter.packed_draft(cache, trunk, [], anchor_slot, with_trunk=True)
+        cache.commit(len(trunk))
+        _, packed = drafter.packed_draft(cache, [], branches, anchor_slot)
+        causal = drafter.logits(drafter.decoder.hidden_states(
+            drafter.embed(torch.tensor([tokens + draft_tokens])), torch.arange(13)[None]))[0, anchor_slot:]
+        torch.testing.assert_close(trunk_logits, causal, atol=1e-4, rtol=0)
+    else:
+        _, packed = drafter.packed_draft(cache, trunk, branches, anchor_slot)
+        cache.commit(len(trunk))
+    assert packed.shape == (5, 5, 64)
+    for (k, bonus), logits in zip(branches, packed):
+        expected = drafter.draft(drafter.new_cache(64), tokens + draft_tokens[:k] + [bonus])
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    # The verdict "2 accepted": the trunk KV of a, d_1, d_2 stays and is valid KV.
+    cache.crop(len(tokens) + 2)
+    after = tokens + draft_tokens[:2] + [30]
+    torch.testing.assert_close(drafter.draft(cache, after), drafter.draft(drafter.new_cache(64), after),
+                               atol=1e-4, rtol=0)
+
+
+def test_packed_draft_rejects_bad_input(target):
+    drafter = Drafter.from_target(target, [0], block_size=4)
+    cache = drafter.new_cache(32)
+    with pytest.raises(ValueError, match="slot"):
+        drafter.packed_draft(cache, [], [(0, 3)], 0)  # no anchor anywhere
+    with pytest.raises(ValueError, match="slot"):
+        drafter.packed_draft(cache, [5, 1, 2], [(3, 3)], 0)  # k = 3 needs slot 3
+    assert drafter.packed_draft(cache, [5, 6, 1, 2], [], 1)[1].shape == (0, 4, 64)
+
+
+# -- branch plan --------------------------------------------------------------------------------
+
+def plan_logits(rows: list[dict[int, float]], vocab: int = 10) -> torch.Tensor:
+    """Logits whose softmax puts the given probabilities on tokens (the rest spread evenly)."""
+    probs = torch.zeros(len(rows), vocab)
+    for i, row in enumerate(rows):
+        rest = (1 - sum(row.values())) / (vocab - len(row))
+        probs[i] = rest
+        for token, p in row.items():
+            probs[i, token] = p
+    return probs.log()
+
+
+def test_plan_follows_the_drafters_probabilities():
+    """P(k, b) ≈ c_0⋯c_{k-1} · q_k(b), b ≠ d_{k+1}; row K (the extra row) guesses after a full accept."""
+    logits = plan_logits([{1: 0.9, 5: 0.05}, {2: 0.5, 6: 0.4}, {7: 0.8}])
+    plan = plan_branches(logits, [1, 2], 2, AsyncConfig(max_branches=3, guesses_per_k=2), GREEDY)
+    # k=1, b=6: 0.9·0.4 = .36; k=2, b=7: 0.9·0.5·0.8 = .36; k=0, b=5: .05 — never b = d_{k+1}.
+    assert set(plan[:2]) == {(1, 6), (2, 7)} and plan[2] == (0, 5)
+    assert all(b != d for (k, b), d in [(p, [1, 2, None][p[0]]) for p in plan])
+    assert plan_branches(logits, [1, 2], 2, AsyncConfig(max_branches=1, guesses_per_k=1), GREEDY) in ([(1, 6)], [(2, 7)])
+    assert plan_branches(logits, [1, 2], 2, AsyncConfig(max_branches=0), GREEDY) == []
+    # max_k = 0: only the outcome "first draft rejected" is useful.
+    assert {k for k, _ in plan_branches(logits, [1, 2], 0, AsyncConfig(max_branches=8), GREEDY)} == {0}
+
+
+def test_plan_per_k_spends_the_budget_on_likely_k():
+    """per_k: the most probable k values (exactly k accepted), each with guesses_per_k guesses."""
+    logits = plan_logits([{1: 0.2}, {2: 0.9}, {3: 0.9}])  # k=0 most likely (0.8)
+    plan = plan_branches(logits, [1, 2], 2, AsyncConfig(max_branches=4, guesses_per_k=4, selection="per_k"), GREEDY)
+    assert len(plan) == 4 and all(k == 0 for k, _ in plan) and 1 not in [b for _, b in plan]
+
+
+def test_plan_at_temperature_uses_the_transformed_probabilities():
+    """With top_k = 1 only the top token survives the transform: row k has no guess once d_{k+1} is excluded."""
+    logits = plan_logits([{1: 0.6, 4: 0.3}, {2: 0.6}, {7: 0.6}])
+    sampling = SamplingConfig(temperature=1.0, top_k=1)
+    plan = plan_branches(logits, [1, 2], 2, AsyncConfig(max_branches=8, guesses_per_k=3), sampling)
+    assert plan == [(2, 7)]
+
+
+def test_async_config_validation_and_json():
+    for bad in (dict(max_branches=-1), dict(guesses_per_k=0), dict(miss_policy="wait"), dict(selection="x"),
+                dict(drafter_threads=-1), dict(guess_source="mask")):
+        with pytest.raises(ConfigError):
+            AsyncConfig(**bad)
+    config = AsyncConfig(max_branches=7, miss_policy="reanchor", concurrent=False)
+    assert AsyncConfig.from_json(config.to_json()) == config
+
+
+# -- greedy: async == sync == reference ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def setup():
+    target = make_decoder(tiny_config("llama", tie_word_embeddings=False), seed=1)
+    prompt = [3, 17, 42, 5, 9, 33, 60, 1]
+    expected, _ = run(reference_generate(target, prompt, greedy(40)))
+    return target, prompt, expected
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["serial", "concurrent"])
+@pytest.mark.parametrize("policy", ["redraft", "reanchor"])
+@pytest.mark.parametrize("plan", ["trunk", "block", "hits", "misses", "none"])
+@pytest.mark.parametrize("kind", ["oracle", "adversary", "perturbed"])
+def test_async_output_equals_reference(setup, kind, plan, policy, concurrent):
+    """Token-for-token identity for every drafter, plan, miss policy and execution mode; hit rates
+    are exactly 1 / 0 for the forced plans."""
+    target, prompt, expected = setup
+    drafter = make_drafter(kind, target)
+    planner = {"hits": hit_planner(target, extra=1), "misses": miss_planner(target)}.get(plan)
+    config = AsyncConfig(max_branches=0 if plan == "none" else 4, miss_policy=policy, concurrent=concurrent,
+                         guess_source="block" if plan == "block" else "trunk")
+    tokens, steps = run(async_generate(target, drafter, prompt, greedy(40), config, planner))
+    assert tokens == expected
+    assert steps[-1].finish_reason == "length"
+    stats = steps[-1].stats
+    assert sum(stats.branch_rounds_at) > 0
+    if plan == "hits":
+        assert stats.hit_rate == 1.0
+    if plan in ("misses", "none"):
+        assert stats.hit_rate == 0.0
+    if kind == "oracle":
+        if not (plan == "misses" and policy == "reanchor"):  # reanchored drafts follow a wrong bonus
+            assert all(s.num_accepted == 3 for s in steps[1:-1])  # the last one is cut by the length
+        if plan in ("hits", "trunk", "block"):  # the oracle's own guesses are right too
+            assert stats.hit_rate == 1.0
+            assert drafter.sync_drafts == 1  # only the first block; every later block was a hit
+    if kind == "adversary":
+        assert stats.tau == 1.0
+
+
+@pytest.mark.parametrize("source", ["trunk", "block"])
+def test_async_steps_equal_sync_steps(setup, source):
+    """With redraft on misses, every block is drafted from the same context as the sync engine
+    would draft it, so both verify the same drafts: identical steps, τ and acceptance."""
+    target, prompt, expected = setup
+    drafter = make_drafter("perturbed", target)
+    _, sync = run(speculative_generate(target, drafter, prompt, greedy(40)))
+    config = AsyncConfig(concurrent=False, guess_source=source)
+    tokens, steps = run(async_generate(target, drafter, prompt, greedy(40), config))
+    assert tokens == expected
+    assert [(s.tokens, s.num_drafted, s.num_accepted) for s in steps] == \
+        [(s.tokens, s.num_drafted, s.num_accepted) for s in sync]
+    assert 0 < steps[-1].stats.hit_rate < 1  # some blocks came from branches, some were redrafted
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 8])
+@pytest.mark.parametrize("budget", [(1, 1, "joint", "trunk"), (16, 4, "joint", "block"), (6, 3, "per_k", "trunk"),
+                                    (4, 2, "per_k", "block")])
+def test_block_sizes_and_budgets(setup, block_size, budget):
+    target, prompt, expected = setup
+    max_branches, guesses, selection, source = budget
+    drafter = make_drafter("perturbed", target, block_size)
+    config = AsyncConfig(max_branches=max_branches, guesses_per_k=guesses, selection=selection, guess_source=source)
+    tokens, steps = run(async_generate(target, drafter, prompt, greedy(40), config))
+    assert tokens == expected
+
+
+@pytest.mark.parametrize("kind", ["oracle", "perturbed"])
+@pytest.mark.parametrize("concurrent", [False, True], ids=["serial", "concurrent"])
+def test_eos_inside_a_block(setup, kind, concurrent):
+    target, prompt, full = setup
+    position = next(i for i in range(6, 30) if i % 4 and full[i] not in full[:i])
+    config = greedy(40, eos=[full[position]])
+    drafter = make_drafter(kind, target)
+    planner = hit_planner(target) if kind == "oracle" else None
+    tokens, steps = run(async_generate(target, drafter, prompt, config, AsyncConfig(concurrent=concurrent), planner))
+    assert tokens == full[:position + 1] and steps[-1].finish_reason == "eos"
+
+
+def test_context_limit_and_first_token_eos():
+    """Context 40, prompt 30: stops at 40 tokens; an EOS from the prefill ends before any drafting."""
+    target = make_decoder(tiny_config(tie_word_embeddings=False, max_position_embeddings=40), seed=1)
+    prompt = [(7 * i + 3) % 64 for i in range(30)]
+    expected, _ = run(reference_generate(target, prompt, greedy(100)))
+    drafter = make_drafter("perturbed", target, 4)
+    assert run(async_generate(target, drafter, prompt, greedy(100)))[0] == expected
+    first = expected[0]
+    tokens, steps = run(async_generate(target, drafter, prompt, greedy(100, eos=[first])))
+    assert tokens == [first] and len(steps) == 1 and no_workers()
+
+
+def test_denoising_steps_and_missing_drafter_are_refused(target, prompt):
+    drafter = Drafter.from_target(target, [0], block_size=4)
+    drafter.config = dataclasses.replace(drafter.config, denoising_steps=2)
+    with pytest.raises(ConfigError, match="denoising"):
+        next(async_generate(target, drafter, prompt, greedy(5)))
+    with pytest.raises(ConfigError, match="drafter"):
+        next(async_generate(target, None, prompt, greedy(5)))
+
+
+# -- sampling ---------------------------------------------------------------------------------------
+
+SAMPLING = dict(temperature=1.0, top_k=6, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    """The test_engine vocab-8 setup: a target and a drafter far from it (block 3: 2 drafts)."""
+    config = tiny_config(vocab_size=8, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=8, tie_word_embeddings=False, max_position_embeddings=32)
+    target = make_decoder(config, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.35)
+    drafter = Drafter.from_target(target, [0], block_size=3)
+    perturb_drafter(drafter, scale=0.5, seed=7)
+    return target, drafter, [1, 5, 2]
+
+
+@torch.no_grad()
+def exact_marginals(target, prompt, count: int) -> torch.Tensor:
+    """(count, V) exact marginals of new tokens 1 … count under the transformed target, by enumeration."""
+    s = SamplingConfig(**SAMPLING)
+    prefixes, weights = torch.tensor([prompt]), torch.ones(1)
+    marginals = []
+    for _ in range(count):
+        p = probabilities(target(prefixes)[:, -1], s) * weights[:, None]  # (N, V) joint
+        marginals.append(p.sum(0))
+        keep = p.flatten().nonzero().flatten()
+        vocab = p.shape[1]
+        prefixes = torch.cat([prefixes[keep // vocab], (keep % vocab)[:, None]], 1)
+        weights = p.flatten()[keep]
+    return torch.stack(marginals)
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+def test_sampling_preserves_the_target_distribution(sampling_setup):
+    """T=1, top_k=6, top_p=0.9, 2000 seeded runs, 5 tokens: tokens 2-5 (verified, blocks 2+ drafted
+    by packed branches on hits or by reanchored branches on misses) follow the exact target
+    marginals. The drafter is > 0.3 away in TV, so a wrong q or residual would fail by far more."""
+    target, drafter, prompt = sampling_setup
+    exact = exact_marginals(target, prompt, 5)
+    runs, counts = 2000, torch.zeros(5, 8)  # observed TV ≤ 0.03 per token (expected ≈ 0.02)
+    hits = rounds = 0
+    config = AsyncConfig(max_branches=3, guesses_per_k=2, miss_policy="reanchor", concurrent=False)
+    for seed in range(runs):
+        generation = GenerationConfig(max_new_tokens=5, sampling=SamplingConfig(**SAMPLING, seed=seed))
+        tokens, steps = run(async_generate(target, drafter, prompt, generation, config))
+        counts[torch.arange(5), torch.tensor(tokens)] += 1
+        hits += sum(steps[-1].stats.branch_hits_at)
+        rounds += sum(steps[-1].stats.branch_rounds_at)
+    empirical = counts / runs
+    assert 0.1 < hits / rounds < 0.9  # both paths were exercised
+    with torch.no_grad():  # the drafter's own marginal of token 2: what blind acceptance would give
+        q2 = sum(exact[0, a] * probabilities(drafter.draft(drafter.new_cache(32), prompt + [a])[0],
+                                             SamplingConfig(**SAMPLING)) for a in range(8))
+    assert tv(q2, exact[1]) > 0.3
+    for i in range(1, 5):
+        assert tv(empirical[i], exact[i]) < 0.05, (i, empirical[i], exact[i])
+
+
+@pytest.mark.parametrize("source", ["trunk", "block"])
+def test_seeded_sampling_is_the_same_serial_and_concurrent(setup, source):
+    """The sampling generator is only used on the main thread, in the same order either way."""
+    target, prompt, _ = setup
+    drafter = make_drafter("perturbed", target)
+    config = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=1.0, seed=5))
+    serial = run(async_generate(target, drafter, prompt, config, AsyncConfig(concurrent=False, guess_source=source)))[0]
+    concurrent = run(async_generate(target, drafter, prompt, config, AsyncConfig(guess_source=source)))[0]
+    assert serial == concurrent and len(serial) == 30
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+def test_async_metrics(setup):
+    """Serial: all packed time is waited for (overlap 0). Hit rates per k; summary and merge carry them."""
+    target, prompt, _ = setup
+    drafter = make_drafter("perturbed", target)
+    _, steps = run(async_generate(target, drafter, prompt, greedy(40), AsyncConfig(concurrent=False)))
+    stats = steps[-1].stats
+    assert stats.packed_seconds > 0 and stats.wait_seconds == pytest.approx(stats.packed_seconds)
+    assert stats.overlap_fraction == pytest.approx(0.0, abs=1e-9)
+    assert stats.draft_seconds >= stats.wait_seconds
+    assert 0 < sum(stats.branch_rounds_at) <= stats.steps
+    rates = stats.hit_rate_at
+    assert all(0 <= r <= 1 for r in rates) and len(rates) == len(stats.branch_rounds_at)
+    summary = stats.summary()
+    assert summary["hit_rate"] == round(stats.hit_rate, 3) and "overlap_fraction" in summary
+    merged = stats.merge(stats)
+    assert merged.branch_rounds_at == [2 * r for r in stats.branch_rounds_at]
+    assert merged.wait_seconds == pytest.approx(2 * stats.wait_seconds)
+    assert "hit_rate" not in run(speculative_generate(target, drafter, prompt, greedy(10)))[1][-1].stats.summary()
+    _, steps = run(async_generate(target, drafter, prompt, greedy(40), AsyncConfig(concurrent=True)))
+    assert 0.0 <= steps[-1].stats.overlap_fraction <= 1.0
+
+
+# -- shutdown -------------------------------------------------------------------------------------
+
+def test_no_worker_after_exhaustion_or_close(setup):
+    target, prompt, _ = setup
+    drafter = make_drafter("perturbed", target)
+    run(async_generate(target, drafter, prompt, greedy(20)))
+    assert no_workers()
+    steps = async_generate(target, drafter, prompt, greedy(40))
+    next(steps), next(steps), next(steps)
+    assert not no_workers()  # the worker is alive mid-generation
+    steps.close()
+    assert no_workers()
+
+
+def test_no_worker_after_an_exception_in_the_consumer(setup):
+    """An exception in the caller's loop: the worker ends when the generator is closed or collected."""
+    target, prompt, _ = setup
+    steps = async_generate(target, make_drafter("perturbed", target), prompt, greedy(40))
+    with pytest.raises(RuntimeError):
+        for i, _ in enumerate(steps):
+            if i == 3:
+                raise RuntimeError("consumer failed")
+    del steps
+    gc.collect()
+    assert no_workers()
+
+
+class FailingDrafter(Drafter):
+    """Its second packed pass raises (in the worker thread)."""
+
+    error: type[BaseException] = RuntimeError
+
+    def packed_draft(self, *args, **kwargs):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            raise self.error("drafter failed")
+        return super().packed_draft(*args, **kwargs)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("where", ["worker", "main"])
+def test_no_worker_after_an_exception_inside_the_engine(setup, monkeypatch, error, where):
+    """An exception (or Ctrl-C) in the worker or in the main thread while the worker drafts."""
+    target, prompt, _ = setup
+    drafter = FailingDrafter.from_target(target, [0], block_size=4)
+    drafter.error = error if where == "worker" else RuntimeError
+    if where == "main":
+        drafter.calls = -100  # never fails
+        real, calls = d3d.async_engine.verify_block, []
+
+        def verify_block(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise error("interrupted")
+            return real(*args, **kwargs)
+        monkeypatch.setattr(d3d.async_engine, "verify_block", verify_block)
+    plan = lambda tokens, drafts, logits, max_k: [(0, 1)] if max_k >= 0 else []  # noqa: E731
+    with pytest.raises(error):
+        run(async_generate(target, drafter, prompt, greedy(40), AsyncConfig(concurrent=True), plan))
+    assert no_workers()
+
+
+# -- pipeline and CLI -------------------------------------------------------------------------------
+
+def test_pipeline_method_async(setup):
+    target, prompt, expected = setup
+    pipeline = d3d.generation.Pipeline(tiny_target(target, eos_token_ids=[]),
+                                       make_drafter("perturbed", target))
+    assert run(pipeline.steps(prompt, greedy(40), "async"))[0] == expected
+    pipeline.async_config = AsyncConfig(miss_policy="reanchor", concurrent=False)
+    assert run(pipeline.steps(prompt, greedy(40), "async"))[0] == expected
+    with pytest.raises(ConfigError, match="needs a drafter"):
+        d3d.generation.Pipeline(tiny_target(target), None).steps(prompt, greedy(5), "async")
+
+
+def test_cli_generate_async_compare_ar(capsys, monkeypatch):
+    monkeypatch.setattr(d3d.generation, "load_target", lambda source=None, dtype=None: tiny_target(eos_token_ids=[]))
+    code = main(["generate", "hello", "--method", "async", "--compare-ar", "--json", "--drafter", "untrained",
+                 "--drafter-layers", "0", "--dtype", "float32", "--max-new-tokens", "24"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["method"] == "async" and summary["identical_to_ar"] is True
+    assert "hit_rate" in summary and "overlap_fraction" in summary
+    assert no_workers()
