@@ -22,7 +22,7 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
-from d3d.gate import VERIFY_COST_PER_DRAFT, SpeculationGate, drafter_cost
+from d3d.gate import SpeculationGate, drafter_cost
 from d3d.lookup import LookupConfig, lookup_drafts
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities, sample
@@ -163,14 +163,13 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
 
     Drafts come from context lookup when `lookup` is set and the context holds a match, else from
     the diffusion drafter (when there is one); with neither, the step is a plain AR step. With
-    `adaptive`, a `SpeculationGate` skips a source whose expected rate falls below plain decoding.
+    `adaptive`, a `SpeculationGate` picks how many drafts each source proposes (none when
+    plain decoding is expected to pay better).
     """
     block_size = drafter.block_size if drafter is not None else 16
     gate = None
     if adaptive:
-        verify = 1.0 + VERIFY_COST_PER_DRAFT * (block_size - 1)
-        gate = SpeculationGate({"none": 1.0, "lookup": verify,
-                                "drafter": verify + (drafter_cost(target, drafter) if drafter is not None else 0.0)})
+        gate = SpeculationGate({"lookup": 0.0, "drafter": drafter_cost(target, drafter) if drafter is not None else 0.0})
     if drafter is not None and drafter.config.target_vocab_size != target.config.vocab_size:
         raise ValueError("the drafter was made for another vocabulary")
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
@@ -185,13 +184,15 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
         started = time.perf_counter()
         source: DraftSource = "none"
         draft_tokens, draft_probs = torch.empty(0, dtype=torch.long), None
-        if num_drafts > 0 and lookup is not None and (gate is None or gate.allows("lookup")):
-            found = lookup_drafts(sequence.tokens, num_drafts, lookup)
+        wanted = num_drafts if gate is None else gate.num_drafts("lookup", num_drafts)
+        if wanted > 0 and lookup is not None:
+            found = lookup_drafts(sequence.tokens, wanted, lookup)
             if found:
                 source, draft_tokens = "lookup", torch.tensor(found)
                 draft_probs = None if config.sampling.greedy else one_hot(draft_tokens, vocab_size)
-        if num_drafts > 0 and source == "none" and drafter is not None and (gate is None or gate.allows("drafter")):
-            block_logits = drafter.draft(drafter_cache, sequence.tokens)[:num_drafts]
+        wanted = num_drafts if gate is None else gate.num_drafts("drafter", num_drafts)
+        if wanted > 0 and source == "none" and drafter is not None:
+            block_logits = drafter.draft(drafter_cache, sequence.tokens)[:wanted]
             draft_tokens, draft_probs = propose(block_logits, config.sampling, generator)
             source = "drafter"
         drafted = time.perf_counter()
@@ -201,6 +202,6 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
         sequence.stats.draft_seconds += drafted - started
         sequence.stats.verify_seconds += finished - drafted
         if gate is not None:
-            gate.record(source, verdict.num_accepted + 1)
+            gate.record(source, len(draft_tokens), verdict.num_accepted)
         new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
         yield sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted, source)

@@ -1,16 +1,18 @@
-"""When speculation pays: a per-request gate over drafting sources.
+"""When and how far to speculate: a per-request gate over drafting sources.
 
-Speculating with source s commits (accepted + 1) tokens for the cost of a verification (plus the
-drafter's pass for the diffusion drafter); a plain step commits 1 token for the cost of one
-decoding step. The gate keeps a moving average of what each source committed on this request
-and drafts from it only while tokens ÷ cost beats plain decoding — so a weak drafter, or lookup
-drafts that keep missing, fall back to plain decoding instead of slowing the request down. An
-option not chosen is re-tried every `explore_every` steps so the averages follow the text.
+Proposing k drafts from source s costs one verification of k+1 tokens (1 + c·k one-token steps)
+plus the source's own drafting cost, and commits 1 + Σ_{i≤k} Π_{j≤i} α_j tokens in expectation,
+where α_j is the chance that draft j is accepted once drafts 1..j-1 were. A plain step commits 1
+token for cost 1. The gate keeps moving averages of α_j per source, measured on this request, and
+each step proposes the k that maximises tokens ÷ cost — or nothing, when no k beats plain
+decoding. A weak drafter then drafts only its first, likely tokens, and lookup drafts that keep
+missing fall back to plain decoding instead of slowing the request. Every `explore_every` steps a
+source drafts in full again so the averages follow the text.
 
 Costs are a fixed model, not clock readings: at batch 1 on CPU a forward is bound by the bytes of
-weights it reads, and a 16-token verification measured 1.42× a one-token step here (bf16,
-SmolLM2-135M). Fixed costs keep the gate's choices — and so the random draws at T > 0 — a function
-of the tokens alone: the same seed gives the same output. Output is lossless either way.
+weights it reads, and verification measured 1 + 0.028·k one-token steps here (bf16,
+SmolLM2-135M, k ≤ 15). Fixed costs keep the gate's choices — and so the random draws at T > 0 —
+a function of the tokens alone: the same seed gives the same output. Output is lossless either way.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-VERIFY_COST_PER_DRAFT = 0.028  # extra cost of each verified draft, in one-token steps (1.42 at 15 drafts)
+VERIFY_COST_PER_DRAFT = 0.028  # extra cost of each verified draft, in one-token steps
 
 
 def weight_bytes(modules: list[nn.Module]) -> int:
@@ -35,25 +37,45 @@ def drafter_cost(target, drafter) -> float:
 
 @dataclass
 class SpeculationGate:
-    costs: dict[str, float]  # step cost of each option ("none", "lookup", "drafter") in one-token steps
-    explore_every: int = 8  # steps after which an option not chosen is tried once more
-    weight: float = 0.25  # moving-average weight of the newest step
-    tokens: dict[str, float] = field(default_factory=dict)  # average tokens committed per step, by option
-    last_used: dict[str, int] = field(default_factory=dict)  # step index each option last ran
+    draft_costs: dict[str, float]  # drafting cost of each source ("lookup", "drafter") in one-token steps
+    verify_cost_per_draft: float = VERIFY_COST_PER_DRAFT
+    explore_every: int = 8  # steps after which a source drafts in full once more
+    weight: float = 0.25  # moving-average weight of the newest observation
+    acceptance: dict[str, list[float]] = field(default_factory=dict)  # per source: α_1, α_2, …
+    last_used: dict[str, int] = field(default_factory=dict)  # step index each source last drafted
     step: int = 0
 
-    def rate(self, option: str) -> float | None:
-        return None if option not in self.tokens else self.tokens[option] / self.costs[option]
+    def expected_tokens(self, source: str, num_drafts: int) -> float:
+        """1 + expected accepted drafts; positions never reached borrow the last known α."""
+        alphas = self.acceptance[source]
+        total, reach = 1.0, 1.0
+        for i in range(num_drafts):
+            reach *= alphas[min(i, len(alphas) - 1)]
+            total += reach
+        return total
 
-    def allows(self, source: str) -> bool:
-        """Whether to draft from `source` ("lookup" or "drafter") at this step."""
-        if self.step - self.last_used.get(source, -self.explore_every) >= self.explore_every:
-            return True  # explore: its average may be stale
-        rate = self.rate(source)
-        return rate is None or rate >= 1.0 / self.costs["none"]
+    def num_drafts(self, source: str, max_drafts: int) -> int:
+        """How many drafts to propose from `source` now (0: a plain step pays better)."""
+        due = self.step - self.last_used.get(source, -self.explore_every) >= self.explore_every
+        if due or not self.acceptance.get(source):
+            return max_drafts
+        best, best_rate = 0, 1.0  # plain decoding: one token per unit cost
+        for k in range(1, max_drafts + 1):
+            cost = 1.0 + self.verify_cost_per_draft * k + self.draft_costs[source]
+            rate = self.expected_tokens(source, k) / cost
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
-    def record(self, option: str, committed: int) -> None:
-        previous = self.tokens.get(option)
-        self.tokens[option] = committed if previous is None else (1 - self.weight) * previous + self.weight * committed
-        self.last_used[option] = self.step
+    def record(self, source: str, num_drafted: int, num_accepted: int) -> None:
+        """After a verification: drafts 1..num_accepted were accepted, the next one (if any) rejected."""
+        if source in self.draft_costs and num_drafted:
+            alphas = self.acceptance.setdefault(source, [])
+            for i in range(min(num_drafted, num_accepted + 1)):
+                accepted = 1.0 if i < num_accepted else 0.0
+                if i < len(alphas):
+                    alphas[i] = (1 - self.weight) * alphas[i] + self.weight * accepted
+                else:
+                    alphas.append(accepted if i == 0 else 0.5 * (alphas[i - 1] + accepted))
+            self.last_used[source] = self.step
         self.step += 1
