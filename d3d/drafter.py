@@ -130,7 +130,8 @@ class Drafter(nn.Module):
         """Write config.json + model.safetensors (in `dtype`, default: as held)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.own_state().items()}
+        state = {k: v.detach().to(dtype if dtype and v.is_floating_point() else v.dtype).contiguous().cpu()
+                 for k, v in self.own_state().items()}  # ids (the draft vocabulary) keep their integer type
         save_file(state, str(folder / "model.safetensors"), metadata={"format": FORMAT})
         document = {"format": FORMAT, "format_version": FORMAT_VERSION, **self.config.to_dict()}
         (folder / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True))

@@ -246,9 +246,9 @@ def test_reduced_draft_vocabulary_round_trip_and_never_drafts_outside(tmp_path):
     outside[vocab] = False
     assert torch.isinf(b[:, outside]).all() and (b[:, outside] < 0).all()
     torch.testing.assert_close(b[:, vocab], a[:, vocab])
-    reduced.save_pretrained(tmp_path / "d")
-    loaded = Drafter.from_pretrained(tmp_path / "d", target)
+    reduced.save_pretrained(tmp_path / "d", dtype=torch.bfloat16)  # ids must survive a bf16 save
+    loaded = Drafter.from_pretrained(tmp_path / "d", target).float()
     assert torch.equal(loaded.draft_vocab, vocab)
-    torch.testing.assert_close(loaded.draft(loaded.new_cache(32), tokens), b)
+    assert torch.equal(loaded.draft(loaded.new_cache(32), tokens).argmax(-1), b.argmax(-1))
     labels = torch.tensor([[9, 4, -100, 17]])
     assert reduced.to_draft_ids(labels).tolist() == [[2, -100, -100, 5]]
