@@ -58,7 +58,7 @@ def plots(result: dict[str, Any], out_dir: str | Path, stem: str) -> list[str]:
     table = result["table"]
     names = list(result["descriptions"])
     groups = list(table)
-    figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 3.8))
+    figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         values = [table[g][name]["all"]["speedup"] or 0 for g in groups]
@@ -67,7 +67,7 @@ def plots(result: dict[str, Any], out_dir: str | Path, stem: str) -> list[str]:
     axis.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(groups))], groups)
     axis.set_ylabel("speedup over d3d AR (same run)")
     axis.set_title(f"T = {result['config']['temperature']}, {result['dtype']}")
-    axis.legend(fontsize=8, ncol=2)
+    axis.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
     figure.tight_layout()
     speed_png = out / f"{stem}-speedup.png"
     figure.savefig(speed_png, dpi=110)
