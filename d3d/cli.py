@@ -74,7 +74,7 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
     drafter = None if args.drafter == "none" else args.drafter
     pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers)
     d = pipeline.drafter
-    where = "none (plain AR decoding)" if d is None else (
+    where = pipeline.drafter_source if d is None else (
         f"{d.config.model.num_layers}-layer drafter, block {d.block_size}, {pipeline.drafter_source}")
     print(f"# target: {pipeline.target.name} ({args.dtype}); drafter: {where}; "
           f"loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)

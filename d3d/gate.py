@@ -29,10 +29,12 @@ def weight_bytes(modules: list[nn.Module]) -> int:
 
 
 def drafter_cost(target, drafter) -> float:
-    """The drafter's block pass in one-token target steps, by weight bytes read (both read their head)."""
+    """The drafter's block pass in one-token target steps: its share of the weight bytes (both read
+    their head), times what a B-token forward costs over a one-token one."""
     target_bytes = weight_bytes([target.layers, target.norm]) + target.embed_tokens.weight.nbytes
     head = drafter.draft_head.nbytes if drafter.config.draft_vocab_size else target.embed_tokens.weight.nbytes
-    return (weight_bytes([drafter.decoder.layers, drafter.decoder.norm]) + head) / target_bytes
+    share = (weight_bytes([drafter.decoder.layers, drafter.decoder.norm]) + head) / target_bytes
+    return share * (1.0 + VERIFY_COST_PER_DRAFT * (drafter.block_size - 1))
 
 
 @dataclass

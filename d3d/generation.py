@@ -54,8 +54,8 @@ class Pipeline:
         """Load a target and a drafter.
 
         `drafter`: a checkpoint folder; "default" for the shipped drafter when the target is the
-        embedded default (falling back to an untrained one when none is shipped); "untrained" for a
-        drafter copied from `drafter_layers` of the target (all layers when None); None for no drafter.
+        embedded default (context lookup alone when none is shipped); "untrained" for a drafter
+        copied from `drafter_layers` of the target (all layers when None); None for no drafter.
         """
         loaded = load_target(target, dtype)
         return cls(loaded, *resolve_drafter(loaded, drafter, target, drafter_layers))
@@ -86,7 +86,7 @@ class Pipeline:
         if method == "ar":
             return reference_generate(decoder, prompt_ids, config)
         if method in ("drafter", "async") and self.drafter is None:
-            raise ConfigError(f"method {method!r} needs a drafter (got --drafter none)")
+            raise ConfigError(f"method {method!r} needs a drafter: pass --drafter PATH or --drafter untrained")
         if method == "async":
             return async_generate(decoder, self.drafter, prompt_ids, config, self.async_config)
         drafter = None if method == "lookup" else self.drafter
@@ -142,7 +142,9 @@ def resolve_drafter(target: Target, drafter: str | Path | None, target_source: s
         embedded = target_source in (None, "default")
         if embedded and (DEFAULT_DRAFTER / "config.json").is_file():
             return Drafter.from_pretrained(DEFAULT_DRAFTER, decoder, fingerprint), "shipped default"
-        drafter = "untrained"
+        # An untrained drafter only costs time (measured: 1.05x vs 1.13x for lookup alone on the
+        # README prompt), so without a trained one the default drafts by context lookup only.
+        return None, "none trained for this target yet: context lookup only (--drafter untrained to try one)"
     if str(drafter) == "untrained":
         layers = drafter_layers or list(range(decoder.config.num_layers))
         untrained = Drafter.from_target(decoder, layers, tokenizer_fingerprint=fingerprint).eval()
