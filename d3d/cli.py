@@ -201,6 +201,34 @@ def argv_is_cli() -> bool:
     return Path(sys.argv[0]).name in ("d3d", "cli.py", "__main__.py")
 
 
+def prune_command(args: argparse.Namespace) -> int:
+    """Progressively remove the drafter layers whose removal costs least τ; write the chosen depth."""
+    from d3d.drafter import Drafter
+    from d3d.loading import load_target
+    from d3d.prune import PruneConfig, best_round, prune, save_report
+    from d3d.train.data import read_shards
+    from d3d.train.trainer import load_sequences
+
+    config = PruneConfig(min_layers=args.min_layers, min_retention=args.min_retention,
+                         anchors=args.anchors, seed=args.seed, heal_steps=args.heal_steps)
+    target = load_target(args.target, DTYPES[args.dtype])
+    drafter = Drafter.from_pretrained(args.drafter, target.decoder, target.fingerprint)
+    sequences = load_sequences(args.data, 512)[-args.calibration:]
+    speed_prompts = [r["prompt_ids"] for r in read_shards(args.data)][:args.speed_prompts]
+    rounds, drafters = prune(drafter, target, sequences, config, args.data if args.heal_steps else None,
+                             speed_prompts, args.max_new_tokens)
+    chosen = best_round(rounds)
+    drafters[chosen].save_pretrained(args.out, dtype=torch.bfloat16)
+    files = save_report(rounds, args.out)
+    for r in rounds:
+        speed = "" if r.tokens_per_second is None else f", {r.tokens_per_second:.1f} tok/s"
+        print(f"{len(r.layers):3d} layers  τ {r.tau:.3f}  ({100 * r.retention:.1f}%){speed}"
+              + ("" if r.removed is None else f"  removed the layer at position {r.removed}"), file=sys.stderr)
+    print(json.dumps({"chosen_layers": rounds[chosen].layers, "tau": round(rounds[chosen].tau, 4),
+                      "retention": round(rounds[chosen].retention, 4), "out": args.out, "files": files}))
+    return 0
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default",
                         help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file")
@@ -292,6 +320,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     add_model_arguments(p)
     p.set_defaults(handler=bench)
+
+    p = commands.add_parser("prune", help="acceptance-driven progressive layer pruning of a drafter")
+    p.add_argument("--drafter", required=True, help="the drafter checkpoint to prune (never modified)")
+    p.add_argument("--data", required=True, help="a `d3d data` folder: calibration sequences (and healing data)")
+    p.add_argument("--out", required=True, help="folder for the chosen drafter, prune.json and prune.png")
+    p.add_argument("--target", default="default")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--min-layers", type=int, default=1)
+    p.add_argument("--min-retention", type=float, default=0.0, help="stop below this share of τ (e.g. 0.99)")
+    p.add_argument("--calibration", type=int, default=64, help="calibration sequences (the data's last ones)")
+    p.add_argument("--anchors", type=int, default=8)
+    p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal")
+    p.add_argument("--speed-prompts", type=int, default=0, help="measure sync tokens/s on this many prompts per depth")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=prune_command)
 
     p = commands.add_parser("chat", help="interactive multi-turn chat")
     add_model_arguments(p)

@@ -1,0 +1,103 @@
+"""Layer pruning: removing a layer makes a new, smaller drafter (the input untouched); each round
+drops the layer whose removal keeps teacher-forced τ highest; pruned drafters stay lossless."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from d3d.cli import main
+from d3d.config import ConfigError, GenerationConfig
+from d3d.drafter import Drafter
+from d3d.engine import reference_generate, speculative_generate
+from d3d.estimate import teacher_forced_tau
+from d3d.prune import PruneConfig, best_round, prune, remove_layer
+from d3d.train.trainer import load_sequences
+from test_trainer import data_dir, patched_load_target, tiny_train_target  # noqa: F401 (fixtures)
+
+
+def four_layer_drafter(target):
+    drafter = Drafter.from_target(target.decoder, [0, 1, 0, 1], block_size=4)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # make the layers differ, as training would
+        for name, param in drafter.own_state().items():
+            if param.is_floating_point() and name.startswith("decoder.layers."):
+                param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    return drafter.eval()
+
+
+def test_remove_layer_returns_a_new_smaller_drafter_and_leaves_the_input():
+    """The pruned drafter has one layer fewer, the kept layers' weights, and the input is unchanged."""
+    target = tiny_train_target()
+    drafter = four_layer_drafter(target)
+    before = {k: v.clone() for k, v in drafter.own_state().items()}
+    pruned = remove_layer(drafter, 1, target.decoder)
+    assert len(pruned.decoder.layers) == 3 and pruned.config.model.num_layers == 3
+    assert pruned.config.target_layers == [0, 0, 1]
+    for new, old in zip(range(3), [0, 2, 3]):
+        for (_, a), (_, b) in zip(pruned.decoder.layers[new].state_dict().items(),
+                                  drafter.decoder.layers[old].state_dict().items()):
+            assert torch.equal(a, b)
+    assert all(torch.equal(before[k], v) for k, v in drafter.own_state().items())
+    with pytest.raises(ConfigError):
+        remove_layer(remove_layer(remove_layer(pruned, 0, target.decoder), 0, target.decoder), 0, target.decoder)
+
+
+def test_each_round_removes_the_layer_that_keeps_tau_highest(data_dir):  # noqa: F811
+    """Round 1 removes the argmax of the candidates' τ, and its τ is that candidate's τ."""
+    target = tiny_train_target()
+    sequences = load_sequences(data_dir, 64)[:8]
+    drafter = four_layer_drafter(target)
+    rounds, drafters = prune(drafter, target, sequences, PruneConfig(min_layers=2), progress=False)
+    assert [len(r.layers) for r in rounds] == [4, 3, 2]
+    first = rounds[1]
+    assert first.tau == pytest.approx(max(first.candidates.values()))
+    for position in range(4):
+        candidate = remove_layer(drafter, position, target.decoder)
+        expected = teacher_forced_tau(candidate, sequences, 8, 0).tau
+        assert first.candidates[position] == pytest.approx(expected)
+    assert first.removed == max(range(4), key=lambda p: (first.candidates[p], -p))
+    assert rounds[0].retention == 1.0 and all(r.retention == pytest.approx(r.tau / rounds[0].tau) for r in rounds)
+    assert best_round(rounds) == 2  # no speed measured: the shallowest kept round
+
+
+def test_min_retention_stops_pruning(data_dir):  # noqa: F811
+    """With a retention floor of 100%+, nothing that loses τ is accepted."""
+    target = tiny_train_target()
+    sequences = load_sequences(data_dir, 64)[:8]
+    drafter = four_layer_drafter(target)
+    rounds, _ = prune(drafter, target, sequences, PruneConfig(min_retention=1.0), progress=False)
+    assert all(r.retention >= 1.0 for r in rounds)
+
+
+def test_pruned_drafter_is_lossless(data_dir):  # noqa: F811
+    """Greedy speculative output with every pruned depth equals the target's own greedy output."""
+    target = tiny_train_target()
+    sequences = load_sequences(data_dir, 64)[:4]
+    _, drafters = prune(four_layer_drafter(target), target, sequences, PruneConfig(min_layers=1), progress=False)
+    config = GenerationConfig(max_new_tokens=24)
+    prompt = [5, 9, 13, 7, 3]
+    reference = [t for s in reference_generate(target.decoder, prompt, config) for t in s.tokens]
+    for drafter in drafters[1:]:
+        assert [t for s in speculative_generate(target.decoder, drafter, prompt, config) for t in s.tokens] == reference
+
+
+def test_cli_prune_writes_a_smaller_checkpoint_and_never_touches_the_input(
+        capsys, data_dir, tmp_path, patched_load_target):  # noqa: F811
+    """`d3d prune` writes the chosen depth, prune.json and prune.png; the input file's bytes are unchanged."""
+    target = tiny_train_target()
+    four_layer_drafter(target).save_pretrained(tmp_path / "in")
+    digest = hashlib.sha256((tmp_path / "in" / "model.safetensors").read_bytes()).hexdigest()
+    code = main(["prune", "--drafter", str(tmp_path / "in"), "--data", str(data_dir), "--out", str(tmp_path / "out"),
+                 "--min-layers", "2", "--calibration", "8", "--speed-prompts", "2", "--max-new-tokens", "8"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert hashlib.sha256((tmp_path / "in" / "model.safetensors").read_bytes()).hexdigest() == digest
+    loaded = Drafter.from_pretrained(tmp_path / "out", target.decoder)
+    assert len(loaded.decoder.layers) == len(summary["chosen_layers"]) < 4
+    report = json.loads((tmp_path / "out" / "prune.json").read_text())
+    assert all(r["tokens_per_second"] > 0 for r in report["rounds"])
+    assert (tmp_path / "out" / "prune.png").is_file()
