@@ -155,7 +155,7 @@ def train(args: argparse.Namespace) -> int:
                          grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, lambda_ar=args.lambda_ar,
                          gamma=args.gamma, mask_ratio=args.mask_ratio, anchors=args.anchors,
                          max_length=args.max_length, eval_every=args.eval_every, save_every=args.save_every,
-                         draft_vocab_size=args.draft_vocab_size, seed=args.seed)
+                         draft_vocab_size=args.draft_vocab_size, max_sequences=args.max_sequences, seed=args.seed)
     target = load_target(args.target, torch.float32)  # fp32 master weights; compute autocasts to bf16
     result = Trainer(target, args.data, args.out, config).run()
     print(json.dumps(result))
@@ -298,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-ratio", default="all", choices=["all", "random"])
     p.add_argument("--anchors", type=int, default=8, help="noisy blocks per sequence")
     p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--max-sequences", type=int, default=0,
+                   help="train on the data's first N sequences (0 = all); keeps a run resumable while `d3d data` adds shards")
     p.add_argument("--draft-vocab-size", type=int, default=0,
                    help="draft only among this many most frequent response tokens (0 = whole vocabulary)")
     p.add_argument("--eval-every", type=int, default=100)

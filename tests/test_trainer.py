@@ -266,3 +266,22 @@ def test_reduced_draft_vocabulary_trains_on_frequent_tokens(data_dir, tmp_path):
     loaded = Drafter.from_pretrained(tmp_path / "run" / "checkpoint" / "drafter", trainer.target.decoder)
     logits = loaded.draft(loaded.new_cache(64), [5, 6, 7, 8])
     assert set(logits.argmax(-1).tolist()) <= set(vocab.tolist())
+
+
+def test_resume_refuses_changed_data_unless_fixed_by_max_sequences(data_dir, tmp_path):
+    """More shards since the run started: resume is refused; with max_sequences the run stays resumable."""
+    import shutil
+
+    grown = tmp_path / "data"
+    shutil.copytree(data_dir / "shards", grown / "shards")
+    (grown / "shards" / "shard-00001.jsonl").rename(tmp_path / "later.jsonl")  # only the first shard so far
+    trainer = Trainer(tiny_train_target(), grown, tmp_path / "run", config())
+    trainer.train_step()
+    trainer.save()
+    (tmp_path / "later.jsonl").rename(grown / "shards" / "shard-00001.jsonl")  # `d3d data` added a shard
+    with pytest.raises(ConfigError, match="data changed"):
+        Trainer(tiny_train_target(), grown, tmp_path / "run", config())
+    fixed = Trainer(tiny_train_target(), grown, tmp_path / "fixed", config(max_sequences=12))
+    fixed.train_step()
+    fixed.save()
+    assert Trainer(tiny_train_target(), grown, tmp_path / "fixed", config(max_sequences=12)).step == 1

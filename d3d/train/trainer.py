@@ -61,6 +61,7 @@ class TrainConfig(_JsonMixin):
     eval_every: int = 100  # steps between τ estimates (0 = only at the end)
     save_every: int = 100  # steps between checkpoints
     draft_vocab_size: int = 0  # draft among the most frequent response tokens only (0 = whole vocabulary)
+    max_sequences: int = 0  # use the first N sequences of the data (0 = all; fix it while `d3d data` still runs)
     seed: int = 0  # data order, anchors, masks
     autocast: bool = True  # bf16 autocast (CPU and CUDA)
 
@@ -127,6 +128,9 @@ class Trainer:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         sequences = load_sequences(data_dir, config.max_length)
+        if config.max_sequences:
+            sequences = sequences[:config.max_sequences]
+        self.num_sequences = len(sequences)
         random.Random(config.seed).shuffle(sequences)
         held = min(config.held_out, len(sequences) // 10)
         self.held_out, self.train_set = sequences[:held], sequences[held:]
@@ -187,6 +191,7 @@ class Trainer:
         save_file(tensors, str(staging / "optimizer.safetensors"))
         version, internal, gauss = self.rng.getstate()
         state = {"step": self.step, "epoch": self.epoch, "index": self.index, "config": self.config.to_dict(),
+                 "num_sequences": self.num_sequences,
                  "python_rng": [version, list(internal), gauss]}
         (staging / "state.json").write_text(json.dumps(state))
         final = self.out / "checkpoint"
@@ -202,6 +207,10 @@ class Trainer:
         state = json.loads((folder / "state.json").read_text())
         if state["config"] != self.config.to_dict():
             raise ConfigError(f"{self.out} holds a run with another config; use a new --out or the same options")
+        if state.get("num_sequences", self.num_sequences) != self.num_sequences:
+            raise ConfigError(f"the data changed since this run started ({state['num_sequences']} → "
+                              f"{self.num_sequences} sequences): resume needs the same data — pass "
+                              "--max-sequences to fix it, or use a new --out")
         loaded = Drafter.from_pretrained(folder / "drafter", self.target.decoder, self.target.fingerprint)
         self.drafter.load_state_dict(loaded.float().state_dict())
         tensors = load_file(str(folder / "optimizer.safetensors"))
