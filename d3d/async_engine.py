@@ -48,6 +48,7 @@ from d3d.drafter import Drafter
 from d3d.engine import Sequence, Step, prefill, propose, verify_block
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities
+from d3d.timeline import Span
 
 Branch = tuple[int, int]  # (num_accepted k, bonus guess b)
 # A planner maps (committed tokens, draft_tokens, guess_logits (≥ K+1, V), largest useful k) to
@@ -143,6 +144,7 @@ class PackedResult:
     branches: list[Branch]  # the outcomes drafted ahead, in plan order
     logits: torch.Tensor  # (N, B, V) block logits, one block per branch
     seconds: float  # the worker's time on this job
+    started: float = 0.0  # time.perf_counter() when the job began
 
 
 class DraftWorker:
@@ -176,7 +178,7 @@ class DraftWorker:
             branches, logits = job()
         if self.stream is not None:
             self.stream.synchronize()
-        return PackedResult(branches, logits, time.perf_counter() - started)
+        return PackedResult(branches, logits, time.perf_counter() - started, started)
 
     def submit(self, job: Callable[[], tuple[list[Branch], torch.Tensor]]) -> Future[PackedResult]:
         if self.executor is not None:
@@ -241,8 +243,12 @@ def next_block(result: PackedResult, num_accepted: int, bonus_token: int,
 
 @torch.no_grad()
 def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], config: GenerationConfig,
-                   async_config: AsyncConfig | None = None, planner: Planner | None = None) -> Iterator[Step]:
+                   async_config: AsyncConfig | None = None, planner: Planner | None = None,
+                   timeline: list[Span] | None = None) -> Iterator[Step]:
     """Speculative decoding with successor blocks drafted during verification (see module docstring).
+
+    `timeline`, when given, receives a `Span` for every verification, synchronous draft, packed
+    drafting job and wait (see `d3d.timeline`).
 
     Same contract as `d3d.engine.speculative_generate`: one `Step` per target forward with running
     `SpecStats` (which here also count branch hits, drafting-job time and waiting). The worker
@@ -308,6 +314,15 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
             waited = time.perf_counter()
             stats.draft_seconds += (drafted - started) + (waited - verified)
             stats.verify_seconds += verified - drafted
+            if timeline is not None:
+                if drafted - started > 1e-4:
+                    timeline.append(Span("target", "draft", started, drafted))
+                timeline.append(Span("target", "verify", drafted, verified))
+                if result is not None:
+                    timeline.append(Span("drafter" if async_config.concurrent else "target", "packed draft",
+                                         result.started, result.started + result.seconds))
+                if waited - verified > 1e-4:
+                    timeline.append(Span("target", "wait", verified, waited))
             block_logits, hit = None, False
             if result is not None:
                 stats.packed_seconds += result.seconds

@@ -89,8 +89,18 @@ def generate(args: argparse.Namespace) -> int:
         warm = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
         for m in ("ar", method):  # warm-up: first calls pay for allocation and kernel selection
             run(pipeline, args.prompt, warm, m, echo=False)
+    if args.timeline:
+        pipeline.timeline = []
     spec = run(pipeline, args.prompt, args, method, echo=True)
     print(describe(method, spec), file=sys.stderr)
+    if args.timeline:
+        from d3d.timeline import plot_timeline
+
+        if plot_timeline(pipeline.timeline or [], args.timeline, f"{method}: τ = {spec.stats.tau:.2f}"):
+            print(f"timeline: {args.timeline}", file=sys.stderr)
+        else:
+            print("timeline: nothing recorded (only --method async records spans)", file=sys.stderr)
+        pipeline.timeline = None
     summary = {"method": method, **spec.stats.summary()}
     if args.compare_ar and method != "ar":
         ar = run(pipeline, args.prompt, args, "ar", echo=False)
@@ -258,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply the chat template (default); --no-chat for a raw completion prompt")
     p.add_argument("--compare-ar", action="store_true", help="also run plain AR decoding and print the speedup")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--timeline", default="", help="with --method async: draw verify/draft spans per worker to this PNG")
     p.add_argument("--method", default="speculative", choices=METHODS,
                    help="speculative: context lookup where it matches, the drafter elsewhere (default); "
                         "drafter / lookup: one source alone; async: the drafter, drafting ahead during "

@@ -46,6 +46,7 @@ class Pipeline:
         self.lookup = lookup or LookupConfig()
         self.adaptive = True  # gate speculation by its measured rate (see d3d.gate)
         self.async_config = async_config or AsyncConfig()  # method "async" only
+        self.timeline: list | None = None  # set to a list to record async spans (d3d.timeline)
         self.drafter_source = drafter_source or ("none" if drafter is None else "given")  # for messages
 
     @classmethod
@@ -88,7 +89,8 @@ class Pipeline:
         if method in ("drafter", "async") and self.drafter is None:
             raise ConfigError(f"method {method!r} needs a drafter: pass --drafter PATH or --drafter untrained")
         if method == "async":
-            return async_generate(decoder, self.drafter, prompt_ids, config, self.async_config)
+            return async_generate(decoder, self.drafter, prompt_ids, config, self.async_config,
+                                  timeline=self.timeline)
         drafter = None if method == "lookup" else self.drafter
         lookup = None if method == "drafter" else self.lookup
         # The product default is gated (never knowingly slower than plain decoding); the

@@ -548,3 +548,22 @@ def test_cli_generate_async_compare_ar(capsys, monkeypatch):
     assert summary["method"] == "async" and summary["identical_to_ar"] is True
     assert "hit_rate" in summary and "overlap_fraction" in summary
     assert no_workers()
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_timeline_records_every_verification_and_drafting_job(concurrent, tmp_path):
+    """One verify span per verification step, a packed-draft span per job (on the worker lane when
+    concurrent), spans well-ordered; the PNG is drawn."""
+    from d3d.timeline import plot_timeline
+
+    target = make_decoder(tiny_config(), seed=1)
+    drafter = make_drafter("imperfect", target)
+    spans = []
+    steps = list(async_generate(target, drafter, [3, 4, 5, 6], GenerationConfig(max_new_tokens=20),
+                                AsyncConfig(concurrent=concurrent, max_branches=4), timeline=spans))
+    verifications = len(steps) - 1  # the first step is the prefill
+    assert sum(s.kind == "verify" for s in spans) == verifications
+    assert sum(s.kind == "packed draft" for s in spans) >= 1
+    assert all(s.end >= s.start for s in spans)
+    assert {s.lane for s in spans if s.kind == "packed draft"} == {"drafter" if concurrent else "target"}
+    assert plot_timeline(spans, tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 0
