@@ -239,6 +239,15 @@ def prune_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def curves(args: argparse.Namespace) -> int:
+    """Compare the held-out τ curves of training runs in one PNG; print each run's final τ."""
+    from d3d.train.curves import compare_runs
+
+    for row in compare_runs(args.runs, args.out):
+        print(json.dumps(row))
+    return 0
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default",
                         help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file")
@@ -349,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=prune_command)
+
+    p = commands.add_parser("curves", help="compare training runs' held-out τ curves in one PNG")
+    p.add_argument("runs", nargs="+", help="run folders (each with log.jsonl)")
+    p.add_argument("--out", required=True, help="PNG path")
+    p.set_defaults(handler=curves)
 
     p = commands.add_parser("chat", help="interactive multi-turn chat")
     add_model_arguments(p)

@@ -285,3 +285,13 @@ def test_resume_refuses_changed_data_unless_fixed_by_max_sequences(data_dir, tmp
     fixed.train_step()
     fixed.save()
     assert Trainer(tiny_train_target(), grown, tmp_path / "fixed", config(max_sequences=12)).step == 1
+
+
+def test_compare_runs_plots_and_reports_final_tau(tmp_path):
+    """`d3d curves` reads each run's log.jsonl, draws one PNG and reports the last τ per run."""
+    for name, taus in (("a", [1.0, 1.2]), ("b", [1.0, 1.1])):
+        (tmp_path / name).mkdir()
+        lines = [json.dumps({"step": 10 * i, "tau": t, "acceptance_rate": [t - 1, 0.0]}) for i, t in enumerate(taus)]
+        (tmp_path / name / "log.jsonl").write_text("\n".join(lines) + "\n")
+    code = main(["curves", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c.png")])
+    assert code == 0 and (tmp_path / "c.png").stat().st_size > 0

@@ -37,3 +37,30 @@ def plot_curves(log_path: str | Path, png_path: str | Path) -> bool:
     figure.savefig(png_path, dpi=110)
     plt.close(figure)
     return True
+
+
+def compare_runs(run_dirs: list[str | Path], png_path: str | Path) -> list[dict]:
+    """Held-out τ by step for several runs on one plot; returns each run's final τ and α's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    rows = []
+    for run in run_dirs:
+        records = [json.loads(line) for line in (Path(run) / "log.jsonl").read_text().splitlines() if line.strip()]
+        taus = [(r["step"], r["tau"]) for r in records if "tau" in r]
+        if not taus:
+            continue
+        axis.plot(*zip(*taus), marker="o", markersize=3, label=Path(run).name)
+        last = [r for r in records if "tau" in r][-1]
+        rows.append({"run": Path(run).name, "step": last["step"], "tau": last["tau"],
+                     "acceptance_rate": last["acceptance_rate"][:3]})
+    axis.set_xlabel("step")
+    axis.set_ylabel("held-out teacher-forced τ (bonus included)")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+    return rows
