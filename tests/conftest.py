@@ -152,3 +152,16 @@ def oracle_drafter(target) -> OracleDrafter:
 @pytest.fixture
 def adversarial_drafter(target) -> AdversarialDrafter:
     return make_adversary(target, block_size=4)
+
+
+def sampling_pair(block_size: int):
+    """A vocab-8 target with moderate logits (several tokens survive top-k / top-p) and a drafter
+    whose drafts are far from it, plus a prompt: the setup of the T > 0 distribution tests."""
+    config = tiny_config(vocab_size=8, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=8, tie_word_embeddings=False, max_position_embeddings=32)
+    target = make_decoder(config, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.35)
+    drafter = Drafter.from_target(target, [0], block_size=block_size)
+    perturb_drafter(drafter, scale=0.5, seed=7)
+    return target, drafter, [1, 5, 2]

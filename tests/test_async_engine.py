@@ -16,7 +16,7 @@ import torch
 
 import d3d.async_engine
 import d3d.generation
-from conftest import (AdversarialDrafter, OracleDrafter, greedy_continuation, make_decoder, one_hot_logits,
+from conftest import (sampling_pair, AdversarialDrafter, OracleDrafter, greedy_continuation, make_decoder, one_hot_logits,
                       tiny_config)
 from d3d.async_engine import AsyncConfig, async_generate, plan_branches
 from d3d.cli import main
@@ -372,15 +372,8 @@ SAMPLING = dict(temperature=1.0, top_k=6, top_p=0.9)
 
 @pytest.fixture(scope="module")
 def sampling_setup():
-    """The test_engine vocab-8 setup: a target and a drafter far from it (block 3: 2 drafts)."""
-    config = tiny_config(vocab_size=8, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                         num_kv_heads=1, head_dim=8, tie_word_embeddings=False, max_position_embeddings=32)
-    target = make_decoder(config, seed=3)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(0.35)
-    drafter = Drafter.from_target(target, [0], block_size=3)
-    perturb_drafter(drafter, scale=0.5, seed=7)
-    return target, drafter, [1, 5, 2]
+    """The vocab-8 sampling setup (conftest.sampling_pair), block 3: 2 drafts."""
+    return sampling_pair(3)
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import make_adversary, make_decoder, make_oracle, perturb_drafter, tiny_config
+from conftest import sampling_pair, make_adversary, make_decoder, make_oracle, perturb_drafter, tiny_config
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
 from d3d.engine import PromptError, reference_generate, speculative_generate
@@ -186,15 +186,8 @@ def sampling(seed: int | None = None) -> SamplingConfig:
 
 @pytest.fixture(scope="module")
 def sampling_setup():
-    """A vocab-8 target and a drafter whose first draft is far from the target (TV ≈ 0.6)."""
-    config = tiny_config(vocab_size=8, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                         num_kv_heads=1, head_dim=8, tie_word_embeddings=False, max_position_embeddings=32)
-    target = make_decoder(config, seed=3)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(0.35)  # moderate logits: several tokens survive top-k / top-p
-    drafter = Drafter.from_target(target, [0], block_size=4)
-    perturb_drafter(drafter, scale=0.5, seed=7)
-    return target, drafter, [1, 5, 2]
+    """The vocab-8 sampling setup (conftest.sampling_pair), block 4: 3 drafts."""
+    return sampling_pair(4)
 
 
 @torch.no_grad()
