@@ -24,6 +24,7 @@ from conftest import make_decoder, tiny_config
 from d3d.cli import main
 from d3d.generation import Pipeline
 from d3d.loading import Target
+from d3d.stats import SpecStats
 from test_generation import ByteTokenizer, tiny_pipeline, tiny_target
 
 PROMPTS = [
@@ -138,6 +139,23 @@ def test_markdown_report_lists_every_method(bench_run):
         assert f"| {path} | 0% | {name} |" in text
         assert f"- `{name}`:" in text
     assert "| all | 0% | ar | " in text and "| 1.00× |" in text
+    assert "Time per verification step" in text
+    for name in METHODS:
+        assert any(line.startswith(f"| {name} | ") and line.endswith(" |") for line in text.splitlines()), name
+
+
+def test_per_step_splits_the_time_of_a_step():
+    """per_step(): ms per step over steps + the prefill; async fields only for async stats."""
+    stats = SpecStats(steps=3, verify_seconds=0.2, draft_seconds=0.08)
+    t = harness.per_step(stats, seconds=0.4)
+    assert t["step"] == 100.0 and t["verify"] == 50.0 and t["draft"] == 20.0
+    assert t["packed"] is None and t["wait"] is None and t["hit_rate"] is None
+    stats.packed_seconds, stats.wait_seconds = 0.12, 0.04
+    stats.record_branch(2, hit=True)
+    stats.record_branch(0, hit=False)
+    t = harness.per_step(stats, seconds=0.4)
+    assert t["packed"] == 30.0 and t["wait"] == 10.0 and t["hit_rate"] == 0.5
+    assert t["overlap"] == round(1 - 0.04 / 0.12, 3)
 
 
 def test_plots_write_pngs(bench_run, tmp_path):

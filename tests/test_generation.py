@@ -421,3 +421,19 @@ def test_untrained_drafter_on_real_target_matches_ar():
     assert tokens_of(speculative) == tokens_of(ar)
     assert "".join(c.text for c in speculative) == "".join(c.text for c in ar)
     assert speculative[-1].step.stats.steps_by_source.get("drafter", 0) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shipped_drafter_is_the_default_and_lossless(dtype):
+    """The drafter shipped in the package loads as the default for SmolLM2, drafts, and greedy
+    speculative output (drafter alone and gated with lookup) is AR's token for token."""
+    pipeline = Pipeline.load(dtype=dtype)
+    assert pipeline.drafter_source == "shipped default"
+    prompt = "Write a Python function that returns the n-th Fibonacci number."
+    ar = tokens_of(list(pipeline.generate(prompt, max_new_tokens=48, method="ar")))
+    for method in ("drafter", "speculative"):
+        chunks = list(pipeline.generate(prompt, max_new_tokens=48, method=method))
+        assert tokens_of(chunks) == ar, method
+        if method == "drafter":
+            assert chunks[-1].step.stats.steps_by_source.get("drafter", 0) > 0

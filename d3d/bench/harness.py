@@ -168,9 +168,25 @@ def aggregate(records: list[Record], ar: list[Record]) -> dict[str, Any]:
             "accepted_histogram": stats.accepted_histogram,
             "draft_share": round(stats.draft_seconds / max(seconds, 1e-9), 3),
             "identical": sum(r.first_mismatch is None for r in records),
+            "per_step": per_step(stats, seconds),
             "median_speedup": round(statistics.median(
                 (a.seconds / max(r.seconds, 1e-9)) * (r.new_tokens / max(a.new_tokens, 1))
                 for r, a in zip(records, ar)), 3) if records else None}
+
+
+def per_step(stats: SpecStats, seconds: float) -> dict[str, float | None]:
+    """Where a verification step's time goes, in ms: the whole step, the target's verify forward,
+    drafting on the critical path and, for async drafting, the packed pass, the wait for it and
+    the share of steps whose next block was ready (hit rate)."""
+    steps = max(stats.steps + 1, 1)  # + the prefill, which verify_seconds includes
+    ms = {"step": seconds / steps, "verify": stats.verify_seconds / steps, "draft": stats.draft_seconds / steps}
+    result: dict[str, float | None] = {k: round(1000 * v, 2) for k, v in ms.items()}
+    asynchronous = bool(stats.branch_rounds_at)
+    result["packed"] = round(1000 * stats.packed_seconds / steps, 2) if asynchronous else None
+    result["wait"] = round(1000 * stats.wait_seconds / steps, 2) if asynchronous else None
+    result["hit_rate"] = round(stats.hit_rate, 3) if asynchronous else None
+    result["overlap"] = round(stats.overlap_fraction, 3) if asynchronous else None
+    return result
 
 
 def summarise(records: list[Record], names: list[str], config: BenchConfig) -> dict[str, Any]:

@@ -37,8 +37,27 @@ def markdown(result: dict[str, Any], command: str) -> str:
             same = f"{a['identical']}/{a['prompts']}" if config["temperature"] == 0 else "n/a (T > 0)"
             lines.append(f"| {group} | {row['loop_share']:.0%} | {name} | {a['tokens_per_second']:.1f} | "
                          f"{a['speedup']:.2f}× | {tau} | {_x(f['speedup'])} | {tau_free} | {same} |")
+    lines += step_table(table["all"], names)
     lines += ["", "Methods:", ""] + [f"- `{n}`: {result['descriptions'][n]}" for n in names]
     return "\n".join(lines) + "\n"
+
+
+def step_table(row: dict[str, Any], names: list[str]) -> list[str]:
+    """All datasets together: what one verification step costs, split by where the time goes."""
+    lines = ["", "Time per verification step (all datasets, ms; *draft* = drafting the loop waited for; "
+             "async: *packed* = the drafter worker's packed pass, *wait* = time verification waited "
+             "for it, *hit* = share of steps whose next block was drafted ahead):", "",
+             "| method | step | verify | draft | packed | wait | hit | tokens/step (τ) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        a = row[name]["all"]
+        t = a.get("per_step")
+        if not t or a["tau"] is None:
+            continue
+        cells = [f"{t[k]:.1f}" if t.get(k) is not None else "–" for k in ("step", "verify", "draft", "packed", "wait")]
+        hit = "–" if t.get("hit_rate") is None else f"{t['hit_rate']:.0%}"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {hit} | {a['tau']:.2f} |")
+    return lines
 
 
 def _x(value: float | None) -> str:
