@@ -215,8 +215,7 @@ def prune_command(args: argparse.Namespace) -> int:
     """Progressively remove the drafter layers whose removal costs least τ; write the chosen depth."""
     from d3d.drafter import Drafter
     from d3d.loading import load_target
-    from d3d.prune import PruneConfig, best_round, prune, save_report
-    from d3d.train.data import read_shards
+    from d3d.prune import PruneConfig, ar_speed, best_round, prune, save_report
     from d3d.train.trainer import load_sequences
 
     config = PruneConfig(min_layers=args.min_layers, min_retention=args.min_retention,
@@ -224,14 +223,20 @@ def prune_command(args: argparse.Namespace) -> int:
     target = load_target(args.target, DTYPES[args.dtype])
     drafter = Drafter.from_pretrained(args.drafter, target.decoder, target.fingerprint)
     sequences = load_sequences(args.data, 512)[-args.calibration:]
-    speed_prompts = [r["prompt_ids"] for r in read_shards(args.data)][:args.speed_prompts]
+    # Decode the calibration prompts themselves, so decoded τ checks the teacher-forced estimate.
+    speed_prompts = [tokens[:start] for tokens, start in sequences[:args.speed_prompts]]
+    ar = ar_speed(target.decoder, speed_prompts, args.max_new_tokens) if speed_prompts else None
     rounds, drafters = prune(drafter, target, sequences, config, args.data if args.heal_steps else None,
-                             speed_prompts, args.max_new_tokens)
+                             speed_prompts, args.max_new_tokens, with_async=args.speed_async)
     chosen = best_round(rounds)
     drafters[chosen].save_pretrained(args.out, dtype=torch.bfloat16)
-    files = save_report(rounds, args.out)
+    files = save_report(rounds, args.out, ar)
+    if ar:
+        print(f"AR {ar:.1f} tok/s on the speed prompts", file=sys.stderr)
     for r in rounds:
-        speed = "" if r.tokens_per_second is None else f", {r.tokens_per_second:.1f} tok/s"
+        speed = "" if r.tokens_per_second is None else f", {r.tokens_per_second:.1f} tok/s (decoded τ {r.decoded_tau:.3f})"
+        if r.async_tokens_per_second is not None:
+            speed += f", async {r.async_tokens_per_second:.1f} tok/s"
         print(f"{len(r.layers):3d} layers  τ {r.tau:.3f}  ({100 * r.retention:.1f}%){speed}"
               + ("" if r.removed is None else f"  removed the layer at position {r.removed}"), file=sys.stderr)
     print(json.dumps({"chosen_layers": rounds[chosen].layers, "tau": round(rounds[chosen].tau, 4),
@@ -354,7 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", type=int, default=64, help="calibration sequences (the data's last ones)")
     p.add_argument("--anchors", type=int, default=8)
     p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal")
-    p.add_argument("--speed-prompts", type=int, default=0, help="measure sync tokens/s on this many prompts per depth")
+    p.add_argument("--speed-prompts", type=int, default=0,
+                   help="decode this many calibration prompts per depth: tokens/s and decoded τ")
+    p.add_argument("--speed-async", action="store_true", help="with --speed-prompts, time async decoding too")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=prune_command)

@@ -24,10 +24,12 @@ from tqdm import tqdm
 
 from d3d.config import ConfigError, GenerationConfig
 from d3d.drafter import Drafter
-from d3d.engine import speculative_generate
+from d3d.async_engine import async_generate
+from d3d.engine import reference_generate, speculative_generate
 from d3d.estimate import teacher_forced_tau
 from d3d.loading import Target
 from d3d.models import Decoder
+from d3d.stats import SpecStats
 
 
 @dataclass
@@ -52,7 +54,9 @@ class PruneRound:
     tau: float  # teacher-forced τ, bonus included
     retention: float  # tau ÷ the input's tau
     candidates: dict[int, float] = field(default_factory=dict)  # position → τ after removing that layer
-    tokens_per_second: float | None = None  # end-to-end sync decoding, when measured
+    tokens_per_second: float | None = None  # end-to-end sync decoding (drafter only), when measured
+    async_tokens_per_second: float | None = None  # end-to-end async decoding, when measured
+    decoded_tau: float | None = None  # τ of that sync decoding: the estimator's check
 
 
 def remove_layer(drafter: Drafter, position: int, target: Decoder) -> Drafter:
@@ -80,13 +84,39 @@ def remove_layer(drafter: Drafter, position: int, target: Decoder) -> Drafter:
     return pruned.eval()
 
 
-def measure_speed(target: Decoder, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int) -> float:
-    """Tokens/s of synchronous speculative decoding (drafter only) over `prompts`, greedy."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
-    tokens, started = 0, time.perf_counter()
+@dataclass
+class Speed:
+    """End-to-end greedy decoding of the speed prompts with one drafter."""
+
+    tokens_per_second: float  # synchronous, drafter only
+    decoded_tau: float  # τ of that decoding, bonus included
+    async_tokens_per_second: float | None = None
+
+
+def decode_rate(generate, prompts: list[list[int]]) -> tuple[float, SpecStats]:
+    """Tokens/s of `generate(prompt)` (a step iterator) over `prompts`, and the merged stats."""
+    stats, started = SpecStats(), time.perf_counter()
     for prompt in prompts:
-        tokens += sum(len(step.tokens) for step in speculative_generate(target, drafter, prompt, config))
-    return tokens / (time.perf_counter() - started)
+        for step in generate(prompt):
+            pass
+        stats = stats.merge(step.stats)
+    return stats.new_tokens / (time.perf_counter() - started), stats
+
+
+def measure_speed(target: Decoder, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
+                  with_async: bool = False) -> Speed:
+    """Sync (and optionally async) drafter-only decoding speed and the decoded τ, greedy."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    rate, stats = decode_rate(lambda p: speculative_generate(target, drafter, p, config), prompts)
+    async_rate = None
+    if with_async:
+        async_rate, _ = decode_rate(lambda p: async_generate(target, drafter, p, config), prompts)
+    return Speed(rate, stats.tau, async_rate)
+
+
+def ar_speed(target: Decoder, prompts: list[list[int]], max_new_tokens: int) -> float:
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    return decode_rate(lambda p: reference_generate(target, p, config), prompts)[0]
 
 
 def heal(drafter: Drafter, target: Target, data_dir: str, steps: int, seed: int) -> Drafter:
@@ -107,18 +137,28 @@ def heal(drafter: Drafter, target: Target, data_dir: str, steps: int, seed: int)
 @torch.no_grad()
 def prune(drafter: Drafter, target: Target, sequences: list[tuple[list[int], int]], config: PruneConfig,
           data_dir: str | None = None, speed_prompts: list[list[int]] | None = None,
-          max_new_tokens: int = 64, progress: bool = True) -> tuple[list[PruneRound], list[Drafter]]:
-    """Greedy progressive pruning; returns every round and the drafter after each (round 0 = input)."""
+          max_new_tokens: int = 64, progress: bool = True,
+          with_async: bool = False) -> tuple[list[PruneRound], list[Drafter]]:
+    """Greedy progressive pruning; returns every round and the drafter after each (round 0 = input).
+
+    With `speed_prompts`, every kept depth is also decoded end to end (sync, and async with
+    `with_async`), which gives its tokens/s and its decoded τ beside the teacher-forced one."""
     decoder = target.decoder
 
     def tau(candidate: Drafter) -> float:
         return teacher_forced_tau(candidate, sequences, config.anchors, config.seed).tau
 
-    def speed(candidate: Drafter) -> float | None:
-        return measure_speed(decoder, candidate, speed_prompts, max_new_tokens) if speed_prompts else None
+    def measured(layers: list[int], removed: int | None, value: float, candidates: dict[int, float],
+                 candidate: Drafter) -> PruneRound:
+        r = PruneRound(layers, removed, value, value / base, candidates)
+        if speed_prompts:
+            speed = measure_speed(decoder, candidate, speed_prompts, max_new_tokens, with_async)
+            r.tokens_per_second, r.decoded_tau = speed.tokens_per_second, speed.decoded_tau
+            r.async_tokens_per_second = speed.async_tokens_per_second
+        return r
 
     base = tau(drafter)
-    rounds = [PruneRound(list(drafter.config.target_layers), None, base, 1.0, tokens_per_second=speed(drafter))]
+    rounds = [measured(list(drafter.config.target_layers), None, base, {}, drafter)]
     drafters = [drafter]
     depth = len(drafter.decoder.layers)
     bar = tqdm(total=max(0, depth - config.min_layers), desc="prune", unit="layer", disable=not progress)
@@ -135,8 +175,7 @@ def prune(drafter: Drafter, target: Target, sequences: list[tuple[list[int], int
         value = tau(pruned)
         if config.min_retention and value / base < config.min_retention:
             break
-        rounds.append(PruneRound(list(pruned.config.target_layers), position, value, value / base,
-                                 candidates, speed(pruned)))
+        rounds.append(measured(list(pruned.config.target_layers), position, value, candidates, pruned))
         drafters.append(pruned)
         current = pruned
         bar.update(1)
@@ -152,17 +191,33 @@ def best_round(rounds: list[PruneRound]) -> int:
     return len(rounds) - 1
 
 
-def report(rounds: list[PruneRound]) -> dict[str, Any]:
+def correlation(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson's r (None for fewer than 3 points or no spread)."""
+    if len(xs) < 3:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else None
+
+
+def report(rounds: list[PruneRound], ar_tokens_per_second: float | None = None) -> dict[str, Any]:
+    decoded = [r for r in rounds if r.decoded_tau is not None]
+    r = correlation([x.tau for x in decoded], [x.decoded_tau for x in decoded])
     return {"rounds": [dataclasses.asdict(r) for r in rounds], "chosen": best_round(rounds),
+            "ar_tokens_per_second": ar_tokens_per_second,
+            "estimator_correlation": None if r is None else round(r, 4),
             "definitions": {"tau": "teacher-forced tokens per verification, bonus included",
+                            "decoded_tau": "tokens per verification in real greedy decoding of the speed prompts",
+                            "estimator_correlation": "Pearson r of tau and decoded_tau over the depths",
                             "retention": "tau / tau of the input drafter"}}
 
 
-def save_report(rounds: list[PruneRound], folder: str | Path) -> list[str]:
+def save_report(rounds: list[PruneRound], folder: str | Path, ar_tokens_per_second: float | None = None) -> list[str]:
     """prune.json, and prune.png (depth → τ and tokens/s) when matplotlib is installed."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "prune.json").write_text(json.dumps(report(rounds), indent=2))
+    (folder / "prune.json").write_text(json.dumps(report(rounds, ar_tokens_per_second), indent=2))
     try:
         import matplotlib
 
@@ -171,15 +226,27 @@ def save_report(rounds: list[PruneRound], folder: str | Path) -> list[str]:
     except ImportError:
         return [str(folder / "prune.json")]
     depths = [len(r.layers) for r in rounds]
-    figure, axis = plt.subplots(figsize=(6, 3.6))
-    axis.plot(depths, [r.tau for r in rounds], marker="o", label="teacher-forced τ")
+    figure, axis = plt.subplots(figsize=(6.4, 3.8))
+    axis.plot(depths, [r.tau for r in rounds], marker="o", label="τ teacher-forced")
+    if all(r.decoded_tau is not None for r in rounds):
+        axis.plot(depths, [r.decoded_tau for r in rounds], marker="o", linestyle="--", label="τ decoded")
     axis.set_xlabel("drafter layers")
     axis.set_ylabel("τ (bonus included)")
     axis.invert_xaxis()
+    lines, labels = axis.get_legend_handles_labels()
     if all(r.tokens_per_second is not None for r in rounds):
         speed_axis = axis.twinx()
-        speed_axis.plot(depths, [r.tokens_per_second for r in rounds], marker="s", color="tab:red")
-        speed_axis.set_ylabel("tokens/s (sync, drafter only)", color="tab:red")
+        speed_axis.plot(depths, [r.tokens_per_second for r in rounds], marker="s", color="tab:red",
+                        label="tokens/s sync")
+        if all(r.async_tokens_per_second is not None for r in rounds):
+            speed_axis.plot(depths, [r.async_tokens_per_second for r in rounds], marker="s", color="tab:purple",
+                            label="tokens/s async")
+        if ar_tokens_per_second:
+            speed_axis.axhline(ar_tokens_per_second, color="gray", linestyle=":", label="tokens/s AR")
+        speed_axis.set_ylabel("tokens/s (drafter only)")
+        more_lines, more_labels = speed_axis.get_legend_handles_labels()
+        lines, labels = lines + more_lines, labels + more_labels
+    axis.legend(lines, labels, fontsize=8, loc="best")
     figure.tight_layout()
     figure.savefig(folder / "prune.png", dpi=110)
     plt.close(figure)

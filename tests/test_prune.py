@@ -92,12 +92,24 @@ def test_cli_prune_writes_a_smaller_checkpoint_and_never_touches_the_input(
     four_layer_drafter(target).save_pretrained(tmp_path / "in")
     digest = hashlib.sha256((tmp_path / "in" / "model.safetensors").read_bytes()).hexdigest()
     code = main(["prune", "--drafter", str(tmp_path / "in"), "--data", str(data_dir), "--out", str(tmp_path / "out"),
-                 "--min-layers", "2", "--calibration", "8", "--speed-prompts", "2", "--max-new-tokens", "8"])
+                 "--min-layers", "2", "--calibration", "8", "--speed-prompts", "2", "--max-new-tokens", "8",
+                 "--speed-async"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert hashlib.sha256((tmp_path / "in" / "model.safetensors").read_bytes()).hexdigest() == digest
     loaded = Drafter.from_pretrained(tmp_path / "out", target.decoder)
     assert len(loaded.decoder.layers) == len(summary["chosen_layers"]) < 4
     report = json.loads((tmp_path / "out" / "prune.json").read_text())
-    assert all(r["tokens_per_second"] > 0 for r in report["rounds"])
+    assert all(r["tokens_per_second"] > 0 and r["async_tokens_per_second"] > 0 for r in report["rounds"])
+    assert all(1.0 <= r["decoded_tau"] <= 4 for r in report["rounds"])
+    assert report["ar_tokens_per_second"] > 0
+    assert report["estimator_correlation"] is None or -1 <= report["estimator_correlation"] <= 1
     assert (tmp_path / "out" / "prune.png").is_file()
+
+
+def test_correlation():
+    """Pearson's r: ±1 on lines, None without enough points or spread."""
+    from d3d.prune import correlation
+    assert correlation([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert correlation([1, 2], [1, 2]) is None and correlation([1, 1, 1], [1, 2, 3]) is None
