@@ -215,7 +215,7 @@ def prune_command(args: argparse.Namespace) -> int:
     """Progressively remove the drafter layers whose removal costs least τ; write the chosen depth."""
     from d3d.drafter import Drafter
     from d3d.loading import load_target
-    from d3d.prune import PruneConfig, ar_speed, best_round, prune, save_report
+    from d3d.prune import PruneConfig, ar_speed, best_round, prune, save_report, warm_up
     from d3d.train.trainer import load_sequences
 
     config = PruneConfig(min_layers=args.min_layers, min_retention=args.min_retention,
@@ -225,7 +225,10 @@ def prune_command(args: argparse.Namespace) -> int:
     sequences = load_sequences(args.data, 512)[-args.calibration:]
     # Decode the calibration prompts themselves, so decoded τ checks the teacher-forced estimate.
     speed_prompts = [tokens[:start] for tokens, start in sequences[:args.speed_prompts]]
-    ar = ar_speed(target.decoder, speed_prompts, args.max_new_tokens) if speed_prompts else None
+    ar = None
+    if speed_prompts:
+        warm_up(target.decoder, drafter, speed_prompts)
+        ar = ar_speed(target.decoder, speed_prompts, args.max_new_tokens)
     rounds, drafters = prune(drafter, target, sequences, config, args.data if args.heal_steps else None,
                              speed_prompts, args.max_new_tokens, with_async=args.speed_async)
     chosen = best_round(rounds)
@@ -353,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="a `d3d data` folder: calibration sequences (and healing data)")
     p.add_argument("--out", required=True, help="folder for the chosen drafter, prune.json and prune.png")
     p.add_argument("--target", default="default")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--min-layers", type=int, default=1)
     p.add_argument("--min-retention", type=float, default=0.0, help="stop below this share of τ (e.g. 0.99)")
     p.add_argument("--calibration", type=int, default=64, help="calibration sequences (the data's last ones)")

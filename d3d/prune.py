@@ -114,6 +114,12 @@ def measure_speed(target: Decoder, drafter: Drafter, prompts: list[list[int]], m
     return Speed(rate, stats.tau, async_rate)
 
 
+def warm_up(target: Decoder, drafter: Drafter, prompts: list[list[int]]) -> None:
+    """One short decode of each kind, so that first-call costs stay out of the timings."""
+    measure_speed(target, drafter, prompts[:1], 4, with_async=True)
+    ar_speed(target, prompts[:1], 4)
+
+
 def ar_speed(target: Decoder, prompts: list[list[int]], max_new_tokens: int) -> float:
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     return decode_rate(lambda p: reference_generate(target, p, config), prompts)[0]
