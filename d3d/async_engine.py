@@ -262,6 +262,9 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     if drafter.config.denoising_steps != 1:
         raise ConfigError("asynchronous drafting runs one denoising step per block; "
                           f"this drafter is configured for {drafter.config.denoising_steps}")
+    if drafter.config.labels != "shifted":
+        raise ConfigError("asynchronous drafting needs a drafter with shifted labels: its branch plan "
+                          "guesses the bonus token from the row after the last draft")
     sampling = config.sampling
     if planner is None:
         def planner(tokens: list[int], draft_tokens: list[int], guess_logits: torch.Tensor, max_k: int) -> list[Branch]:

@@ -161,7 +161,8 @@ def train(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = TrainConfig(layers=[int(x) for x in args.layers.split(",")] if args.layers else [],
                          init_from=args.init_from, block_size=args.block_size,
-                         block_attention=args.block_attention, steps=args.steps, batch_size=args.batch_size,
+                         block_attention=args.block_attention, labels=args.labels, steps=args.steps,
+                         batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, lambda_ar=args.lambda_ar,
                          gamma=args.gamma, mask_ratio=args.mask_ratio, anchors=args.anchors,
                          max_length=args.max_length, eval_every=args.eval_every, save_every=args.save_every,
@@ -316,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", default="", help="start from this drafter checkpoint instead")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--block-attention", default="anchor_causal", choices=["anchor_causal", "bidirectional", "causal"])
+    p.add_argument("--labels", default="shifted", choices=["shifted", "unshifted"],
+                   help="block row i predicts x_{a+i+1} (shifted) or its own token x_{a+i} (unshifted)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=1)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 Family = Literal["llama", "qwen2", "qwen3"]
 BlockAttention = Literal["anchor_causal", "bidirectional", "causal"]
+LabelShift = Literal["shifted", "unshifted"]
 
 
 class ConfigError(ValueError):
@@ -122,6 +123,7 @@ class DrafterConfig(_JsonMixin):
     shared_embeddings: bool = True  # embedding / LM head / final norm are the target's, not stored
     block_attention: BlockAttention = "anchor_causal"  # attention inside a draft block
     denoising_steps: int = 1  # passes per block; later passes re-feed the argmax drafts
+    labels: LabelShift = "shifted"  # block row i predicts position p+i+1 (shifted) or its own, p+i (unshifted)
     draft_vocab_size: int = 0  # drafts only among this many frequent tokens (0 = whole vocabulary)
 
     def __post_init__(self) -> None:
@@ -139,6 +141,7 @@ class DrafterConfig(_JsonMixin):
                "mask_token_id must be a dedicated id outside the vocabulary the drafter emits")
         _check(self.block_attention in ("anchor_causal", "bidirectional", "causal"),
                f"unknown block_attention {self.block_attention!r}")
+        _check(self.labels in ("shifted", "unshifted"), f"unknown labels {self.labels!r}")
 
 
 @dataclass

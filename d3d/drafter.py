@@ -5,9 +5,11 @@ D3D (Chen et al., "Decoupled Diffusion Drafting for Asynchronous Speculative Dec
 what lets drafting run ahead of verification. Each round the drafter reads the committed tokens it
 has not seen yet (clean, causal, kept in its own KV cache) and one block
 `[anchor, MASK × (B-1)]` at positions p … p+B-1, and returns a distribution for every block
-position. Labels are *shifted*: block row i predicts the token at p+i+1, like an AR model, so
-row 0 is the ordinary next-token prediction and one block yields B drafts (rows 0 … B-2 are
-verified, row B-1 serves the async engine's bonus guesses). The block's KV is dropped afterwards.
+position. Labels are *shifted* by default: block row i predicts the token at p+i+1, like an AR
+model, so row 0 is the ordinary next-token prediction and one block yields B drafts (rows 0 … B-2
+are verified, row B-1 serves the async engine's bonus guesses). With *unshifted* labels (the masked
+diffusion convention) row i predicts its own position p+i, so rows 1 … B-1 are the B-1 drafts and
+the anchor's row predicts nothing. The block's KV is dropped afterwards.
 
 A checkpoint is a folder: `config.json` (DrafterConfig + format tag) and `model.safetensors`.
 Weights shared with the target (embedding, LM head) are not stored; they come from the target.
@@ -24,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from d3d.cache import KVCache
-from d3d.config import BlockAttention, ConfigError, DrafterConfig
+from d3d.config import BlockAttention, ConfigError, DrafterConfig, LabelShift
 from d3d.loading import LoadError, check_state, read_safetensors
 from d3d.masks import draft_mask, packed_mask
 from d3d.models import Decoder
@@ -90,10 +92,16 @@ class Drafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
+    @property
+    def draft_rows(self) -> slice:
+        """The block rows that predict positions p+1 … p+B-1 (the drafts), in order."""
+        return slice(0, self.block_size - 1) if self.config.labels == "shifted" else slice(1, self.block_size)
+
     @classmethod
     def from_target(cls, target: Decoder, layers: list[int], block_size: int = 16,
                     block_attention: BlockAttention = "anchor_causal", tokenizer_fingerprint: str = "",
-                    shared_embeddings: bool = True, draft_vocab: torch.Tensor | None = None) -> "Drafter":
+                    shared_embeddings: bool = True, draft_vocab: torch.Tensor | None = None,
+                    labels: LabelShift = "shifted") -> "Drafter":
         """A drafter whose layers are copies of the given target layers (final norm copied too)."""
         if not layers or any(not 0 <= i < target.config.num_layers for i in layers):
             raise ConfigError(f"drafter layers {layers} must be non-empty indices of the target's "
@@ -103,7 +111,8 @@ class Drafter(nn.Module):
                                target_vocab_size=target.config.vocab_size,
                                tokenizer_fingerprint=tokenizer_fingerprint,
                                shared_embeddings=shared_embeddings, block_attention=block_attention,
-                               draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()))
+                               draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
+                               labels=labels)
         drafter = cls(config, target)
         for own, source in zip(drafter.decoder.layers, layers):
             own.load_state_dict(target.layers[source].state_dict())
@@ -190,7 +199,8 @@ class Drafter(nn.Module):
 
     @torch.no_grad()
     def draft(self, cache: KVCache, tokens: list[int]) -> torch.Tensor:
-        """Block logits (B, V) after the committed `tokens`; row i predicts position len(tokens)+i.
+        """Block logits after the committed `tokens`, row i predicting position len(tokens)+i: (B, V)
+        with shifted labels (the last row guesses the bonus after a full block), (B-1, V) unshifted.
 
         The cache holds a prefix of `tokens` (everything but the anchor at most); the missing
         clean tokens are fed in the same pass as the block. With more than one denoising step,
@@ -203,12 +213,12 @@ class Drafter(nn.Module):
         logits = self.block_pass(cache, tokens[cache.length:-1], [anchor] + [mask_id] * (size - 1))
         steps = self.config.denoising_steps
         for step in range(1, steps):
-            confidence, guess = logits[:-1].float().softmax(-1).max(-1)  # row j-1 fills block slot j
+            confidence, guess = logits[self.draft_rows].float().softmax(-1).max(-1)  # row j-1 fills block slot j
             num_fixed = (size - 1) * step // steps
             fixed = set(torch.topk(confidence, num_fixed).indices.tolist())
             block = [anchor] + [int(guess[j]) if j in fixed else mask_id for j in range(size - 1)]
             logits = self.block_pass(cache, [], block)
-        return logits
+        return logits if self.config.labels == "shifted" else logits[self.draft_rows]
 
     @torch.no_grad()
     def packed_draft(self, cache: KVCache, trunk: list[int], branches: list[tuple[int, int]], anchor_slot: int,
@@ -224,9 +234,9 @@ class Drafter(nn.Module):
         other branches or later drafts. Everything stays pending in `cache`: the caller keeps the
         trunk KV (clean causal input, so valid for any accepted prefix) and drops the branches.
         """
-        if self.config.denoising_steps != 1:
-            raise ValueError("packed drafting runs one denoising step; this drafter is configured for "
-                             f"{self.config.denoising_steps}")
+        if self.config.denoising_steps != 1 or self.config.labels != "shifted":
+            raise ValueError("packed drafting runs one denoising step with shifted labels; this drafter has "
+                             f"{self.config.denoising_steps} steps and {self.config.labels} labels")
         size, start, device = self.block_size, cache.length, self.decoder.device
         end = start + len(trunk)
         if not 0 <= anchor_slot < end or any(not 0 <= k < end - anchor_slot for k, _ in branches):

@@ -46,7 +46,7 @@ def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]],
             if not anchors:
                 continue
             examples.append(pack_example(tokens, response_start, anchors, size, mask_id,
-                                         drafter.config.block_attention))
+                                         drafter.config.block_attention, labels_shift=drafter.config.labels))
             block_counts.append(len(anchors))
         if not examples:
             continue
@@ -57,8 +57,8 @@ def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]],
         for row, (example, count) in enumerate(zip(examples, block_counts)):
             block_rows = example.is_block.nonzero()[:, 0].to(device)
             logits = drafter.logits(hidden[row, block_rows])  # (count·B, V)
-            predictions = logits.argmax(-1).view(count, size)[:, :size - 1]  # rows verified as drafts
-            labels = example.labels.to(device)[block_rows].view(count, size)[:, :size - 1]
+            predictions = logits.argmax(-1).view(count, size)[:, drafter.draft_rows]  # rows verified as drafts
+            labels = example.labels.to(device)[block_rows].view(count, size)[:, drafter.draft_rows]
             accepted_all.append(accepted_prefix(predictions, labels))
     if not accepted_all:
         return TauEstimate(1.0, [], 0)

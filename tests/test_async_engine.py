@@ -363,6 +363,9 @@ def test_denoising_steps_and_missing_drafter_are_refused(target, prompt):
         next(async_generate(target, drafter, prompt, greedy(5)))
     with pytest.raises(ConfigError, match="drafter"):
         next(async_generate(target, None, prompt, greedy(5)))
+    unshifted = Drafter.from_target(target, [0], block_size=4, labels="unshifted")
+    with pytest.raises(ConfigError, match="shifted labels"):
+        next(async_generate(target, unshifted, prompt, greedy(5)))
 
 
 # -- sampling ---------------------------------------------------------------------------------------

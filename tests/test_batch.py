@@ -217,3 +217,26 @@ def test_collate_pads_with_self_attending_rows():
     assert (batch["weights"][1, n:] == 0).all()
     assert not batch["is_block"][1, n:].any()
     assert batch["mask"].any(-1).all()  # no row has an empty softmax
+
+
+def test_unshifted_labels_put_each_token_on_its_own_row():
+    """labels_shift="unshifted": the anchor's row has no label, row i predicts x_{a+i}; decay
+    weights follow the draft index (draft k on row k), and a revealed slot drops its own row."""
+    e = pack_example(TOKENS, RESPONSE_START, ANCHORS, B, MASK, gamma=2.0, labels_shift="unshifted")
+    for j, anchor in enumerate(ANCHORS):
+        rows = list(block_rows(j))
+        assert e.labels[rows[0]] == IGNORE and e.weights[rows[0]] == 0
+        for i in range(1, B):
+            in_sequence = anchor + i < LENGTH
+            assert e.labels[rows[i]] == (TOKENS[anchor + i] if in_sequence else IGNORE)
+            assert e.weights[rows[i]] == pytest.approx(math.exp(-(i - 1) / 2.0) if in_sequence else 0.0)
+    rng = random.Random(3)
+    tokens = list(range(20, 44))
+    for _ in range(200):
+        e = pack_example(tokens, 5, [8], 6, MASK, mask_ratio="random", rng=rng, labels_shift="unshifted")
+        ids, labels = e.input_ids[len(tokens):], e.labels[len(tokens):]
+        for s in range(1, 6):
+            visible = ids[s] != MASK
+            assert (labels[s] == IGNORE) == bool(visible)
+            if not visible:
+                assert labels[s] == tokens[8 + s]

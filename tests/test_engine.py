@@ -67,6 +67,18 @@ def test_other_block_attention_and_denoising_match_reference(target, prompt, mod
     assert speculative(target, drafter, prompt, greedy(30))[0] == expected
 
 
+@pytest.mark.parametrize("denoising_steps", [1, 2])
+def test_unshifted_drafter_matches_reference(target, prompt, denoising_steps):
+    """Unshifted labels: the block's B-1 drafts come from rows 1 … B-1; output is the reference's."""
+    expected, _, _ = reference(target, prompt, greedy(30))
+    drafter = Drafter.from_target(target, [0], block_size=4, labels="unshifted")
+    perturb_drafter(drafter, 0.02, seed=1)
+    drafter.config = dataclasses.replace(drafter.config, denoising_steps=denoising_steps)
+    assert drafter.draft(drafter.new_cache(64), prompt).shape[0] == 3  # rows predicting p+1 … p+3
+    tokens, steps, _ = speculative(target, drafter, prompt, greedy(30))
+    assert tokens == expected and max(s.num_drafted for s in steps) == 3
+
+
 @pytest.mark.parametrize("block_size", [2, 4, 16])
 def test_oracle_drafter_is_always_fully_accepted(target, prompt, block_size):
     """Drafts equal to the target's greedy continuation: each step commits exactly block_size tokens."""

@@ -84,10 +84,11 @@ def drafter_made_sequences(drafter: Drafter, count: int = 3, seed: int = 9) -> l
     return sequences
 
 
-@pytest.mark.parametrize("mode", ["anchor_causal", "causal", "bidirectional"])
-def test_teacher_forced_tau_equals_brute_force(target, mode):
+@pytest.mark.parametrize("mode,labels", [("anchor_causal", "shifted"), ("causal", "shifted"),
+                                         ("bidirectional", "shifted"), ("anchor_causal", "unshifted")])
+def test_teacher_forced_tau_equals_brute_force(target, mode, labels):
     """The packed, batched estimator gives exactly the τ and acceptance rates of drafting each anchor on its own."""
-    drafter = Drafter.from_target(target, [0], block_size=4, block_attention=mode).eval()
+    drafter = Drafter.from_target(target, [0], block_size=4, block_attention=mode, labels=labels).eval()
     sequences = drafter_made_sequences(drafter)
     estimate = teacher_forced_tau(drafter, sequences, anchors_per_sequence=12, seed=11, batch_size=2)
     accepted = brute_force_accepted(drafter, sequences, 12, seed=11)

@@ -79,9 +79,12 @@ def test_no_shards_is_a_config_error(tmp_path):
         load_sequences(tmp_path, 64)
 
 
-def test_loss_falls(data_dir, tmp_path):
+@pytest.mark.parametrize("labels", ["shifted", "unshifted"])
+def test_loss_falls(data_dir, tmp_path, labels):
     """20 steps at lr 1e-2 lower the training loss (mean of the last 3 steps well below the first 3)."""
-    trainer = Trainer(tiny_train_target(), data_dir, tmp_path, config(steps=20, warmup=1, batch_size=4, anchors=4))
+    trainer = Trainer(tiny_train_target(), data_dir, tmp_path,
+                      config(steps=20, warmup=1, batch_size=4, anchors=4, labels=labels))
+    assert trainer.drafter.config.labels == labels
     losses = [trainer.train_step()["loss"] for _ in range(20)]
     assert all(math.isfinite(x) for x in losses)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3

@@ -4,8 +4,9 @@ A sequence x (prompt + the target's response) becomes
     [clean x_0 … x_{L-1} (causal) | block_1 | … | block_A]
 where block j = [x_a, MASK × (B-1)] at positions a … a+B-1 for a sampled anchor a. A block sees the
 clean tokens strictly before its anchor and (per `block_attention`) itself, never later clean
-tokens or other blocks. Labels are shifted: block row i predicts x_{a+i+1}, weighted by
-exp(-i/γ) (draft k = i+1). Clean rows predict the next token (the auxiliary AR loss) on the
+tokens or other blocks. Labels are shifted by default: block row i predicts x_{a+i+1} (draft
+k = i+1); unshifted, row i predicts its own token x_{a+i} (draft k = i; the anchor's row has no
+label). Draft k is weighted by exp(-(k-1)/γ). Clean rows predict the next token (the auxiliary AR loss) on the
 response only. With `mask_ratio="random"`, a random share of a block's masks is replaced by the
 true tokens (denoising from partial blocks); "all" matches one-step drafting.
 """
@@ -19,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from d3d.config import BlockAttention
+from d3d.config import BlockAttention, LabelShift
 
 IGNORE = -100
 MaskRatio = Literal["all", "random"]
@@ -37,7 +38,8 @@ class PackedExample:
 
 def pack_example(tokens: list[int], response_start: int, anchors: list[int], block_size: int, mask_token_id: int,
                  block_attention: BlockAttention = "anchor_causal", gamma: float = 0.0,
-                 mask_ratio: MaskRatio = "all", rng: random.Random | None = None) -> PackedExample:
+                 mask_ratio: MaskRatio = "all", rng: random.Random | None = None,
+                 labels_shift: LabelShift = "shifted") -> PackedExample:
     """Pack one sequence with noisy blocks at `anchors` (indices into `tokens`)."""
     length = len(tokens)
     num_blocks = len(anchors)
@@ -57,7 +59,8 @@ def pack_example(tokens: list[int], response_start: int, anchors: list[int], blo
     labels[start:length - 1] = sequence[start + 1:]
     weights[start:length - 1] = 1.0
 
-    row_weights = torch.tensor([math.exp(-i / gamma) if gamma > 0 else 1.0 for i in range(block_size)])
+    draft_weights = torch.tensor([math.exp(-i / gamma) if gamma > 0 else 1.0 for i in range(block_size)])
+    first_row = 0 if labels_shift == "shifted" else 1  # the row that predicts x_{a+1}
     for j, anchor in enumerate(anchors):
         if not 0 <= anchor < length - 1:
             raise ValueError(f"anchor {anchor} must leave at least one token to predict (length {length})")
@@ -83,12 +86,13 @@ def pack_example(tokens: list[int], response_start: int, anchors: list[int], blo
             mask[lo + 1:lo + block_size, rows] = True
         else:
             mask[rows, rows] = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
-        targets = sequence[anchor + 1:anchor + 1 + block_size]  # shifted: row i predicts x_{a+i+1}
-        labels[lo:lo + targets.numel()] = targets
-        weights[lo:lo + targets.numel()] = row_weights[:targets.numel()]
-        for slot in revealed:  # row `slot` predicts block slot slot+1, which the block can see
-            weights[lo + slot] = 0.0
-            labels[lo + slot] = IGNORE
+        targets = sequence[anchor + 1:anchor + 1 + block_size - first_row]  # draft k = x_{a+k}
+        first = lo + first_row
+        labels[first:first + targets.numel()] = targets
+        weights[first:first + targets.numel()] = draft_weights[:targets.numel()]
+        for slot in revealed:  # the row predicting block slot slot+1, which the block can see
+            weights[first + slot] = 0.0
+            labels[first + slot] = IGNORE
         is_block[rows] = True
     return PackedExample(ids, positions, mask, labels, weights, is_block)
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from d3d.config import BlockAttention, ConfigError, _JsonMixin
+from d3d.config import BlockAttention, ConfigError, LabelShift, _JsonMixin
 from d3d.drafter import Drafter
 from d3d.estimate import teacher_forced_tau
 from d3d.loading import Target
@@ -44,6 +44,7 @@ class TrainConfig(_JsonMixin):
     init_from: str = ""  # a drafter checkpoint to start from instead (healing a pruned drafter)
     block_size: int = 16  # B
     block_attention: BlockAttention = "anchor_causal"  # attention inside a block
+    labels: LabelShift = "shifted"  # block row i predicts x_{a+i+1} (shifted) or x_{a+i} (unshifted)
     steps: int = 2000  # optimizer steps
     batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -141,7 +142,8 @@ class Trainer:
             vocab = (frequent_tokens(self.train_set, config.draft_vocab_size, target.decoder.config.vocab_size)
                      if config.draft_vocab_size else None)
             self.drafter = Drafter.from_target(target.decoder, config.layers, config.block_size,
-                                               config.block_attention, target.fingerprint, draft_vocab=vocab)
+                                               config.block_attention, target.fingerprint, draft_vocab=vocab,
+                                               labels=config.labels)
         self.drafter.float().train()
         shared = {id(p) for p in target.decoder.parameters()}
         self.parameters = {n: p for n, p in self.drafter.named_parameters() if id(p) not in shared}
@@ -174,7 +176,7 @@ class Trainer:
             anchors = sample_anchors(len(tokens), response_start, c.anchors, self.rng)
             examples.append(pack_example(tokens, response_start, anchors, c.block_size,
                                          self.drafter.config.mask_token_id, c.block_attention, c.gamma,
-                                         c.mask_ratio, self.rng))
+                                         c.mask_ratio, self.rng, self.drafter.config.labels))
         return collate(examples)
 
     # -- checkpoints -------------------------------------------------------------------------
