@@ -196,7 +196,9 @@ def bench(args: argparse.Namespace) -> int:
         stem = Path(args.report).stem
         images = plots(result, Path(args.report).parent, stem)
         body = report + "".join(f"\n![{Path(i).stem}]({Path(i).name})\n" for i in images)
-        Path(args.report).write_text(f"# Benchmark: {stem}\n\n" + body)
+        datasets = ", ".join(group for group in result["table"] if group != "all")
+        title = f"# d3d bench: T = {config.temperature}, {result['dtype']}, {datasets}"
+        Path(args.report).write_text(f"{title}\n\n" + body)
     print(report, file=sys.stderr)
     summary = {"result": path, "identical": result["identical"],
                "speedup": {n: result["table"]["all"][n]["all"]["speedup"] for n in result["descriptions"]},

@@ -229,7 +229,7 @@ def test_cli_bench_exit_0_with_json_summary(capsys, tiny_default, tmp_path):
     assert saved["identical"] is True and saved["config"]["max_new_tokens"] == 8
     assert len(saved["records"]) == 2 * len(PROMPTS)
     report = (tmp_path / "report" / "bench.md").read_text()
-    assert report.startswith("# Benchmark: bench") and "bench-speedup.png" in report
+    assert report.startswith("# d3d bench: T = 0.0, float32, ") and "bench-speedup.png" in report
     assert (tmp_path / "report" / "bench-speedup.png").is_file()
     assert "token-identical to AR" in err
 
