@@ -319,3 +319,15 @@ def test_cli_bench_quick_keeps_user_prompt_files(tiny_default, monkeypatch, tmp_
     (config,) = seen
     assert config.num_prompts == 2 and config.max_new_tokens == 48
     assert path in config.datasets
+
+
+def test_async_methods_both_miss_policies(tmp_path):
+    """async (redraft on a miss) and async_reanchor: identical to AR, with hit rate and wait in the per-step figures."""
+    path = write_prompts(tmp_path)
+    result = run_benchmark(tiny_pipeline(eos_token_ids=[]), bench_config(path, ["ar", "async", "async_reanchor"]),
+                           progress=False)
+    assert result["identical"] is True
+    for name in ("async", "async_reanchor"):
+        t = result["table"]["all"][name]["all"]["per_step"]
+        assert 0.0 <= t["hit_rate"] <= 1.0 and t["wait"] >= 0 and t["packed"] > 0
+    assert "async_reanchor" in markdown(result, "d3d bench")

@@ -8,17 +8,20 @@ transformers model holding the very same weights, so they are what users of tran
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from d3d.async_engine import async_generate
 from d3d.config import ConfigError, GenerationConfig
+from d3d.engine import Step
 from d3d.generation import Pipeline
 from d3d.stats import SpecStats
 
-OURS = ("ar", "lookup", "drafter", "speculative", "async")
+OURS = ("ar", "lookup", "drafter", "speculative", "async", "async_reanchor")
 TRANSFORMERS = ("hf", "hf_lookup")
 ALL_METHODS = OURS + TRANSFORMERS
 DESCRIPTIONS = {
@@ -27,6 +30,8 @@ DESCRIPTIONS = {
     "drafter": "d3d speculative, D3D drafter only (sync)",
     "speculative": "d3d speculative, lookup where it matches + D3D drafter elsewhere (sync, gated)",
     "async": "d3d asynchronous: the drafter drafts successor blocks in a worker during verification",
+    "async_reanchor": "d3d asynchronous, a miss reuses the same-k branch re-anchored on the true bonus "
+                      "instead of redrafting",
     "hf": "transformers generate (AR)",
     "hf_lookup": "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)",
 }
@@ -42,16 +47,23 @@ class MethodRun:
 Method = Callable[[list[int], GenerationConfig], MethodRun]
 
 
+def timed(steps: Callable[[], Iterator[Step]]) -> MethodRun:
+    """Run an engine to the end: its tokens, wall time and final stats."""
+    started = time.perf_counter()
+    tokens: list[int] = []
+    stats = SpecStats()
+    for step in steps():
+        tokens.extend(step.tokens)
+        stats = step.stats
+    return MethodRun(tokens, time.perf_counter() - started, stats)
+
+
 def ours(pipeline: Pipeline, name: str) -> Method:
-    def run(prompt_ids: list[int], config: GenerationConfig) -> MethodRun:
-        started = time.perf_counter()
-        tokens: list[int] = []
-        stats = SpecStats()
-        for step in pipeline.steps(prompt_ids, config, name):  # type: ignore[arg-type]
-            tokens.extend(step.tokens)
-            stats = step.stats
-        return MethodRun(tokens, time.perf_counter() - started, stats)
-    return run
+    if name == "async_reanchor":
+        async_config = dataclasses.replace(pipeline.async_config, miss_policy="reanchor")
+        return lambda prompt_ids, config: timed(lambda: async_generate(
+            pipeline.target.decoder, pipeline.drafter, prompt_ids, config, async_config))
+    return lambda prompt_ids, config: timed(lambda: pipeline.steps(prompt_ids, config, name))  # type: ignore[arg-type]
 
 
 def transformers_model(pipeline: Pipeline):
@@ -94,8 +106,8 @@ def build_methods(pipeline: Pipeline, names: list[str]) -> dict[str, Method]:
     unknown = [n for n in names if n not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
-    if pipeline.drafter is None and any(n in ("drafter", "speculative", "async") for n in names):
-        raise ConfigError("methods 'drafter', 'speculative' and 'async' need a drafter")
+    if pipeline.drafter is None and any(n in ("drafter", "speculative", "async", "async_reanchor") for n in names):
+        raise ConfigError("methods 'drafter', 'speculative', 'async' and 'async_reanchor' need a drafter")
     methods: dict[str, Method] = {}
     model = None
     for name in names:
