@@ -276,6 +276,11 @@ def test_transformers_baselines_on_a_tiny_hf_folder(tmp_path):
     hf = [r for r in result["records"] if r["method"] in ("hf", "hf_lookup")]
     assert len(hf) == 2 * len(PROMPTS)
     assert all(r["new_tokens"] == NEW_TOKENS and r["first_mismatch"] is None for r in hf)
+    sampled = run_benchmark(pipeline, BenchConfig(datasets=[path], num_prompts=16, max_new_tokens=NEW_TOKENS,
+                                                  methods=["ar", "hf", "hf_lookup", "lookup"], temperature=1.0),
+                            progress=False)  # T = 1: every method samples; nothing is compared
+    assert all(r["new_tokens"] == NEW_TOKENS for r in sampled["records"])
+    assert sampled["table"]["all"]["hf_lookup"]["all"]["tokens_per_second"] > 0
 
 
 class PadlessByteTokenizer(ByteTokenizer):
