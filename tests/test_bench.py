@@ -156,6 +156,7 @@ def test_per_step_splits_the_time_of_a_step():
     t = harness.per_step(stats, seconds=0.4)
     assert t["packed"] == 30.0 and t["wait"] == 10.0 and t["hit_rate"] == 0.5
     assert t["overlap"] == round(1 - 0.04 / 0.12, 3)
+    assert harness.per_step(SpecStats(), seconds=1.0) is None  # no engine stats: no split
 
 
 def test_plots_write_pngs(bench_run, tmp_path):

@@ -14,7 +14,7 @@ import torch
 from conftest import make_decoder, tiny_config
 from d3d.drafter import Drafter
 from d3d.engine import PromptError, Step
-from d3d.generation import DEFAULT_DRAFTER, METHODS, Chunk, Pipeline
+from d3d.generation import METHODS, Chunk, Pipeline
 from d3d.loading import Target
 from d3d.stats import SpecStats
 
@@ -424,7 +424,6 @@ def test_untrained_drafter_on_real_target_matches_ar():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (DEFAULT_DRAFTER / "config.json").is_file(), reason="no drafter shipped yet")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shipped_drafter_is_the_default_and_lossless(dtype):
     """The drafter shipped in the package loads as the default for SmolLM2, drafts, and greedy

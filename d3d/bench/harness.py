@@ -174,11 +174,14 @@ def aggregate(records: list[Record], ar: list[Record]) -> dict[str, Any]:
                 for r, a in zip(records, ar)), 3) if records else None}
 
 
-def per_step(stats: SpecStats, seconds: float) -> dict[str, float | None]:
+def per_step(stats: SpecStats, seconds: float) -> dict[str, float | None] | None:
     """Where a verification step's time goes, in ms: the whole step, the target's verify forward,
     drafting on the critical path and, for async drafting, the packed pass, the wait for it and
-    the share of steps whose next block was ready (hit rate)."""
-    steps = max(stats.steps + 1, 1)  # + the prefill, which verify_seconds includes
+    the share of steps whose next block was ready (hit rate). None for methods without step
+    stats (the transformers baselines)."""
+    if not stats.steps:
+        return None
+    steps = stats.steps + 1  # + the prefill, which verify_seconds includes
     ms = {"step": seconds / steps, "verify": stats.verify_seconds / steps, "draft": stats.draft_seconds / steps}
     result: dict[str, float | None] = {k: round(1000 * v, 2) for k, v in ms.items()}
     asynchronous = bool(stats.branch_rounds_at)
