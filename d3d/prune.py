@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from d3d.async_engine import async_generate
 from d3d.config import ConfigError, GenerationConfig
 from d3d.drafter import Drafter
-from d3d.async_engine import async_generate
 from d3d.engine import reference_generate, speculative_generate
 from d3d.estimate import teacher_forced_tau
 from d3d.loading import Target

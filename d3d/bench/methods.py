@@ -22,6 +22,7 @@ from d3d.generation import Pipeline
 from d3d.stats import SpecStats
 
 OURS = ("ar", "lookup", "drafter", "speculative", "async", "async_reanchor")
+NEED_DRAFTER = ("drafter", "speculative", "async", "async_reanchor")
 TRANSFORMERS = ("hf", "hf_lookup")
 ALL_METHODS = OURS + TRANSFORMERS
 DESCRIPTIONS = {
@@ -106,8 +107,8 @@ def build_methods(pipeline: Pipeline, names: list[str]) -> dict[str, Method]:
     unknown = [n for n in names if n not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
-    if pipeline.drafter is None and any(n in ("drafter", "speculative", "async", "async_reanchor") for n in names):
-        raise ConfigError("methods 'drafter', 'speculative', 'async' and 'async_reanchor' need a drafter")
+    if pipeline.drafter is None and any(n in NEED_DRAFTER for n in names):
+        raise ConfigError(f"methods {', '.join(NEED_DRAFTER)} need a drafter")
     methods: dict[str, Method] = {}
     model = None
     for name in names:
