@@ -18,7 +18,7 @@ import torch
 from d3d.bench.datasets import DatasetError
 from d3d.config import ConfigError, SamplingConfig
 from d3d.engine import PromptError
-from d3d.generation import METHODS, Chunk, Method, Pipeline
+from d3d.generation import METHODS, Chunk, Method, Pipeline, resolve_drafter
 from d3d.loading import LoadError
 
 DEFAULT_BENCH_DATASETS = "humaneval,mtbench,math500"
@@ -187,7 +187,13 @@ def bench(args: argparse.Namespace) -> int:
             config.datasets = ["humaneval", "mtbench"] + args.prompts
         config.num_prompts, config.max_new_tokens = min(config.num_prompts, 2), min(config.max_new_tokens, 48)
     pipeline = load_pipeline(args)
-    result = run_benchmark(pipeline, config)
+    challengers = {}
+    for spec in args.compare_drafter:
+        label, _, folder = spec.partition("=")
+        if not label or not folder or not label.isidentifier() or label in challengers:
+            raise ConfigError(f"--compare-drafter takes a unique LABEL=PATH (LABEL a plain word), got {spec!r}")
+        challengers[label] = Pipeline(pipeline.target, *resolve_drafter(pipeline.target, folder, args.target, None))
+    result = run_benchmark(pipeline, config, challengers=challengers)
     path = save_result(result, args.out)
     command = "d3d " + " ".join(sys.argv[1:]) if argv_is_cli() else "d3d bench ..."
     report = markdown(result, command)
@@ -353,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-drafter", action="append", default=[], metavar="LABEL=PATH",
+                   help="also run each drafting method with this drafter, as METHOD@LABEL, interleaved (repeatable)")
     add_model_arguments(p)
     p.set_defaults(handler=bench)
 

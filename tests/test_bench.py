@@ -18,10 +18,12 @@ import d3d.bench.methods
 import d3d.generation
 import d3d.loading
 from d3d.bench.harness import BenchConfig, first_mismatch, is_looping, run_benchmark
-from d3d.bench.methods import MethodRun
+from d3d.bench.methods import MethodRun, build_methods
 from d3d.bench.report import markdown, plots
 from conftest import make_decoder, tiny_config
 from d3d.cli import main
+from d3d.config import ConfigError
+from d3d.drafter import Drafter
 from d3d.generation import Pipeline
 from d3d.loading import Target
 from d3d.stats import SpecStats
@@ -50,8 +52,8 @@ def broken_lookup(monkeypatch) -> None:
     """Make the benchmark's "lookup" method change the last token it returns."""
     real = harness.build_methods
 
-    def build(pipeline, names):
-        methods = real(pipeline, names)
+    def build(pipeline, names, challengers=None):
+        methods = real(pipeline, names, challengers)
         honest = methods["lookup"]
 
         def lookup(prompt_ids, config):
@@ -186,7 +188,7 @@ def test_transformers_disagreement_is_reported_not_enforced(monkeypatch, tmp_pat
     """A transformers baseline ("hf") differing from AR is recorded per prompt but does not fail the identity check."""
     real = harness.build_methods
 
-    def build(pipeline, names):
+    def build(pipeline, names, challengers=None):
         methods = real(pipeline, [n for n in names if n != "hf"])
         methods["hf"] = lambda ids, config: MethodRun([1] * config.max_new_tokens, 0.01)
         return methods
@@ -253,6 +255,70 @@ def test_cli_bench_unknown_dataset_is_a_usage_error(capsys, tiny_default, tmp_pa
     assert code == 2 and "unknown dataset 'nope'" in err and "Traceback" not in err
 
 
+def test_a_challenger_drafter_runs_as_method_at_label(tmp_path):
+    """`challengers`: each drafting method also runs with the other drafter as METHOD@LABEL, in the
+    same interleaved loop, identity-checked, described with that drafter's source; AR and lookup
+    (which draft with no drafter) are not repeated."""
+    pipeline = tiny_pipeline(eos_token_ids=[])
+    other = Pipeline(pipeline.target, Drafter.from_target(pipeline.target.decoder, [1], block_size=4), "layer-1 copy")
+    result = run_benchmark(pipeline, bench_config(write_prompts(tmp_path)), progress=False,
+                           challengers={"b": other})
+    names = METHODS + ["drafter@b", "speculative@b"]
+    assert list(result["descriptions"]) == names
+    assert result["descriptions"]["speculative@b"].endswith("; drafter layer-1 copy")
+    assert result["challengers"] == {"b": "layer-1 copy"}
+    assert {(r["prompt_id"], r["method"]) for r in result["records"]} == {(p["id"], m) for p in PROMPTS for m in names}
+    assert result["identical"] is True
+    assert result["table"]["all"]["drafter@b"]["all"]["tau"] is not None
+    assert "| drafter@b |" in markdown(result, "d3d bench ...")
+
+
+def test_a_challenger_that_changes_the_output_is_caught(monkeypatch, tmp_path):
+    """The identity check covers METHOD@LABEL runs like the methods they repeat."""
+    real = harness.build_methods
+
+    def build(pipeline, names, challengers=None):
+        methods = real(pipeline, names, challengers)
+        honest = methods["speculative@b"]
+
+        def broken(prompt_ids, config):
+            run = honest(prompt_ids, config)
+            return MethodRun(run.tokens[:-1] + [(run.tokens[-1] + 1) % 64], run.seconds, run.stats)
+        methods["speculative@b"] = broken
+        return methods
+
+    monkeypatch.setattr(harness, "build_methods", build)
+    pipeline = tiny_pipeline(eos_token_ids=[])
+    result = run_benchmark(pipeline, bench_config(write_prompts(tmp_path), ["ar", "speculative"]), progress=False,
+                           challengers={"b": tiny_pipeline(eos_token_ids=[])})
+    assert result["identical"] is False
+    assert all(m.startswith("speculative@b differs from AR") for m in result["mismatches"])
+
+
+def test_a_challenger_needs_a_drafter_and_a_drafting_method():
+    pipeline = tiny_pipeline(eos_token_ids=[])
+    with pytest.raises(ConfigError, match="has no drafter"):
+        build_methods(pipeline, ["ar", "drafter"], {"b": tiny_pipeline(drafter=False)})
+    with pytest.raises(ConfigError, match="needs a method that drafts"):
+        build_methods(pipeline, ["ar", "lookup"], {"b": tiny_pipeline()})
+
+
+def test_cli_bench_compare_drafter(capsys, tiny_default, tmp_path):
+    """`d3d bench --compare-drafter b=PATH`: the saved drafter runs as speculative@b; a malformed spec
+    is a usage error."""
+    target = tiny_target(eos_token_ids=[])
+    Drafter.from_target(target.decoder, [0], block_size=4, tokenizer_fingerprint=target.fingerprint
+                        ).save_pretrained(tmp_path / "other")
+    argv = bench_argv(tmp_path)
+    argv[argv.index("ar,lookup")] = "ar,speculative"
+    argv[argv.index("none")] = "untrained"
+    assert main(argv + ["--compare-drafter", f"b={tmp_path / 'other'}"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["speedup"]) == {"ar", "speculative", "speculative@b"} and summary["identical"] is True
+    assert main(argv + ["--compare-drafter", "no-label-here"]) == 2
+    assert "LABEL=PATH" in capsys.readouterr().err
+
+
 # -- the transformers baselines --------------------------------------------------------------------
 
 class PaddedByteTokenizer(ByteTokenizer):
@@ -315,7 +381,7 @@ def test_cli_bench_quick_keeps_user_prompt_files(tiny_default, monkeypatch, tmp_
     """`d3d bench --quick --prompts FILE` still benchmarks FILE (quick shrinks the run, it does not drop user prompts)."""
     seen = []
 
-    def fake_run_benchmark(pipeline, config, progress=True):
+    def fake_run_benchmark(pipeline, config, progress=True, challengers=None):
         seen.append(config)
         raise KeyboardInterrupt  # stop here: only the configuration is under test
 

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from d3d.bench.datasets import Prompt, load_dataset, sample_prompts
-from d3d.bench.methods import DESCRIPTIONS, OURS, MethodRun, build_methods
+from d3d.bench.methods import OURS, MethodRun, base_method, build_methods, describe
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.generation import Pipeline
 from d3d.stats import SpecStats
@@ -101,12 +101,16 @@ def prompt_turns(pipeline: Pipeline, prompt: Prompt, config: GenerationConfig) -
     return turns
 
 
-def run_benchmark(pipeline: Pipeline, config: BenchConfig, progress: bool = True) -> dict[str, Any]:
+def run_benchmark(pipeline: Pipeline, config: BenchConfig, progress: bool = True,
+                  challengers: dict[str, Pipeline] | None = None) -> dict[str, Any]:
+    """Every method on every prompt, interleaved. `challengers` (label → pipeline on the same
+    target) add `method@label` runs of each drafting method with that pipeline's drafter."""
     sampling = SamplingConfig(temperature=config.temperature, seed=config.seed)
     generation = GenerationConfig(max_new_tokens=config.max_new_tokens,
                                   eos_token_ids=list(pipeline.target.eos_token_ids), sampling=sampling)
     names = list(dict.fromkeys(["ar", *config.methods]))  # AR is always measured: speedups are over it
-    methods = build_methods(pipeline, names)
+    methods = build_methods(pipeline, names, challengers)
+    names = list(methods)
     prompts = [(name, p) for name in config.datasets
                for p in sample_prompts(load_dataset(name), config.num_prompts, config.seed)]
     warm = pipeline.encode("Say hello.", chat=pipeline.target.tokenizer.chat_template is not None)
@@ -129,18 +133,19 @@ def run_benchmark(pipeline: Pipeline, config: BenchConfig, progress: bool = True
             prompt_id = prompt.id + (f"/turn{turn + 1}" if turn else "")
             for name, run in runs.items():
                 mismatch = first_mismatch(run.tokens, reference) if config.temperature == 0 else None
-                if mismatch is not None and name in OURS:
+                if mismatch is not None and base_method(name) in OURS:
                     mismatches.append(f"{name} differs from AR on {dataset}:{prompt_id} at token {mismatch}")
                 records.append(Record(dataset, prompt_id, name, len(run.tokens), run.seconds, loops,
                                       run.stats, mismatch))
         bar.update(len(names))
     bar.close()
     result = summarise(records, names, config)
+    drafters = {label: p.drafter_source for label, p in (challengers or {}).items()}
     result.update(machine=machine(), dtype=str(pipeline.target.decoder.dtype).removeprefix("torch."),
-                  target=pipeline.target.name, drafter=pipeline.drafter_source,
+                  target=pipeline.target.name, drafter=pipeline.drafter_source, challengers=drafters,
                   mismatches=mismatches, identical=not mismatches,
                   peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-                  config=config.__dict__, descriptions={n: DESCRIPTIONS[n] for n in names},
+                  config=config.__dict__, descriptions={n: describe(n, drafters) for n in names},
                   definitions={"tau": "tokens committed per verification step, bonus token included",
                                "speedup": "method tokens/s ÷ d3d AR tokens/s over the same prompts, same run",
                                "loop": "AR output whose last 64 tokens repeat with a period ≤ 32"})

@@ -103,7 +103,20 @@ def transformers_method(model, lookup: bool, pad_token_id: int) -> Method:
     return run
 
 
-def build_methods(pipeline: Pipeline, names: list[str]) -> dict[str, Method]:
+def base_method(name: str) -> str:
+    """"speculative@pruned" → "speculative": a method run with another drafter (see `build_methods`)."""
+    return name.split("@", 1)[0]
+
+
+def describe(name: str, drafters: dict[str, str]) -> str:
+    base, _, label = name.partition("@")
+    return DESCRIPTIONS[base] + (f"; drafter {drafters[label]}" if label else "")
+
+
+def build_methods(pipeline: Pipeline, names: list[str],
+                  challengers: dict[str, Pipeline] | None = None) -> dict[str, Method]:
+    """The methods `names`, plus `method@label` for each method that needs a drafter, run with
+    each challenger pipeline's drafter (same target), so drafters compare in one interleaved run."""
     unknown = [n for n in names if n not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
@@ -119,4 +132,12 @@ def build_methods(pipeline: Pipeline, names: list[str]) -> dict[str, Method]:
             pad = pipeline.target.tokenizer.pad_token_id
             methods[name] = transformers_method(model, name == "hf_lookup",
                                                 pad if pad is not None else (pipeline.target.eos_token_ids or [0])[0])
+    for label, challenger in (challengers or {}).items():
+        if challenger.drafter is None:
+            raise ConfigError(f"the challenger {label!r} has no drafter")
+        if not any(n in NEED_DRAFTER for n in names):
+            raise ConfigError(f"a challenger drafter needs a method that drafts: {', '.join(NEED_DRAFTER)}")
+        for name in names:
+            if name in NEED_DRAFTER:
+                methods[f"{name}@{label}"] = ours(challenger, name)
     return methods
