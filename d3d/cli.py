@@ -328,13 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", default="shifted", choices=["shifted", "unshifted"],
                    help="block row i predicts x_{a+i+1} (shifted) or its own token x_{a+i} (unshifted)")
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--lambda-ar", type=float, default=0.5)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=60)
+    p.add_argument("--lambda-ar", type=float, default=1.0)
     p.add_argument("--gamma", type=float, default=0.0, help="L_diff decay exp(-(k-1)/γ) by draft position; 0 = off")
-    p.add_argument("--mask-ratio", default="all", choices=["all", "random"])
+    p.add_argument("--mask-ratio", default="random", choices=["all", "random"])
     p.add_argument("--anchors", type=int, default=8, help="noisy blocks per sequence")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--max-sequences", type=int, default=0,

@@ -38,7 +38,8 @@ from d3d.train.data import read_shards
 
 @dataclass
 class TrainConfig(_JsonMixin):
-    """One drafter training run."""
+    """One drafter training run. The defaults are the shipped drafter's recipe (docs/training.md:
+    λ = 1 and random mask ratios won the ablations)."""
 
     layers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # target layers the drafter starts from
     init_from: str = ""  # a drafter checkpoint to start from instead (healing a pruned drafter)
@@ -46,16 +47,16 @@ class TrainConfig(_JsonMixin):
     block_attention: BlockAttention = "anchor_causal"  # attention inside a block
     labels: LabelShift = "shifted"  # block row i predicts x_{a+i+1} (shifted) or x_{a+i} (unshifted)
     steps: int = 2000  # optimizer steps
-    batch_size: int = 4  # sequences per micro-batch
+    batch_size: int = 8  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
-    lr: float = 3e-4  # peak learning rate
+    lr: float = 5e-4  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine floor as a share of lr
-    warmup: int = 50  # linear warm-up steps
+    warmup: int = 60  # linear warm-up steps
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     clip: float = 1.0  # gradient norm clip (0 = off)
-    lambda_ar: float = 0.5  # weight of the auxiliary AR loss
+    lambda_ar: float = 1.0  # weight of the auxiliary AR loss
     gamma: float = 0.0  # position decay exp(-(k-1)/γ) of L_diff (0 = uniform)
-    mask_ratio: MaskRatio = "all"  # all-mask blocks, or a random share revealed
+    mask_ratio: MaskRatio = "random"  # all-mask blocks, or a random share revealed
     anchors: int = 8  # noisy blocks per sequence
     max_length: int = 512  # clean tokens per sequence (prompt is cut from the left)
     held_out: int = 64  # sequences kept out of training for the τ estimate
