@@ -242,6 +242,9 @@ def prune_command(args: argparse.Namespace) -> int:
                              speed_prompts, args.max_new_tokens, with_async=args.speed_async)
     chosen = best_round(rounds)
     drafters[chosen].save_pretrained(args.out, dtype=torch.bfloat16)
+    if args.keep_all:  # every depth, to benchmark or ship another one (`d3d bench --compare-drafter`)
+        for r, kept in zip(rounds, drafters):
+            kept.save_pretrained(Path(args.out) / f"layers-{len(r.layers)}", dtype=torch.bfloat16)
     files = save_report(rounds, args.out, ar)
     if ar:
         print(f"AR {ar:.1f} tok/s on the speed prompts", file=sys.stderr)
@@ -377,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal")
     p.add_argument("--speed-prompts", type=int, default=0,
                    help="decode this many calibration prompts per depth: tokens/s and decoded τ")
+    p.add_argument("--keep-all", action="store_true", help="also write every depth's drafter to OUT/layers-N")
     p.add_argument("--speed-async", action="store_true", help="with --speed-prompts, time async decoding too")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)

@@ -87,13 +87,14 @@ def test_pruned_drafter_is_lossless(data_dir):  # noqa: F811
 
 def test_cli_prune_writes_a_smaller_checkpoint_and_never_touches_the_input(
         capsys, data_dir, tmp_path, patched_load_target):  # noqa: F811
-    """`d3d prune` writes the chosen depth, prune.json and prune.png; the input file's bytes are unchanged."""
+    """`d3d prune` writes the chosen depth, prune.json and prune.png (and with --keep-all every depth);
+    the input file's bytes are unchanged."""
     target = tiny_train_target()
     four_layer_drafter(target).save_pretrained(tmp_path / "in")
     digest = hashlib.sha256((tmp_path / "in" / "model.safetensors").read_bytes()).hexdigest()
     code = main(["prune", "--drafter", str(tmp_path / "in"), "--data", str(data_dir), "--out", str(tmp_path / "out"),
                  "--min-layers", "2", "--calibration", "8", "--speed-prompts", "2", "--max-new-tokens", "8",
-                 "--speed-async"])
+                 "--speed-async", "--keep-all"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert hashlib.sha256((tmp_path / "in" / "model.safetensors").read_bytes()).hexdigest() == digest
@@ -105,6 +106,9 @@ def test_cli_prune_writes_a_smaller_checkpoint_and_never_touches_the_input(
     assert report["ar_tokens_per_second"] > 0
     assert report["estimator_correlation"] is None or -1 <= report["estimator_correlation"] <= 1
     assert (tmp_path / "out" / "prune.png").is_file()
+    for r in report["rounds"]:  # --keep-all: every depth, loadable
+        kept = Drafter.from_pretrained(tmp_path / "out" / f"layers-{len(r['layers'])}", target.decoder)
+        assert kept.config.target_layers == r["layers"]
 
 
 def test_correlation():
