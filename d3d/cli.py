@@ -2,6 +2,10 @@
 
     d3d generate "prompt"          stream a generation, print τ and tokens/s (--compare-ar: speedup)
     d3d chat                       an interactive multi-turn chat
+    d3d serve                      an OpenAI-compatible HTTP API (d3d.server)
+    d3d data / train / curves      the drafter's training data, training run and τ curves (d3d.train)
+    d3d prune                      acceptance-driven layer pruning of a drafter (d3d.prune)
+    d3d bench                      every method on the same prompts, interleaved, identity-checked (d3d.bench)
 """
 
 from __future__ import annotations
@@ -268,6 +272,17 @@ def curves(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_command(args: argparse.Namespace) -> int:
+    """Serve the OpenAI-compatible HTTP API (d3d.server) until interrupted."""
+    try:
+        from d3d.server import default_model_name, serve
+    except ImportError as error:
+        raise ConfigError(f"d3d serve needs the serve extra: pip install 'd3d-decoding[serve]' ({error})") from None
+    pipeline = load_pipeline(args)
+    serve(pipeline, args.host, args.port, args.model_name or default_model_name(args.target), args.method)
+    return 0
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default",
                         help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file")
@@ -395,6 +410,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.set_defaults(handler=chat, chat=True)
+
+    p = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API (chat and text completions, streaming)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--method", default="speculative", choices=METHODS,
+                   help="decoding method of every request (same choices as `d3d generate --method`)")
+    p.add_argument("--model-name", default=None,
+                   help="model id in responses and /v1/models (default: the target's name); requests may name any")
+    add_model_arguments(p)
+    p.set_defaults(handler=serve_command)
     return parser
 
 

@@ -66,7 +66,7 @@ class Pipeline:
         if isinstance(prompt, list) or chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             if tokenizer.chat_template is None:
-                raise ValueError("this target's tokenizer has no chat template: use a raw prompt")
+                raise ConfigError("this target's tokenizer has no chat template: use a raw prompt")
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if not isinstance(ids, list):
                 ids = ids["input_ids"]
@@ -115,8 +115,16 @@ class Pipeline:
         for step in steps:
             tokens.extend(step.tokens)
             text = tokenizer.decode(tokens, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s, max(0, emitted - hold)) for s in stop) if i >= 0), default=-1)
-            if cut >= 0:
+            search = max(0, emitted - hold)
+            cut = first_stop(text, stop, search)
+            if cut is not None:
+                # A step may commit several tokens. End where one-token decoding would: at the first
+                # token whose text holds a stop string, so the output never depends on step sizes.
+                for count in range(len(tokens) - len(step.tokens) + 1, len(tokens)):
+                    shorter = tokenizer.decode(tokens[:count], skip_special_tokens=True)
+                    if (found := first_stop(shorter, stop, search)) is not None:
+                        text, cut = shorter, found
+                        break
                 yield Chunk(text[emitted:cut], step, "stop")
                 steps.close()  # type: ignore[attr-defined]
                 return
@@ -131,6 +139,11 @@ class Pipeline:
                 emitted = safe
             else:
                 yield Chunk("", step)
+
+
+def first_stop(text: str, stop: list[str], start: int) -> int | None:
+    """Where the earliest stop string in `text[start:]` begins (None: none there)."""
+    return min((i for i in (text.find(s, start) for s in stop) if i >= 0), default=None)
 
 
 def resolve_drafter(target: Target, drafter: str | Path | None, target_source: str | None,

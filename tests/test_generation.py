@@ -241,6 +241,23 @@ def test_earliest_stop_string_wins():
     assert chunks[-1].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("sizes", [[2, 3, 1], [4, 2], [6], [1, 5]])
+def test_stop_strings_end_where_one_token_steps_end(sizes):
+    """Overlapping stop strings ("abcd" begins before "c" but completes after it): multi-token steps
+    give exactly the text of one-token steps — the output never depends on how many tokens a
+    speculative step commits."""
+    tokenizer = ByteTokenizer()
+    ids = [tokenizer.pieces[bytes([c])] for c in b"xabcdy"]
+    one_by_one = list(tiny_pipeline().stream_text(synthetic_steps([[t] for t in ids]), ["abcd", "c"]))
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(ids[start:start + size])
+        start += size
+    chunks = list(tiny_pipeline().stream_text(synthetic_steps(groups), ["abcd", "c"]))
+    assert "".join(c.text for c in one_by_one) == "xab" == "".join(c.text for c in chunks)
+    assert chunks[-1].finish_reason == one_by_one[-1].finish_reason == "stop"
+
+
 def test_stop_string_at_the_start_gives_empty_output():
     """A stop string matching the first generated text ends with nothing emitted."""
     chunks, consumed, _ = stop_run(HELLO, ["hel"])

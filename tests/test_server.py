@@ -1,0 +1,404 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on a free localhost port, over the
+tiny random target with the byte tokenizer, spoken to by the official `openai` client (and by
+httpx where the wire format itself is under test: raw SSE lines, malformed JSON).
+
+What matters most: the served text is exactly `Pipeline.generate`'s (and plain AR's at T = 0),
+streamed or not; bad input is an OpenAI-shaped 400, never a 500; a client that hangs up mid-stream
+stops its generation and frees the server for the next request.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import d3d.generation
+from d3d.cli import main
+from test_generation import tiny_pipeline, tiny_target
+
+# The server and its client are extras (`pip install -e ".[dev]"`); without them this module is skipped.
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+d3d_server = pytest.importorskip("d3d.server")  # needs fastapi
+completion_tokens, create_app = d3d_server.completion_tokens, d3d_server.create_app
+
+MODEL = "tiny-d3d"
+PROMPT = "hello world"
+MESSAGES = [{"role": "user", "content": PROMPT}]
+
+
+@contextmanager
+def running(app) -> Iterator[str]:
+    """Serve `app` with uvicorn in a background thread on a free port; yields the base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    return tiny_pipeline(eos_token_ids=[])  # no EOS: generations end at max_tokens or a stop string
+
+
+@pytest.fixture(scope="module")
+def base_url(pipeline) -> Iterator[str]:
+    with running(create_app(pipeline, MODEL)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def http(base_url) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        yield http
+
+
+def expected(pipeline, prompt, chat: bool = True, **kwargs) -> tuple[str, str, int]:
+    """What `Pipeline.generate` gives: text, finish reason and committed tokens."""
+    chunks = list(pipeline.generate(prompt, chat=chat, **kwargs))
+    return "".join(c.text for c in chunks), chunks[-1].finish_reason, sum(len(c.step.tokens) for c in chunks)
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an event stream, in order."""
+    return [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+
+
+# -- routes -------------------------------------------------------------------------------------
+
+def test_models_and_health(client, http):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_unknown_route_is_an_openai_error(http):
+    response = http.get("/v1/nothing")
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+# -- lossless text --------------------------------------------------------------------------------
+
+def test_chat_is_the_pipeline_text_and_plain_ar_text(client, pipeline):
+    """Non-streamed chat at T = 0: the served text is Pipeline.generate's, which is plain AR's."""
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40)
+    text, _, _ = expected(pipeline, MESSAGES, max_new_tokens=40)
+    assert text and response.choices[0].message.content == text
+    assert expected(pipeline, MESSAGES, max_new_tokens=40, method="ar")[0] == text
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].finish_reason == "length"
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    assert response.model == MODEL
+    prompt_tokens = len(pipeline.encode(MESSAGES))
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (prompt_tokens, 40)
+    assert response.usage.total_tokens == prompt_tokens + 40
+    stats = response.model_extra["d3d"]
+    assert stats["method"] == "speculative"
+    assert stats["tau"] >= 1.0 and 0 <= stats["accepted"] <= stats["drafted"]
+    assert stats["tokens_per_second"] > 0
+
+
+def test_completion_is_the_raw_prompt_pipeline_text(client, pipeline):
+    """/v1/completions applies no chat template: the text of the raw prompt, equal to plain AR's."""
+    response = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=30)
+    text, _, _ = expected(pipeline, PROMPT, chat=False, max_new_tokens=30)
+    assert response.choices[0].text == text
+    assert expected(pipeline, PROMPT, chat=False, max_new_tokens=30, method="ar")[0] == text
+    assert text != expected(pipeline, PROMPT, max_new_tokens=30)[0]  # the template does change it
+    assert response.object == "text_completion" and response.choices[0].finish_reason == "length"
+    assert response.usage.prompt_tokens == len(pipeline.encode(PROMPT, chat=False))
+    assert response.usage.completion_tokens == 30
+
+
+def test_streamed_chat_concatenates_to_the_same_text(client, pipeline):
+    """Deltas join to the non-streamed text; the finish reason and d3d object come last, then usage."""
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text, _, _ = expected(pipeline, MESSAGES, max_new_tokens=40)
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == text
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in with_choices] == [None] * (len(with_choices) - 1) + ["length"]
+    assert with_choices[-1].model_extra["d3d"]["method"] == "speculative"
+    assert len(with_choices) > 3  # streamed in pieces, not in one
+    assert all(c.usage is None for c in with_choices)
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 40
+    assert usage.usage.prompt_tokens == len(pipeline.encode(MESSAGES))
+
+
+def test_streamed_completion_wire_format(http, pipeline):
+    """Raw SSE: every event is `data: {json}`, the last one `data: [DONE]`; no usage unless asked."""
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 25, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert all(p["object"] == "text_completion" and "usage" not in p for p in payloads)
+    text = "".join(p["choices"][0]["text"] for p in payloads)
+    assert text == expected(pipeline, PROMPT, chat=False, max_new_tokens=25)[0]
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length" and "d3d" in payloads[-1]
+    assert len({p["id"] for p in payloads}) == 1
+
+
+# -- stopping -----------------------------------------------------------------------------------
+
+def test_stop_string_ends_the_text(client, pipeline):
+    """A stop string cuts the text before it, finish_reason "stop", streamed or not; usage counts the
+    tokens plain AR decoding needed to reach it, though a speculative step committed more."""
+    full, _, _ = expected(pipeline, MESSAGES, max_new_tokens=40)
+    for start in range(len(full) - 2):  # a stop string inside a multi-token step
+        stop = full[start:start + 2]
+        text, reason, committed = expected(pipeline, MESSAGES, max_new_tokens=40, stop=[stop])
+        ar_text, _, ar_tokens = expected(pipeline, MESSAGES, max_new_tokens=40, stop=[stop], method="ar")
+        if "\ufffd" not in stop and committed > ar_tokens:
+            break
+    assert committed > ar_tokens, "no stop string ends inside a speculative step"
+    assert reason == "stop" and text == ar_text == full[:full.find(stop)]
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40,
+                                              stop=stop)
+    assert response.choices[0].message.content == text
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens == ar_tokens
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40,
+                                            stop=["zzzz", stop], stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_tokens_stop_at_the_token_completing_the_stop_string(pipeline):
+    tokenizer = pipeline.target.tokenizer
+    tokens = tokenizer.encode("hello world")  # he, llo, " wor", ld
+    assert completion_tokens(tokenizer, tokens, tokens[1:], "stop", ["zz", "wo"]) == 3
+    assert completion_tokens(tokenizer, tokens, tokens[1:], "length", ["wo"]) == 4
+
+
+def test_eos_is_finish_reason_stop(client, pipeline, monkeypatch):
+    """The target's EOS ends the generation with OpenAI's "stop"."""
+    tokens = [t for c in pipeline.generate(MESSAGES, max_new_tokens=20) for t in c.step.tokens]
+    monkeypatch.setattr(pipeline.target, "eos_token_ids", [tokens[6]])
+    text, reason, count = expected(pipeline, MESSAGES, max_new_tokens=20)
+    assert reason == "eos" and count <= 7
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20)
+    assert response.choices[0].message.content == text
+    assert response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens == count
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client):
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=10,
+                                              max_completion_tokens=3)
+    assert response.usage.completion_tokens == 3
+    assert response.choices[0].finish_reason == "length"
+
+
+# -- sampling -----------------------------------------------------------------------------------
+
+def test_seeded_sampling_is_reproducible(client, pipeline):
+    """At T = 1 a seed fixes the output: the same text twice, equal to Pipeline.generate's; an omitted
+    temperature is OpenAI's default 1.0; top_k (an extension) is honoured."""
+    def sample(**kwargs) -> str:
+        response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, **kwargs)
+        return response.choices[0].text
+
+    first = sample(temperature=1.0, seed=7)
+    assert first == sample(temperature=1.0, seed=7) == sample(seed=7)
+    assert first == expected(pipeline, PROMPT, chat=False, max_new_tokens=30, temperature=1.0, seed=7)[0]
+    assert first != sample(temperature=1.0, seed=8)
+    top_k = sample(temperature=1.0, seed=7, extra_body={"top_k": 3})
+    assert top_k == expected(pipeline, PROMPT, chat=False, max_new_tokens=30, temperature=1.0, top_k=3, seed=7)[0]
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.mark.parametrize("path, body, param, fragment", [
+    (CHAT, '{"messages": [', None, "not valid JSON"),
+    (CHAT, "[1, 2]", None, "object"),
+    (CHAT, {"model": MODEL}, "messages", "messages"),
+    (CHAT, {"messages": []}, "messages", "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content", "text"),
+    (COMPLETIONS, {"prompt": ""}, "prompt", "empty"),
+    (COMPLETIONS, {"prompt": "a" * 200}, "prompt", "context"),
+    (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt", "one prompt"),
+    (CHAT, {"messages": MESSAGES, "n": 2}, "n", "n = 1"),
+    (COMPLETIONS, {"prompt": PROMPT, "best_of": 3}, "best_of", "best_of"),
+    (CHAT, {"messages": MESSAGES, "logprobs": True}, "logprobs", "logprobs"),
+    (COMPLETIONS, {"prompt": PROMPT, "logprobs": 2}, "logprobs", "logprobs"),
+    (CHAT, {"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty", "distribution"),
+    (CHAT, {"messages": MESSAGES, "frequency_penalty": -1}, "frequency_penalty", "distribution"),
+    (CHAT, {"messages": MESSAGES, "logit_bias": {"5": 3}}, "logit_bias", "distribution"),
+    (CHAT, {"messages": MESSAGES, "temperature": -1}, "temperature", "temperature"),
+    (CHAT, {"messages": MESSAGES, "temperature": "hot"}, "temperature", "temperature"),
+    (COMPLETIONS, {"prompt": PROMPT, "top_p": 2}, "top_p", "top_p"),
+    (COMPLETIONS, {"prompt": PROMPT, "top_k": -1}, "top_k", "top_k"),
+    (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 0}, "max_tokens", "max_tokens"),
+    (COMPLETIONS, {"prompt": PROMPT, "stream": True, "temperature": -1}, "temperature", "temperature"),
+])
+def test_bad_input_is_an_openai_400(http, path, body, param, fragment):
+    """Malformed, missing, out-of-range or unsupported input: 400 in OpenAI's error shape, never a
+    422/500 or a traceback, and nothing streamed."""
+    if isinstance(body, str):
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert fragment in error["message"], error["message"]
+    assert "Traceback" not in response.text
+
+
+def test_openai_client_sees_bad_request(client):
+    """The official client raises BadRequestError carrying our message and param."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+    assert raised.value.status_code == 400
+    assert raised.value.param == "n" and raised.value.code == "unsupported_parameter"
+
+
+def test_unknown_fields_are_ignored_and_any_model_name_is_served(http, pipeline):
+    body = {"model": "gpt-4o", "messages": MESSAGES, "temperature": 0, "max_tokens": 8, "user": "x",
+            "something_new": {"a": 1}, "n": 1, "presence_penalty": 0, "logprobs": False}
+    response = http.post(CHAT, json=body)
+    assert response.status_code == 200
+    assert response.json()["model"] == MODEL
+    assert response.json()["choices"][0]["message"]["content"] == expected(pipeline, MESSAGES, max_new_tokens=8)[0]
+
+
+# -- one generation at a time ---------------------------------------------------------------------
+
+@pytest.fixture
+def slow_steps(pipeline, monkeypatch):
+    """Make every engine step take 20 ms and record steps, closures and how many ran at once."""
+    real_steps = pipeline.steps
+    record = {"taken": [], "closed": threading.Event(), "active": 0, "most_active": 0}
+    guard = threading.Lock()
+
+    def steps(*args, **kwargs):
+        with guard:
+            record["active"] += 1
+            record["most_active"] = max(record["most_active"], record["active"])
+        try:
+            for step in real_steps(*args, **kwargs):
+                record["taken"].append(step)
+                time.sleep(0.02)
+                yield step
+        finally:
+            with guard:
+                record["active"] -= 1
+            record["closed"].set()
+
+    monkeypatch.setattr(pipeline, "steps", steps)
+    return record
+
+
+def test_disconnect_mid_stream_stops_the_generation(base_url, client, pipeline, slow_steps):
+    """A client hanging up after the first event closes the engine's generator early and releases
+    the lock: the next request is served at once."""
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 100, "stream": True}
+    with httpx.Client(base_url=base_url, timeout=30) as hanging_up:
+        with hanging_up.stream("POST", COMPLETIONS, json=body) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())
+    assert slow_steps["closed"].wait(10), "the generation was never closed"
+    assert slow_steps["taken"][-1].finish_reason is None  # stopped before its 100 tokens
+    started = time.monotonic()
+    response = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=5, timeout=10)
+    assert response.choices[0].text == expected(pipeline, PROMPT, chat=False, max_new_tokens=5)[0]
+    assert time.monotonic() - started < 5
+
+
+def test_concurrent_requests_are_served_one_at_a_time(client, pipeline, slow_steps):
+    """Requests arriving together queue on the lock: never two generations at once, each text right."""
+    prompts = ["hello", "the world", "hello world"]
+    results: dict[str, str] = {}
+
+    def ask(prompt: str) -> None:
+        response = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=6)
+        results[prompt] = response.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert slow_steps["most_active"] == 1
+    for prompt in prompts:
+        assert results[prompt] == expected(pipeline, prompt, chat=False, max_new_tokens=6)[0]
+
+
+# -- d3d serve ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_loading(monkeypatch):
+    """The CLI's model loading gives the tiny target (no real model is loaded)."""
+    monkeypatch.setattr(d3d.generation, "load_target", lambda source=None, dtype=torch.bfloat16: tiny_target())
+
+
+def test_serve_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--host", "--port", "--method", "--model-name", "--target", "--drafter", "--dtype"):
+        assert option in out
+
+
+def test_serve_wires_its_arguments(monkeypatch, tiny_loading):
+    """The handler loads the pipeline and hands host, port, model name and method to d3d.server.serve."""
+    calls = []
+    monkeypatch.setattr(d3d_server, "serve", lambda *args: calls.append(args))
+    assert main(["serve", "--host", "0.0.0.0", "--port", "9001", "--method", "lookup", "--drafter", "none",
+                 "--model-name", "mine"]) == 0
+    assert main(["serve", "--drafter", "none"]) == 0
+    (pipeline, *rest), (_, *defaults) = calls
+    assert pipeline.target.name == "tiny-random" and pipeline.drafter is None
+    assert rest == ["0.0.0.0", 9001, "mine", "lookup"]
+    assert defaults == ["127.0.0.1", 8000, "SmolLM2-135M-Instruct", "speculative"]
+
+
+def test_serve_runs_uvicorn_and_refuses_a_method_without_its_drafter(monkeypatch, tiny_loading, capsys):
+    runs = []
+    monkeypatch.setattr(d3d_server.uvicorn, "run", lambda app, **kwargs: runs.append((app, kwargs)))
+    assert main(["serve", "--port", "9002", "--drafter", "none"]) == 0
+    (app, kwargs), = runs
+    assert kwargs == {"host": "127.0.0.1", "port": 9002}
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= {r.path for r in app.routes}
+    capsys.readouterr()
+    assert main(["serve", "--method", "drafter", "--drafter", "none"]) == 2
+    assert "needs a drafter" in capsys.readouterr().err
+    assert len(runs) == 1
