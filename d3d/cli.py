@@ -235,7 +235,11 @@ def prune_command(args: argparse.Namespace) -> int:
                          anchors=args.anchors, seed=args.seed, heal_steps=args.heal_steps)
     target = load_target(args.target, DTYPES[args.dtype])
     drafter = Drafter.from_pretrained(args.drafter, target.decoder, target.fingerprint)
-    sequences = load_sequences(args.data, 512)[-args.calibration:]
+    every = load_sequences(args.data, 512)
+    sequences = every[-args.calibration:]
+    config.heal_sequences = len(every) - len(sequences)  # healing never sees the calibration sequences
+    if args.heal_steps and config.heal_sequences < 1:
+        raise ConfigError(f"healing needs data beyond the {len(sequences)} calibration sequences")
     # Decode the calibration prompts themselves, so decoded τ checks the teacher-forced estimate.
     speed_prompts = [tokens[:start] for tokens, start in sequences[:args.speed_prompts]]
     ar = None

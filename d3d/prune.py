@@ -11,6 +11,7 @@ and its checkpoint are never modified.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import tempfile
@@ -39,6 +40,7 @@ class PruneConfig:
     anchors: int = 8  # calibration blocks per sequence
     seed: int = 0  # calibration anchors
     heal_steps: int = 0  # fine-tune steps after each removal (needs training data; 0 = off)
+    heal_sequences: int = 0  # healing trains on the data's first N sequences (0 = all; keep calibration out)
 
     def __post_init__(self) -> None:
         if self.min_layers < 1:
@@ -125,17 +127,21 @@ def ar_speed(target: Decoder, prompts: list[list[int]], max_new_tokens: int) -> 
     return decode_rate(lambda p: reference_generate(target, p, config), prompts)[0]
 
 
-def heal(drafter: Drafter, target: Target, data_dir: str, steps: int, seed: int) -> Drafter:
-    """A short fine-tune of `drafter` through the trainer (train/ stays independent of pruning)."""
+def heal(drafter: Drafter, target: Target, data_dir: str, steps: int, seed: int, max_sequences: int = 0) -> Drafter:
+    """A short fine-tune of `drafter` through the trainer (train/ stays independent of pruning), on
+    the data's first `max_sequences` sequences (0 = all: keep calibration sequences out)."""
     from d3d.train.trainer import TrainConfig, Trainer
 
+    # The trainer keeps fp32 master weights, and the drafter shares the target's embedding and
+    # head: train against an fp32 copy, so the target that decodes (bf16, say) is never touched.
+    master = dataclasses.replace(target, decoder=copy.deepcopy(target.decoder).float())
     with tempfile.TemporaryDirectory() as folder:
         drafter.save_pretrained(Path(folder) / "input")
         config = TrainConfig(layers=[], init_from=str(Path(folder) / "input"), steps=steps,
                              block_size=drafter.block_size, block_attention=drafter.config.block_attention,
                              warmup=max(1, steps // 10), eval_every=0, save_every=steps, seed=seed,
-                             draft_vocab_size=drafter.config.draft_vocab_size)
-        trainer = Trainer(target, data_dir, Path(folder) / "run", config)
+                             draft_vocab_size=drafter.config.draft_vocab_size, max_sequences=max_sequences)
+        trainer = Trainer(master, data_dir, Path(folder) / "run", config)
         trainer.run(progress=False)
         return Drafter.from_pretrained(Path(folder) / "run" / "drafter", target.decoder, target.fingerprint)
 
@@ -177,7 +183,7 @@ def prune(drafter: Drafter, target: Target, sequences: list[tuple[list[int], int
         pruned = remove_layer(current, position, decoder)
         if config.heal_steps and data_dir:
             with torch.enable_grad():
-                pruned = heal(pruned, target, data_dir, config.heal_steps, config.seed)
+                pruned = heal(pruned, target, data_dir, config.heal_steps, config.seed, config.heal_sequences)
         value = tau(pruned)
         if config.min_retention and value / base < config.min_retention:
             break

@@ -85,6 +85,42 @@ def test_pruned_drafter_is_lossless(data_dir):  # noqa: F811
         assert [t for s in speculative_generate(target.decoder, drafter, prompt, config) for t in s.tokens] == reference
 
 
+def test_healing_fine_tunes_each_round_on_the_training_share_and_never_touches_the_target(
+        data_dir, monkeypatch):  # noqa: F811
+    """--heal-steps: each kept round is fine-tuned through the trainer (its weights move off the bare
+    removal) on the data's first `heal_sequences` only, in fp32 master weights, while the bf16
+    target that decodes keeps its dtype and every bit; the healed drafter stays lossless."""
+    import d3d.train.trainer as trainer_module
+
+    seen = []
+
+    class Spy(trainer_module.Trainer):
+        def __init__(self, target, data, out, config):
+            seen.append((config.max_sequences, config.steps, target.decoder.dtype))
+            super().__init__(target, data, out, config)
+
+    monkeypatch.setattr(trainer_module, "Trainer", Spy)
+    target = tiny_train_target()
+    target.decoder.to(torch.bfloat16)
+    before = {n: p.clone() for n, p in target.decoder.state_dict().items()}
+    every = load_sequences(data_dir, 64)
+    drafter = four_layer_drafter(target)
+    config = PruneConfig(min_layers=2, heal_steps=2, heal_sequences=len(every) - 8)
+    rounds, drafters = prune(drafter, target, every[-8:], config, str(data_dir), progress=False)
+    assert seen == [(len(every) - 8, 2, torch.float32)] * 2
+    after = target.decoder.state_dict()
+    assert all(after[n].dtype == torch.bfloat16 and torch.equal(after[n], p) for n, p in before.items())
+    bare = remove_layer(drafter, rounds[1].removed, target.decoder).own_state()
+    healed = drafters[1].own_state()
+    assert any(not torch.equal(bare[k], healed[k]) for k in bare if k.startswith("decoder.layers."))
+    assert drafters[1].decoder.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    generation = GenerationConfig(max_new_tokens=16)
+    prompt = [5, 9, 13, 7, 3]
+    reference = [t for s in reference_generate(target.decoder, prompt, generation) for t in s.tokens]
+    assert [t for s in speculative_generate(target.decoder, drafters[-1], prompt, generation)
+            for t in s.tokens] == reference
+
+
 def test_cli_prune_writes_a_smaller_checkpoint_and_never_touches_the_input(
         capsys, data_dir, tmp_path, patched_load_target):  # noqa: F811
     """`d3d prune` writes the chosen depth, prune.json and prune.png (and with --keep-all every depth);
