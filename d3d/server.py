@@ -418,6 +418,10 @@ def serve(pipeline: Pipeline, host: str = "127.0.0.1", port: int = 8000, model_n
           method: Method = "speculative") -> None:
     """Serve the API with uvicorn until interrupted."""
     app = create_app(pipeline, model_name, method)
+    # One short generation first, so the first request does not pay the kernels' first-call costs.
+    for _ in pipeline.generate("Hello.", chat=pipeline.target.tokenizer.chat_template is not None,
+                               max_new_tokens=4, temperature=0.0, method=method):
+        pass
     print(f"# serving {model_name} ({method}) at http://{host}:{port}/v1 — one generation at a time",
           file=sys.stderr)
     uvicorn.run(app, host=host, port=port)
