@@ -391,14 +391,87 @@ def test_serve_wires_its_arguments(monkeypatch, tiny_loading):
     assert defaults == ["127.0.0.1", 8000, "SmolLM2-135M-Instruct", "speculative"]
 
 
-def test_serve_runs_uvicorn_and_refuses_a_method_without_its_drafter(monkeypatch, tiny_loading, capsys):
-    runs = []
-    monkeypatch.setattr(d3d_server.uvicorn, "run", lambda app, **kwargs: runs.append((app, kwargs)))
-    assert main(["serve", "--port", "9002", "--drafter", "none"]) == 0
-    (app, kwargs), = runs
-    assert kwargs == {"host": "127.0.0.1", "port": 9002}
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= {r.path for r in app.routes}
-    capsys.readouterr()
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_runs_the_engine_on_its_own_thread_until_interrupted(monkeypatch, tiny_loading, capsys):
+    """`d3d serve`: uvicorn listens in a background thread while every engine call runs on the thread
+    that called serve (torch is slower from other threads); a request is answered right, Ctrl-C
+    (KeyboardInterrupt on that thread) stops it cleanly with exit 0."""
+    import _thread
+
+    port = free_port()
+    engine_threads, answers = set(), []
+    real_steps = d3d.generation.Pipeline.steps
+
+    def steps(self, *args, **kwargs):
+        for step in real_steps(self, *args, **kwargs):
+            engine_threads.add(threading.get_ident())
+            yield step
+
+    monkeypatch.setattr(d3d.generation.Pipeline, "steps", steps)
+
+    def ask() -> None:
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+                for _ in range(200):
+                    try:
+                        http.get("/health")
+                        break
+                    except httpx.ConnectError:
+                        time.sleep(0.05)
+                body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 6}
+                answers.append(http.post(COMPLETIONS, json=body).json())
+                answers.append(http.post(COMPLETIONS, json={**body, "stream": True}).text)
+        finally:
+            _thread.interrupt_main()
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    assert main(["serve", "--port", str(port), "--drafter", "none", "--model-name", "mine"]) == 0
+    asker.join(10)
+    assert engine_threads == {threading.get_ident()}
+    answer, stream = answers
+    reference = expected(tiny_pipeline(drafter=False), PROMPT, chat=False, max_new_tokens=6)[0]
+    assert answer["model"] == "mine" and answer["choices"][0]["text"] == reference
+    events = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == reference
+    assert stream.rstrip().endswith("data: [DONE]")
+
+
+def test_serve_refuses_a_method_without_its_drafter(tiny_loading, capsys):
     assert main(["serve", "--method", "drafter", "--drafter", "none"]) == 2
     assert "needs a drafter" in capsys.readouterr().err
-    assert len(runs) == 1
+
+
+def test_main_thread_runner_keeps_order_and_hands_back_errors():
+    """MainThread: calls run on the working thread in submission order, a close queued after a call
+    runs after it, and an exception in a call reaches the awaiting request."""
+    runner, done, order, results = d3d_server.MainThread(), threading.Event(), [], []
+
+    def boom():
+        raise ValueError("bad")
+
+    async def requests():
+        results.append(await runner.run(threading.get_ident))
+
+        class Closing:
+            def close(self):
+                order.append("close")
+        runner.close(Closing())
+        results.append(await runner.run(lambda: order.append("after") or 7))
+        try:
+            await runner.run(boom)
+        except ValueError as error:
+            results.append(str(error))
+        done.set()
+
+    loop_thread = threading.Thread(target=lambda: __import__("asyncio").run(requests()))
+    loop_thread.start()
+    runner.work(done)
+    loop_thread.join(10)
+    assert results == [threading.get_ident(), 7, "bad"]
+    assert order == ["close", "after"]
