@@ -36,6 +36,7 @@ class Chunk:
     text: str  # newly decoded text (may be empty while a character or stop string is pending)
     step: Step  # the engine step that produced it
     finish_reason: str | None = None  # "eos", "length" or "stop" on the last chunk
+    num_tokens: int = 0  # generated tokens the text so far stands for (a stop string's: up to the one completing it)
 
 
 class Pipeline:
@@ -116,29 +117,29 @@ class Pipeline:
             tokens.extend(step.tokens)
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             search = max(0, emitted - hold)
-            cut = first_stop(text, stop, search)
+            cut, used = first_stop(text, stop, search), len(tokens)
             if cut is not None:
                 # A step may commit several tokens. End where one-token decoding would: at the first
                 # token whose text holds a stop string, so the output never depends on step sizes.
                 for count in range(len(tokens) - len(step.tokens) + 1, len(tokens)):
                     shorter = tokenizer.decode(tokens[:count], skip_special_tokens=True)
                     if (found := first_stop(shorter, stop, search)) is not None:
-                        text, cut = shorter, found
+                        text, cut, used = shorter, found, count
                         break
-                yield Chunk(text[emitted:cut], step, "stop")
+                yield Chunk(text[emitted:cut], step, "stop", used)
                 steps.close()  # type: ignore[attr-defined]
                 return
             if step.finish_reason is not None:
-                yield Chunk(text[emitted:], step, step.finish_reason)
+                yield Chunk(text[emitted:], step, step.finish_reason, used)
                 return
             safe = len(text) - hold
             if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
                 safe = min(safe, len(text) - 1)
             if safe > emitted:
-                yield Chunk(text[emitted:safe], step)
+                yield Chunk(text[emitted:safe], step, num_tokens=used)
                 emitted = safe
             else:
-                yield Chunk("", step)
+                yield Chunk("", step, num_tokens=used)
 
 
 def first_stop(text: str, stop: list[str], start: int) -> int | None:

@@ -215,22 +215,6 @@ def start_generation(pipeline: Pipeline, job: Job, method: Method) -> Generation
     return Generation(prompt_ids, first, chunks)
 
 
-def completion_tokens(tokenizer: Any, tokens: list[int], last_step: list[int], finish_reason: str,
-                      stop: list[str]) -> int:
-    """Tokens of the completion as plain AR decoding counts them.
-
-    A stop string ends the text inside a step; a speculative step may have committed a few tokens
-    past it, so count only up to the first token whose text completes a stop string.
-    """
-    if finish_reason != "stop":
-        return len(tokens)
-    for count in range(len(tokens) - len(last_step) + 1, len(tokens) + 1):
-        text = tokenizer.decode(tokens[:count], skip_special_tokens=True)
-        if any(s and s in text for s in stop):
-            return count
-    return len(tokens)
-
-
 def extension(method: Method, stats: SpecStats) -> dict[str, Any]:
     """The `d3d` object: how the text was decoded (τ = tokens per verification step, bonus included)."""
     return {"method": method, "tau": round(stats.tau, 3), "steps": stats.steps,
@@ -371,9 +355,7 @@ class Server:
         yield "data: [DONE]\n\n"
 
     def usage(self, job: Job, generation: Generation, chunks: list[Chunk]) -> dict[str, int]:
-        tokens = [t for c in chunks for t in c.step.tokens]
-        completion = completion_tokens(self.pipeline.target.tokenizer, tokens, chunks[-1].step.tokens,
-                                       chunks[-1].finish_reason or "length", job.stop)
+        completion = chunks[-1].num_tokens  # as plain decoding counts them, also when a stop string cut a step
         prompt = len(generation.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

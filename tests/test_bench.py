@@ -48,18 +48,18 @@ def bench_config(path: str, methods=METHODS) -> BenchConfig:
     return BenchConfig(datasets=[path], num_prompts=16, max_new_tokens=NEW_TOKENS, methods=list(methods))
 
 
-def broken_lookup(monkeypatch) -> None:
-    """Make the benchmark's "lookup" method change the last token it returns."""
+def break_method(monkeypatch, name: str = "lookup") -> None:
+    """Make the benchmark's method `name` change the last token it returns."""
     real = harness.build_methods
 
     def build(pipeline, names, challengers=None):
         methods = real(pipeline, names, challengers)
-        honest = methods["lookup"]
+        honest = methods[name]
 
-        def lookup(prompt_ids, config):
+        def broken(prompt_ids, config):
             run = honest(prompt_ids, config)
             return MethodRun(run.tokens[:-1] + [(run.tokens[-1] + 1) % 64], run.seconds, run.stats)
-        methods["lookup"] = lookup
+        methods[name] = broken
         return methods
 
     monkeypatch.setattr(harness, "build_methods", build)
@@ -172,7 +172,7 @@ def test_plots_write_pngs(bench_run, tmp_path):
 
 def test_a_method_that_changes_the_output_is_caught(monkeypatch, tmp_path):
     """A "lookup" that alters its last token makes identical False, naming each prompt and the position."""
-    broken_lookup(monkeypatch)
+    break_method(monkeypatch)
     path = write_prompts(tmp_path)
     result = run_benchmark(tiny_pipeline(eos_token_ids=[]), bench_config(path, ["ar", "lookup"]), progress=False)
     assert result["identical"] is False
@@ -239,7 +239,7 @@ def test_cli_bench_exit_0_with_json_summary(capsys, tiny_default, tmp_path):
 
 def test_cli_bench_exit_1_on_mismatch(capsys, tiny_default, monkeypatch, tmp_path):
     """`d3d bench` with a method that changes the output: exit 1, identical false in the JSON, the mismatch on stderr."""
-    broken_lookup(monkeypatch)
+    break_method(monkeypatch)
     assert main(bench_argv(tmp_path)) == 1
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])
@@ -275,19 +275,7 @@ def test_a_challenger_drafter_runs_as_method_at_label(tmp_path):
 
 def test_a_challenger_that_changes_the_output_is_caught(monkeypatch, tmp_path):
     """The identity check covers METHOD@LABEL runs like the methods they repeat."""
-    real = harness.build_methods
-
-    def build(pipeline, names, challengers=None):
-        methods = real(pipeline, names, challengers)
-        honest = methods["speculative@b"]
-
-        def broken(prompt_ids, config):
-            run = honest(prompt_ids, config)
-            return MethodRun(run.tokens[:-1] + [(run.tokens[-1] + 1) % 64], run.seconds, run.stats)
-        methods["speculative@b"] = broken
-        return methods
-
-    monkeypatch.setattr(harness, "build_methods", build)
+    break_method(monkeypatch, "speculative@b")
     pipeline = tiny_pipeline(eos_token_ids=[])
     result = run_benchmark(pipeline, bench_config(write_prompts(tmp_path), ["ar", "speculative"]), progress=False,
                            challengers={"b": tiny_pipeline(eos_token_ids=[])})

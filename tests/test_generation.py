@@ -258,6 +258,17 @@ def test_stop_strings_end_where_one_token_steps_end(sizes):
     assert chunks[-1].finish_reason == one_by_one[-1].finish_reason == "stop"
 
 
+def test_num_tokens_stops_at_the_token_completing_the_stop_string():
+    """Chunk.num_tokens counts the tokens plain decoding needed: with a stop string completed inside
+    a multi-token step, up to the token completing it; otherwise every token so far."""
+    tokenizer = ByteTokenizer()
+    tokens = tokenizer.encode("hello world")  # he, llo, " wor", ld
+    chunks = list(tiny_pipeline().stream_text(synthetic_steps([tokens[:1], tokens[1:]]), ["zz", "wo"]))
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].num_tokens == 3
+    chunks = list(tiny_pipeline().stream_text(synthetic_steps([tokens[:1], tokens[1:]]), ["wox"]))
+    assert chunks[-1].finish_reason == "length" and [c.num_tokens for c in chunks] == [1, 4]
+
+
 def test_stop_string_at_the_start_gives_empty_output():
     """A stop string matching the first generated text ends with nothing emitted."""
     chunks, consumed, _ = stop_run(HELLO, ["hel"])

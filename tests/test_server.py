@@ -28,7 +28,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 d3d_server = pytest.importorskip("d3d.server")  # needs fastapi
-completion_tokens, create_app = d3d_server.completion_tokens, d3d_server.create_app
+create_app = d3d_server.create_app
 
 MODEL = "tiny-d3d"
 PROMPT = "hello world"
@@ -192,13 +192,6 @@ def test_stop_string_ends_the_text(client, pipeline):
     chunks = [c for c in stream if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == "stop"
-
-
-def test_completion_tokens_stop_at_the_token_completing_the_stop_string(pipeline):
-    tokenizer = pipeline.target.tokenizer
-    tokens = tokenizer.encode("hello world")  # he, llo, " wor", ld
-    assert completion_tokens(tokenizer, tokens, tokens[1:], "stop", ["zz", "wo"]) == 3
-    assert completion_tokens(tokenizer, tokens, tokens[1:], "length", ["wo"]) == 4
 
 
 def test_eos_is_finish_reason_stop(client, pipeline, monkeypatch):
