@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Family = Literal["llama", "qwen2", "qwen3"]
 BlockAttention = Literal["anchor_causal", "bidirectional", "causal"]
 LabelShift = Literal["shifted", "unshifted"]
+# The RoPE scalings d3d.models implements, and the rope_scaling keys each one reads.
+ROPE_SCALING_KEYS = {"default": (), "linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 class ConfigError(ValueError):
@@ -32,9 +38,18 @@ class _JsonMixin:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = set(data) - names
+        """Build from parsed JSON, refusing unknown, missing and wrong-typed fields with a ConfigError."""
+        _check(isinstance(data, dict), f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        unknown = set(data) - {f.name for f in fields}
         _check(not unknown, f"{cls.__name__}: unknown fields {sorted(unknown)}")
+        missing = [f.name for f in fields if f.name not in data
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        _check(not missing, f"{cls.__name__}: missing fields {missing}")
+        hints = typing.get_type_hints(cls)
+        for name, value in data.items():
+            _check(_is_a(value, hints[name]), f"{cls.__name__}.{name}: expected {_describe(hints[name])}, "
+                                              f"got {json.dumps(value, default=repr)}")
         return cls(**data)
 
     def to_json(self) -> str:
@@ -43,6 +58,35 @@ class _JsonMixin:
     @classmethod
     def from_json(cls, text: str):
         return cls.from_dict(json.loads(text))
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """Does a parsed JSON value fit a field's type hint? (A nested config may come as a dict.)"""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin is Literal:
+        return value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(_is_a(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is float:  # JSON writes 2.0 as 2
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type) and issubclass(hint, _JsonMixin):
+        return isinstance(value, (dict, hint))
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return " or ".join(json.dumps(arg) for arg in typing.get_args(hint))
+    return hint.__name__ if origin is None and isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
 @dataclass
@@ -73,6 +117,13 @@ class ModelConfig(_JsonMixin):
         _check(self.num_heads % self.num_kv_heads == 0,
                "ModelConfig.num_heads must be a multiple of num_kv_heads")
         _check(self.family in ("llama", "qwen2", "qwen3"), f"unsupported family {self.family!r}")
+        _check(self.rms_norm_eps > 0 and self.rope_theta > 0, "ModelConfig.rms_norm_eps and rope_theta must be positive")
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        _check(kind in ROPE_SCALING_KEYS,
+               f"unsupported rope scaling {kind!r} (supported: {', '.join(ROPE_SCALING_KEYS)})")
+        missing = [key for key in ROPE_SCALING_KEYS[kind] if key not in scaling]
+        _check(not missing, f"rope_scaling {kind!r} needs the keys {missing}")
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
@@ -154,8 +205,8 @@ class SamplingConfig(_JsonMixin):
     seed: int | None = None  # seed of the sampling generator (None = nondeterministic)
 
     def __post_init__(self) -> None:
-        _check(self.temperature >= 0 and self.temperature == self.temperature,
-               f"temperature must be >= 0, got {self.temperature}")
+        _check(math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
 
