@@ -27,7 +27,7 @@ from torch import nn
 
 from d3d.cache import KVCache
 from d3d.config import BlockAttention, ConfigError, DrafterConfig, LabelShift
-from d3d.loading import LoadError, check_state, read_safetensors
+from d3d.loading import LoadError, check_finite, check_state, read_safetensors
 from d3d.masks import draft_mask, packed_mask
 from d3d.models import Decoder
 
@@ -58,9 +58,13 @@ class Drafter(nn.Module):
         return head.detach()[self.draft_vocab].clone()
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Restrict drafting to `token_ids` (length draft_vocab_size, distinct ids)."""
-        if token_ids.shape != (self.config.draft_vocab_size,) or token_ids.unique().numel() != token_ids.numel():
-            raise ValueError(f"draft vocabulary must hold {self.config.draft_vocab_size} distinct ids")
+        """Restrict drafting to `token_ids` (length draft_vocab_size, distinct ids of the vocabulary)."""
+        size, vocab = self.config.draft_vocab_size, self.config.model.vocab_size
+        if token_ids.shape != (size,) or token_ids.unique().numel() != token_ids.numel():
+            raise ConfigError(f"draft vocabulary must hold {size} distinct ids")
+        if size and not 0 <= int(token_ids.min()) <= int(token_ids.max()) < vocab:
+            raise ConfigError(f"draft vocabulary ids must lie in [0, {vocab}), got {int(token_ids.min())} … "
+                              f"{int(token_ids.max())}")
         self.draft_vocab.copy_(token_ids)
         self.draft_head = self._gather_head()
 
@@ -156,20 +160,27 @@ class Drafter(nn.Module):
             document = json.loads(config_file.read_text())
         except json.JSONDecodeError as error:
             raise LoadError(f"{config_file} is not valid JSON ({error})") from None
-        if document.pop("format", None) != FORMAT:
+        if not isinstance(document, dict) or document.pop("format", None) != FORMAT:
             raise LoadError(f"{config_file} is not a d3d drafter config")
         version = document.pop("format_version", None)
         if version != FORMAT_VERSION:
             raise LoadError(f"{folder}: drafter format version {version} is not supported "
                             f"(this d3d reads version {FORMAT_VERSION})")
-        config = DrafterConfig.from_dict(document)
+        try:
+            config = DrafterConfig.from_dict(document)
+        except ConfigError as error:
+            raise LoadError(f"{config_file}: {error}") from None
         check_compatible(config, target, tokenizer_fingerprint, str(folder))
         drafter = cls(config, target)
         state = read_safetensors(weights_file)
         check_state(drafter.own_state(), state, str(weights_file))
+        check_finite(state, str(weights_file))
         drafter.load_state_dict(state, strict=False)
         if config.draft_vocab_size:
-            drafter.set_draft_vocab(drafter.draft_vocab.clone())
+            try:
+                drafter.set_draft_vocab(drafter.draft_vocab.clone())  # checks the stored ids
+            except ConfigError as error:
+                raise LoadError(f"{weights_file}: {error}") from None
         return drafter.eval()
 
     # -- drafting ---------------------------------------------------------------------------

@@ -127,6 +127,13 @@ def check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor
                             f"expected {tuple(expected[key].shape)}")
 
 
+def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse NaN or infinite weights, naming the first tensor holding one (they would decode garbage)."""
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise LoadError(f"{source}: {key} holds NaN or infinite values; the checkpoint is corrupt")
+
+
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))

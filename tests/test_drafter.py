@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from conftest import make_decoder, tiny_config
 from d3d.config import ConfigError, DrafterConfig
@@ -191,6 +192,85 @@ def test_not_a_drafter_folder(tmp_path, target):
     config_file.write_text("{not json")
     with pytest.raises(LoadError, match="not valid JSON"):
         Drafter.from_pretrained(tmp_path, target)
+    config_file.write_text(json.dumps([document]))
+    with pytest.raises(LoadError, match="not a d3d drafter config"):
+        Drafter.from_pretrained(tmp_path, target)
+
+
+def edit_config(folder, change) -> None:
+    document = json.loads((folder / "config.json").read_text())
+    change(document)
+    (folder / "config.json").write_text(json.dumps(document))
+
+
+def edit_weights(folder, change) -> None:
+    state = load_file(str(folder / "model.safetensors"))
+    change(state)
+    save_file(state, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda d: d.pop("model"), "DrafterConfig: missing fields ['model']"),
+    (lambda d: d.update(colour="red"), "DrafterConfig: unknown fields ['colour']"),
+    (lambda d: d["model"].update(hiden_size=32), "ModelConfig: unknown fields ['hiden_size']"),
+    (lambda d: d["model"].pop("num_heads"), "ModelConfig: missing fields ['num_heads']"),
+    (lambda d: d.update(block_size="4"), 'DrafterConfig.block_size: expected int, got "4"'),
+    (lambda d: d["model"].update(num_heads=4.0), "ModelConfig.num_heads: expected int, got 4.0"),
+    (lambda d: d.update(model="llama"), 'DrafterConfig.model: expected ModelConfig, got "llama"'),
+    (lambda d: d.update(draft_vocab_size=-1), "draft_vocab_size must be between"),
+])
+def test_malformed_config_is_a_load_error_naming_file_and_field(tmp_path, target, change, fragment):
+    """A hand-edited config.json with a missing, mistyped, unknown or wrong-typed field: a LoadError
+    naming the file and the field (a TypeError traceback before)."""
+    Drafter.from_target(target, [0], block_size=4).save_pretrained(tmp_path)
+    edit_config(tmp_path, change)
+    with pytest.raises(LoadError) as error:
+        Drafter.from_pretrained(tmp_path, target)
+    assert str(tmp_path / "config.json") in str(error.value) and fragment in str(error.value)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda s: s.pop("mask_embedding"), "missing ['mask_embedding']"),
+    (lambda s: s.update(extra=torch.zeros(2)), "unexpected ['extra']"),
+    (lambda s: s.update({"decoder.norm.weight": torch.ones(31)}), "decoder.norm.weight has shape (31,), expected (32,)"),
+])
+def test_weights_that_do_not_match_the_config_are_load_errors(tmp_path, target, change, fragment):
+    Drafter.from_target(target, [0], block_size=4).save_pretrained(tmp_path)
+    edit_weights(tmp_path, change)
+    with pytest.raises(LoadError, match="model.safetensors") as error:
+        Drafter.from_pretrained(tmp_path, target)
+    assert fragment in str(error.value)
+
+
+def test_a_file_that_is_not_safetensors_is_a_load_error(tmp_path, target):
+    Drafter.from_target(target, [0], block_size=4).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_text("<html>404: not found</html>")
+    with pytest.raises(LoadError, match="not a readable safetensors file"):
+        Drafter.from_pretrained(tmp_path, target)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, target, value):
+    """NaN/inf weights would draft garbage (τ 1.00 at T = 0, a sampling error at T > 0): refused at load."""
+    Drafter.from_target(target, [0], block_size=4).save_pretrained(tmp_path)
+    edit_weights(tmp_path, lambda s: s["decoder.layers.0.mlp.down_proj.weight"].__setitem__((3, 5), value))
+    with pytest.raises(LoadError, match=r"decoder\.layers\.0\.mlp\.down_proj\.weight holds NaN or infinite"):
+        Drafter.from_pretrained(tmp_path, target)
+
+
+@pytest.mark.parametrize("ids, fragment", [([5, 1, 9, 64], "must lie in [0, 64), got 1 … 64"),
+                                           ([5, -1, 9, 30], "must lie in [0, 64), got -1 … 30"),
+                                           ([5, 5, 9, 30], "4 distinct ids")])
+def test_stored_draft_vocabulary_out_of_range_is_refused(tmp_path, target, ids, fragment):
+    """Draft-vocabulary ids outside the vocabulary (or repeated) are a LoadError at load, not an
+    IndexError while drafting."""
+    Drafter.from_target(target, [0], block_size=4, draft_vocab=torch.tensor([5, 1, 9, 30])).save_pretrained(tmp_path)
+    edit_weights(tmp_path, lambda s: s.update(draft_vocab=torch.tensor(ids)))
+    with pytest.raises(LoadError, match="model.safetensors") as error:
+        Drafter.from_pretrained(tmp_path, target)
+    assert fragment in str(error.value)
+    with pytest.raises(ConfigError, match="draft vocabulary"):
+        Drafter.from_target(target, [0], block_size=4, draft_vocab=torch.tensor(ids))
 
 
 def test_invalid_drafter_configs(target):
