@@ -86,7 +86,8 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
 
 
 def generate(args: argparse.Namespace) -> int:
-    """Stream one generation; with --compare-ar also run plain AR decoding and report the speedup."""
+    """Stream one generation; with --compare-ar also run plain AR decoding and report the speedup
+    (exit 1 when at T = 0 the output is not AR's)."""
     pipeline = load_pipeline(args)
     method: Method = args.method
     if args.compare_ar:
@@ -117,6 +118,12 @@ def generate(args: argparse.Namespace) -> int:
                        identical_to_ar=same)
     if args.json:
         print(json.dumps(summary))
+    if summary.get("identical_to_ar") is False and args.temperature == 0:  # lossless decoding broke
+        at = next((i for i, (a, b) in enumerate(zip(spec.tokens, ar.tokens)) if a != b),
+                  min(len(spec.tokens), len(ar.tokens)))
+        print(f"d3d: error: {method} output differs from AR's from token {at} on; at T = 0 it must be identical",
+              file=sys.stderr)
+        return 1
     return 0
 
 

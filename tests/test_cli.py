@@ -8,10 +8,13 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+import d3d.cli
 import d3d.generation
 import d3d.loading
 from d3d.cli import main
+from d3d.drafter import Drafter
 from test_generation import tiny_target
 
 REAL_LOAD_TARGET = d3d.loading.load_target
@@ -70,14 +73,20 @@ def test_empty_raw_prompt(capsys, tiny_default):
 
 
 @pytest.mark.parametrize("flag, value, fragment", [("--temperature", "-1", "temperature"),
+                                                   ("--temperature", "inf", "temperature must be a finite number"),
+                                                   ("--temperature", "1e999", "temperature must be a finite number"),
+                                                   ("--temperature", "nan", "temperature must be a finite number"),
                                                    ("--top-p", "0", "top_p"),
                                                    ("--top-p", "1.5", "top_p"),
+                                                   ("--top-p", "nan", "top_p"),
                                                    ("--top-k", "-3", "top_k")])
 def test_invalid_sampling_arguments(capsys, tiny_default, flag, value, fragment):
-    """Out-of-range sampling parameters: exit 2 with a message naming the parameter."""
-    code, out, err = run_cli(capsys, "generate", "hello", flag, value, "--drafter", "none")
+    """Out-of-range or non-finite sampling parameters: exit 2 with a message naming the parameter,
+    before anything is loaded."""
+    code, out, err = run_cli(capsys, "generate", "hello", flag, value, "--drafter", "untrained", "--max-new-tokens", "8")
     assert_usage_error(code, err, fragment)
     assert out == ""  # nothing was generated
+    assert tiny_default == []  # no target was loaded
 
 
 @pytest.mark.parametrize("value", ["0", "-5"])
@@ -86,6 +95,13 @@ def test_max_new_tokens_must_be_positive(capsys, tiny_default, value):
     code, _, err = run_cli(capsys, "generate", "hello", "--max-new-tokens", value)
     assert_usage_error(code, err, "--max-new-tokens")
     assert tiny_default == []  # no target was loaded
+
+
+def test_over_long_prompt(capsys, tiny_default):
+    """A prompt that fills the (tiny, 128-token) context: exit 2 saying there is no room to generate."""
+    code, out, err = run_cli(capsys, "generate", "a" * 200, "--no-chat", "--drafter", "none", "--max-new-tokens", "8")
+    assert_usage_error(code, err, "200 tokens", "context")
+    assert out == ""
 
 
 def test_nonexistent_drafter(capsys, tiny_default):
@@ -104,6 +120,60 @@ def test_target_folder_without_config(capsys, tmp_path):
     """An existing folder that is not a model: exit 2 saying config.json is missing."""
     code, _, err = run_cli(capsys, "generate", "hello", "--target", str(tmp_path))
     assert_usage_error(code, err, "config.json")
+
+
+@pytest.fixture
+def drafter_folder(tmp_path):
+    """A saved drafter for the tiny target, with a reduced draft vocabulary, to damage in tests."""
+    folder = tmp_path / "drafter"
+    target = tiny_target(eos_token_ids=[])
+    Drafter.from_target(target.decoder, [0], block_size=4, tokenizer_fingerprint=target.fingerprint,
+                        draft_vocab=torch.arange(10, 30)).save_pretrained(folder)
+    return folder
+
+
+def edit_drafter(folder, config=None, weights=None) -> None:
+    if config:
+        document = json.loads((folder / "config.json").read_text())
+        config(document)
+        (folder / "config.json").write_text(json.dumps(document))
+    if weights:
+        state = load_file(str(folder / "model.safetensors"))
+        weights(state)
+        save_file(state, str(folder / "model.safetensors"))
+
+
+def test_saved_drafter_generates(capsys, tiny_default, drafter_folder):
+    """The undamaged folder loads and generates (so the failures below are the damage's)."""
+    code, out, _ = run_cli(capsys, "generate", "hello", "--drafter", str(drafter_folder), "--max-new-tokens", "8")
+    assert code == 0 and out.strip()
+
+
+@pytest.mark.parametrize("damage, fragments", [
+    (dict(config=lambda d: d.pop("model")), ["config.json", "missing fields ['model']"]),
+    (dict(config=lambda d: d["model"].update(hiden_size=32)), ["config.json", "unknown fields ['hiden_size']"]),
+    (dict(config=lambda d: d.update(block_size="4")), ["config.json", "block_size: expected int"]),
+    (dict(config=lambda d: d["model"].update(rope_scaling={"rope_type": "llama3"})), ["config.json", "rope_scaling"]),
+    (dict(weights=lambda s: s.pop("mask_embedding")), ["model.safetensors", "missing ['mask_embedding']"]),
+    (dict(weights=lambda s: s.update({"decoder.norm.weight": torch.ones(8)})), ["model.safetensors", "shape (8,)"]),
+    (dict(weights=lambda s: s.update(draft_vocab=torch.arange(50, 70))), ["model.safetensors", "draft vocabulary"]),
+    (dict(weights=lambda s: s["mask_embedding"].__setitem__(0, float("nan"))), ["mask_embedding", "NaN"]),
+])
+@pytest.mark.parametrize("temperature", ["0", "0.7"])
+def test_damaged_drafter_is_a_usage_error(capsys, tiny_default, drafter_folder, damage, fragments, temperature):
+    """A drafter folder with a broken config or broken weights, at T = 0 and T > 0: exit 2 with one
+    line naming the file and the problem; nothing generated, no traceback."""
+    edit_drafter(drafter_folder, **damage)
+    code, out, err = run_cli(capsys, "generate", "hello", "--drafter", str(drafter_folder), "--max-new-tokens", "8",
+                             "--temperature", temperature, "--seed", "0")
+    assert_usage_error(code, err, *fragments)
+    assert out == ""
+
+
+def test_drafter_folder_with_a_non_safetensors_file(capsys, tiny_default, drafter_folder):
+    (drafter_folder / "model.safetensors").write_text("<html>404</html>")
+    code, _, err = run_cli(capsys, "generate", "hello", "--drafter", str(drafter_folder), "--max-new-tokens", "8")
+    assert_usage_error(code, err, "not a readable safetensors file")
 
 
 def test_drafter_layers_out_of_range(capsys, tiny_default):
@@ -151,6 +221,41 @@ def test_generate_compare_ar_json_on_tiny_target(capsys, tiny_default):
     assert summary["speedup"] > 0 and summary["ar_tokens_per_second"] > 0
     assert "speedup over AR" in err and "output identical to AR: yes" in err
     assert "tiny-random" in err  # the load line names the target
+
+
+@pytest.fixture
+def broken_speculation(monkeypatch):
+    """Make every non-AR run of `d3d generate` change its fifth token (a lossless-decoding bug)."""
+    real_run = d3d.cli.run
+
+    def run(pipeline, prompt, args, method, echo):
+        result = real_run(pipeline, prompt, args, method, echo)
+        if method != "ar":
+            result.tokens[4] = (result.tokens[4] + 1) % 64
+        return result
+
+    monkeypatch.setattr(d3d.cli, "run", run)
+
+
+def test_generate_compare_ar_mismatch_at_greedy_exits_1(capsys, tiny_default, broken_speculation):
+    """At T = 0 an output that is not AR's is an error: exit 1, "NO" and a `d3d: error:` line naming
+    where they part; the JSON summary still says so."""
+    code, out, err = run_cli(capsys, "generate", "hello", "--max-new-tokens", "8", "--compare-ar", "--json",
+                             "--dtype", "float32", "--drafter", "untrained", "--drafter-layers", "0")
+    assert code == 1
+    assert json.loads(out.strip().splitlines()[-1])["identical_to_ar"] is False
+    assert "output identical to AR: NO" in err
+    assert "d3d: error: speculative output differs from AR's from token 4 on; at T = 0 it must be identical" in err
+    assert "Traceback" not in err
+
+
+def test_generate_compare_ar_mismatch_when_sampling_exits_0(capsys, tiny_default, broken_speculation):
+    """At T > 0 outputs differ by design: "NO" is reported as such and the command succeeds."""
+    code, _, err = run_cli(capsys, "generate", "hello", "--max-new-tokens", "8", "--compare-ar", "--temperature", "0.7",
+                           "--seed", "0", "--dtype", "float32", "--drafter", "untrained", "--drafter-layers", "0")
+    assert code == 0
+    assert "output identical to AR: NO (sampling: outputs differ by design)" in err
+    assert "d3d: error" not in err
 
 
 def test_generate_stop_string(capsys, tiny_default):
