@@ -26,6 +26,7 @@ from d3d.generation import METHODS, Chunk, Method, Pipeline, resolve_drafter
 from d3d.loading import LoadError
 
 DEFAULT_BENCH_DATASETS = "humaneval,mtbench,math500"
+DEFAULT_BENCH_PROMPTS = 16  # per named dataset
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
 
@@ -189,14 +190,24 @@ def bench(args: argparse.Namespace) -> int:
     from d3d.bench.harness import BenchConfig, run_benchmark, save_result
     from d3d.bench.report import markdown, plots
 
-    datasets = args.datasets.split(",") if args.datasets else []
-    datasets += args.prompts
-    config = BenchConfig(datasets=datasets, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+    if args.datasets is not None:
+        named = [name for name in args.datasets.split(",") if name]
+    elif args.prompts:  # the user's own prompts alone
+        named = []
+    else:
+        named = ["humaneval", "mtbench"] if args.quick else DEFAULT_BENCH_DATASETS.split(",")
+    if not named and not args.prompts:
+        raise ConfigError("nothing to benchmark: give --datasets or --prompts")
+    num_prompts = args.num_prompts
+    if num_prompts is None:  # a sample of each named set; every prompt of the user's own files
+        num_prompts = DEFAULT_BENCH_PROMPTS if named else None
+    elif num_prompts < 1:
+        raise ConfigError(f"--num-prompts must be at least 1, got {num_prompts}")
+    config = BenchConfig(datasets=named + args.prompts, num_prompts=num_prompts, max_new_tokens=args.max_new_tokens,
                          methods=args.methods.split(","), temperature=args.temperature, seed=args.seed)
     if args.quick:
-        if args.datasets == DEFAULT_BENCH_DATASETS:
-            config.datasets = ["humaneval", "mtbench"] + args.prompts
-        config.num_prompts, config.max_new_tokens = min(config.num_prompts, 2), min(config.max_new_tokens, 48)
+        config.num_prompts = 2 if config.num_prompts is None else min(config.num_prompts, 2)
+        config.max_new_tokens = min(config.max_new_tokens, 48)
     pipeline = load_pipeline(args)
     challengers = {}
     for spec in args.compare_drafter:
@@ -377,12 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=train)
 
     p = commands.add_parser("bench", help="benchmark methods on the same prompts, interleaved, identity-checked")
-    p.add_argument("--datasets", default=DEFAULT_BENCH_DATASETS,
-                   help="comma-separated: humaneval, mtbench, math500, aime24, aime25")
+    p.add_argument("--datasets", default=None,
+                   help=f"comma-separated: humaneval, mtbench, math500, aime24, aime25 "
+                        f"(default: {DEFAULT_BENCH_DATASETS}; none when --prompts is given)")
     p.add_argument("--prompts", action="append", default=[], help="a user JSONL prompt file (repeatable)")
-    p.add_argument("--num-prompts", type=int, default=16, help="per dataset")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"per dataset (default: {DEFAULT_BENCH_PROMPTS}; all when only --prompts files are given)")
     p.add_argument("--methods", default="ar,hf,hf_lookup,lookup,drafter,speculative")
-    p.add_argument("--quick", action="store_true", help="2 prompts of HumanEval and MT-Bench, 48 tokens")
+    p.add_argument("--quick", action="store_true", help="2 prompts per dataset (of HumanEval and MT-Bench by default), 48 tokens")
     p.add_argument("--out", default="runs/bench", help="folder for the JSON result")
     p.add_argument("--report", default="", help="write a Markdown report (+ PNG plots beside it) here")
     p.add_argument("--max-new-tokens", type=int, default=256)

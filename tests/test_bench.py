@@ -381,6 +381,57 @@ def test_cli_bench_quick_keeps_user_prompt_files(tiny_default, monkeypatch, tmp_
     assert path in config.datasets
 
 
+def bench_config_of(monkeypatch, *argv: str) -> BenchConfig:
+    """The BenchConfig `d3d bench ARGV` would run (nothing is benchmarked)."""
+    seen = []
+
+    def fake_run_benchmark(pipeline, config, progress=True, challengers=None):
+        seen.append(config)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness, "run_benchmark", fake_run_benchmark)
+    assert main(["bench", *argv, "--methods", "ar", "--drafter", "none"]) == 130
+    return seen[0]
+
+
+@pytest.mark.parametrize("argv, datasets, num_prompts", [
+    (["--prompts", "FILE"], ["FILE"], None),  # the file alone, all of it
+    (["--prompts", "FILE", "--num-prompts", "2"], ["FILE"], 2),
+    (["--prompts", "FILE", "--datasets", "humaneval"], ["humaneval", "FILE"], 16),
+    (["--prompts", "FILE", "--quick"], ["FILE"], 2),
+    ([], ["humaneval", "mtbench", "math500"], 16),
+    (["--quick"], ["humaneval", "mtbench"], 2),
+])
+def test_cli_bench_prompt_files_replace_the_default_datasets(tiny_default, monkeypatch, tmp_path, argv, datasets,
+                                                            num_prompts):
+    """`--prompts FILE` without `--datasets` benchmarks only the file, every prompt of it unless
+    `--num-prompts` is given; the default datasets are a sample of 16 each."""
+    path = write_prompts(tmp_path)
+    config = bench_config_of(monkeypatch, *[path if a == "FILE" else a for a in argv])
+    assert config.datasets == [path if d == "FILE" else d for d in datasets]
+    assert config.num_prompts == num_prompts
+
+
+def test_cli_bench_runs_every_prompt_of_a_file(capsys, tiny_default, tmp_path):
+    """A prompt file longer than the default sample of 16 is benchmarked in full."""
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"hello {i}"}) + "\n" for i in range(18)))
+    assert main(["bench", "--prompts", str(path), "--methods", "ar", "--max-new-tokens", "2", "--drafter", "none",
+                 "--dtype", "float32", "--out", str(tmp_path / "results")]) == 0
+    out, err = capsys.readouterr()
+    saved = json.loads(open(json.loads(out.strip().splitlines()[-1])["result"]).read())
+    assert sorted(r["prompt_id"] for r in saved["records"]) == sorted(f"p{i}" for i in range(18))
+    assert "all prompts per dataset" in err
+
+
+@pytest.mark.parametrize("argv, fragment", [(["--num-prompts", "0"], "--num-prompts must be at least 1"),
+                                            (["--datasets", ""], "nothing to benchmark")])
+def test_cli_bench_nothing_to_run_is_a_usage_error(capsys, tiny_default, tmp_path, argv, fragment):
+    code = main(["bench", *argv, "--methods", "ar", "--drafter", "none", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"d3d: error: {fragment}" in err and "Traceback" not in err
+
+
 def test_async_methods_both_miss_policies(tmp_path):
     """async (redraft on a miss) and async_reanchor: identical to AR, with hit rate and wait in the per-step figures."""
     path = write_prompts(tmp_path)

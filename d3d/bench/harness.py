@@ -34,7 +34,7 @@ from d3d.stats import SpecStats
 @dataclass
 class BenchConfig:
     datasets: list[str] = field(default_factory=lambda: ["humaneval", "mtbench", "math500"])  # names or JSONL paths
-    num_prompts: int = 16  # per dataset (seeded sample)
+    num_prompts: int | None = 16  # per dataset (seeded sample; None = all)
     max_new_tokens: int = 256
     methods: list[str] = field(default_factory=lambda: ["ar", "hf", "hf_lookup", "lookup", "drafter", "speculative"])
     temperature: float = 0.0

@@ -13,7 +13,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
         f"Command: `{command}`",
         "",
         f"Target: {result['target']} ({result['dtype']}); drafter: {result['drafter']}; "
-        f"T = {config['temperature']}; {config['num_prompts']} prompts per dataset; "
+        f"T = {config['temperature']}; {config['num_prompts'] or 'all'} prompts per dataset; "
         f"{config['max_new_tokens']} new tokens at most.",
         f"Machine: {result['machine']['cpu']}, {result['machine']['threads']} threads, torch "
         f"{result['machine']['torch']}; peak RSS {result['peak_rss_mb']} MB.",
