@@ -18,9 +18,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import d3d.generation
 from d3d.cli import main
+from d3d.drafter import Drafter
 from test_generation import tiny_pipeline, tiny_target
 
 # The server and its client are extras (`pip install -e ".[dev]"`); without them this module is skipped.
@@ -257,6 +259,11 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
     (COMPLETIONS, {"prompt": PROMPT, "top_k": -1}, "top_k", "top_k"),
     (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 0}, "max_tokens", "max_tokens"),
     (COMPLETIONS, {"prompt": PROMPT, "stream": True, "temperature": -1}, "temperature", "temperature"),
+    (COMPLETIONS, '{"prompt": "hello", "temperature": 1e999}', "temperature", "temperature must be a finite number"),
+    (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature", "finite"),
+    (COMPLETIONS, '{"prompt": "hello", "stream": true, "temperature": Infinity}', "temperature", "finite"),
+    (COMPLETIONS, '{"prompt": "hello", "top_p": NaN}', "top_p", "top_p"),
+    (CHAT, {"messages": [{"role": "user", "content": "a" * 200}]}, "messages", "context"),
 ])
 def test_bad_input_is_an_openai_400(http, path, body, param, fragment):
     """Malformed, missing, out-of-range or unsupported input: 400 in OpenAI's error shape, never a
@@ -273,6 +280,16 @@ def test_bad_input_is_an_openai_400(http, path, body, param, fragment):
     assert error["param"] == param
     assert fragment in error["message"], error["message"]
     assert "Traceback" not in response.text
+
+
+def test_the_server_keeps_serving_after_bad_input(http, pipeline):
+    """Each refused request leaves the server (and its one-generation lock) ready for the next one."""
+    reference = expected(pipeline, PROMPT, chat=False, max_new_tokens=6)[0]
+    for bad in ('{"prompt": "hello", "temperature": 1e999}', '{"prompt": ""}', '{"prompt": "%s"}' % ("a" * 200)):
+        response = http.post(COMPLETIONS, content=bad, headers={"content-type": "application/json"})
+        assert response.status_code == 400
+        good = http.post(COMPLETIONS, json={"prompt": PROMPT, "temperature": 0, "max_tokens": 6})
+        assert good.status_code == 200 and good.json()["choices"][0]["text"] == reference
 
 
 def test_openai_client_sees_bad_request(client):
@@ -438,6 +455,18 @@ def test_serve_runs_the_engine_on_its_own_thread_until_interrupted(monkeypatch, 
 def test_serve_refuses_a_method_without_its_drafter(tiny_loading, capsys):
     assert main(["serve", "--method", "drafter", "--drafter", "none"]) == 2
     assert "needs a drafter" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_damaged_drafter(tiny_loading, capsys, tmp_path):
+    """`d3d serve --drafter FOLDER` with NaN weights: exit 2 naming the tensor, before listening."""
+    target = tiny_target()
+    Drafter.from_target(target.decoder, [0], block_size=4).save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["decoder.norm.weight"][0] = float("nan")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    assert main(["serve", "--drafter", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "d3d: error:" in err and "decoder.norm.weight holds NaN" in err and "serving" not in err
 
 
 def test_main_thread_runner_keeps_order_and_hands_back_errors():
