@@ -5,20 +5,31 @@ norm and Qwen2 q/k/v bias, tied or untied embeddings — the same arithmetic as 
 modelling code, so logits match it for the same weights. Attention takes an arbitrary boolean
 mask over (cached + new) positions, which block drafting, packed async branches and training use.
 
+The arithmetic comes from `d3d.kernels`: under `torch.no_grad()` on a CPU the row-exact kernels
+(a token's logits are bit-identical whether it is decoded alone or verified among 16 others, by
+construction), and PyTorch's differentiable ops whenever gradients are recorded or the decoder is
+on another device. `Decoder(config, kernels=...)` chooses; see `KernelChoice`.
+
 This module is the model only: it never samples, never tokenizes and owns no generation loop.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from d3d.cache import KVCache
-from d3d.config import ModelConfig
-from d3d.masks import causal_mask
+from d3d.config import ConfigError, ModelConfig
+from d3d.kernels import KernelBuildError, RowExactKernels, TorchKernels, row_exact_kernels
+
+# "auto": row-exact kernels where they build (CPU inference), else PyTorch's; "row-exact": required
+# (fails loudly where they cannot build); "torch": PyTorch's ops everywhere.
+KernelChoice = Literal["auto", "row-exact", "torch"]
+Kernels = RowExactKernels | type[TorchKernels]
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +38,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale in the input dtype, as transformers does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, kernels: Kernels = TorchKernels) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -56,6 +64,22 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+def rope_table(config: ModelConfig) -> torch.Tensor:
+    """(2, positions, D) fp32: cos and sin of every position's rotation angles."""
+    freqs = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None] * rope_inverse_frequencies(config)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return torch.stack((angles.cos(), angles.sin()))
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(message, file=sys.stderr)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -78,45 +102,22 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None, layer_index: int) -> torch.Tensor:
+                cache: KVCache | None, layer_index: int, kernels: Kernels) -> torch.Tensor:
         batch, length, _ = x.shape  # (B, T, hidden)
-        q, k, v = self.qkv_proj(x).split(self.widths, dim=-1)
-        q = q.reshape(batch, length, self.num_heads, self.head_dim)
+        q, k, v = kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.widths, dim=-1)
+        q = q.reshape(batch, length, self.num_heads, self.head_dim)  # (B, T, H, D)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+            q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
+        # Elementwise products and sums round the same way in any layout: row-exact as they stand.
         q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        k = (k * cos + rotate_half(k) * sin).transpose(1, 2)  # (B, H_kv, T, D)
+        v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.write(layer_index, k, v)  # (B, H_kv, S, D), S = cached + T
-        out = attend(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Scaled dot-product attention, q (B, H, T, D) over k/v (B, H_kv, S, D); mask (B, T, S) True = attend.
-
-    With no mask, the T queries are the last T positions and attend causally, each one computed
-    alone over exactly the keys it sees. A query then goes through the same kernel with the same
-    shapes whether it shares the forward with 15 others (verification) or not (one decoding step),
-    so its attention output is bit-identical; a masked multi-row call is not (fused kernels block
-    the key axis by the whole call's length). With oneDNN's bf16 GEMM, which is row-count
-    invariant on CPU, whole bf16 forwards are then bit-identical to one-token steps (measured: 0
-    logit difference on SmolLM2); MKL's fp32 sgemm is not (~1e-6). The loop costs ~20% of a
-    16-token verify here.
-    """
-    gqa = q.shape[1] != k.shape[1]
-    if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
-    length, keys = q.shape[2], k.shape[2]
-    if length == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    rows = [F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :keys - length + i + 1],
-                                           v[:, :, :keys - length + i + 1], enable_gqa=gqa)
-            for i in range(length)]
-    return torch.cat(rows, dim=2)
+        out = kernels.attention(q, k, v, mask)  # (B, T, H, D)
+        return kernels.linear(out.reshape(batch, length, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -126,9 +127,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)  # fused
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        gate_up = kernels.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return kernels.linear(kernels.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -139,26 +140,53 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, cache, layer_index):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer_index)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, mask, cache, layer_index, kernels):
+        x = x + self.self_attn(self.input_layernorm(x, kernels), cos, sin, mask, cache, layer_index, kernels)
+        return x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
 
 
 class Decoder(nn.Module):
     """A causal decoder: token ids (or embeddings) + positions + cache + mask → logits."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: KernelChoice = "auto") -> None:
         super().__init__()
+        if kernels not in ("auto", "row-exact", "torch"):
+            raise ConfigError(f"unknown kernels {kernels!r} (auto, row-exact or torch)")
         self.config = config
+        self.kernel_choice = kernels
+        self.row_exact = self._load_row_exact(kernels)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
-        # Causal forwards of at most this many tokens attend row by row (bit-identical to one-token
-        # steps, see `attend`); verification blocks fit under it, prefills do not. 0 turns it off.
-        self.invariant_rows = 64
+        # cos/sin of every position, computed once: a position's rotation is then one table row,
+        # the same bits in any forward (a fresh cos() call may round lanes differently).
+        self.register_buffer("rope_table", rope_table(config), persistent=False)
+
+    @staticmethod
+    def _load_row_exact(choice: KernelChoice) -> RowExactKernels | None:
+        if choice == "torch":
+            return None
+        try:
+            return row_exact_kernels()
+        except KernelBuildError as error:
+            if choice == "row-exact":
+                raise
+            warn_once(f"d3d: row-exact kernels unavailable ({str(error).splitlines()[0]}); using PyTorch's "
+                      "ops, with exactness checked on this machine (see `d3d doctor`)")
+            return None
+
+    def kernels_for(self, x: torch.Tensor) -> Kernels:
+        """The kernels a forward over `x` runs: row-exact for CPU inference, PyTorch's otherwise.
+
+        Recording gradients needs PyTorch's differentiable ops (training, healing); the row-exact
+        kernels serve every inference forward, so all decoding paths share one arithmetic.
+        """
+        if self.row_exact is not None and x.device.type == "cpu" and not torch.is_grad_enabled() \
+                and x.dtype in (torch.bfloat16, torch.float32):
+            return self.row_exact
+        return TorchKernels
 
     @property
     def dtype(self) -> torch.dtype:
@@ -177,9 +205,12 @@ class Decoder(nn.Module):
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, batch_size, self.dtype, self.device)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq  # (B, T, D/2)
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, D)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        """cos, sin (B, T, 1, D) for positions (B, T)."""
+        # Positions past the context reuse the last rotation: only async branches drafted beyond the
+        # length limit reach them, and those drafts are never verified.
+        positions = positions.clamp(max=self.rope_table.shape[1] - 1)
+        table = self.rope_table.to(dtype)
+        return table[0][positions][:, :, None], table[1][positions][:, :, None]
 
     def hidden_states(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                       mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,22 +219,19 @@ class Decoder(nn.Module):
         assert positions.shape == (batch, length), f"positions {tuple(positions.shape)} != {(batch, length)}"
         if cache is not None:
             cache.reserve(length)
-        if mask is None and length > self.invariant_rows:
-            # Long causal inputs (prefill, training) take one fused masked call; see `attend`.
-            mask = causal_mask(length, cache.length if cache is not None else 0, embeds.device)
-            mask = mask[None].expand(batch, -1, -1)
         if mask is not None:
             expected = (batch, length, length + (cache.length if cache is not None else 0))
             assert tuple(mask.shape) == expected, f"mask {tuple(mask.shape)} != {expected}"
         cos, sin = self.rope(positions, embeds.dtype)
+        kernels = self.kernels_for(embeds)
         x = embeds
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, index)
-        return self.norm(x)
+            x = layer(x, cos, sin, mask, cache, index, kernels)
+        return self.norm(x, kernels)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.kernels_for(hidden).linear(hidden, weight, None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None,

@@ -1,0 +1,213 @@
+"""The decoder's arithmetic: row-exact C kernels for inference, PyTorch ops for training.
+
+Two implementations of one small interface — `linear`, `attention`, `rms_norm`, `silu_mul`:
+
+- `RowExactKernels` (CPU inference): `rowexact.c`, compiled once per machine with the local C
+  compiler and cached under `$D3D_CACHE/kernels`. A row's result is a fixed sequence of IEEE
+  operations whatever the number of rows in the call (see the C file), so a k-token verification
+  is bit-identical to k one-token steps by construction, on any CPU. They have no backward.
+- `TorchKernels` (training, CUDA, and where no C compiler exists): PyTorch's own ops, differentiable;
+  their rounding may change with the row count, so exactness then rests on the self-check in
+  `d3d.exactness`.
+
+This module computes; it knows nothing about layers, caches or tokens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("rowexact.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+
+
+class KernelBuildError(RuntimeError):
+    """The row-exact kernels could not be compiled or loaded on this machine."""
+
+
+class TorchKernels:
+    """PyTorch's ops: differentiable, any device; rounding may depend on the row count."""
+
+    name = "torch"
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q (B, T, H, D) over k/v (B, H_kv, S, D) → (B, T, H, D); mask (B, T, S), None = causal."""
+        length, keys = q.shape[1], k.shape[2]
+        if mask is None:
+            rows = torch.arange(length, device=q.device)[:, None] + (keys - length)
+            mask = (torch.arange(keys, device=q.device)[None] <= rows)[None]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None],
+                                             enable_gqa=q.shape[2] != k.shape[1])
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in fp32 and scale in the input dtype, as transformers does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class RowExactKernels:
+    """The compiled row-exact kernels, over CPU tensors in bf16 or fp32 (no autograd)."""
+
+    name = "row-exact"
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.library, self.path = library, path
+        i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+        for suffix in ("bf16", "f32"):
+            getattr(library, f"d3d_linear_{suffix}").argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
+            getattr(library, f"d3d_attention_{suffix}").argtypes = [
+                ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32]
+            getattr(library, f"d3d_rms_norm_{suffix}").argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
+            getattr(library, f"d3d_silu_mul_{suffix}").argtypes = [ptr, ptr, i64, i64, i32]
+        library.d3d_kernel_path.restype = ctypes.c_char_p
+        self.path_name = library.d3d_kernel_path().decode()
+
+    # One library per process: a copied or pickled decoder shares it.
+    def __deepcopy__(self, memo: dict) -> "RowExactKernels":
+        return self
+
+    def __reduce__(self):
+        return row_exact_kernels, ()
+
+    def _fn(self, kind: str, dtype: torch.dtype):
+        if dtype == torch.bfloat16:
+            return getattr(self.library, f"d3d_{kind}_bf16")
+        if dtype == torch.float32:
+            return getattr(self.library, f"d3d_{kind}_f32")
+        raise TypeError(f"row-exact kernels run bf16 or fp32, not {dtype}")
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        *lead, width = x.shape
+        x2 = x.reshape(-1, width)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        assert weight.is_contiguous() and weight.shape[1] == width and weight.dtype == x.dtype
+        out = torch.empty(*lead, weight.shape[0], dtype=x.dtype)
+        self._fn("linear", x.dtype)(x2.data_ptr(), x2.stride(0), weight.data_ptr(), _ptr(bias), out.data_ptr(),
+                                    x2.shape[0], weight.shape[0], width, torch.get_num_threads())
+        return out
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q (B, T, H, D) over k/v (B, H_kv, S, D) → (B, T, H, D); mask (B, T, S), None = causal."""
+        batch, length, heads, dim = q.shape
+        kv_heads, keys = k.shape[1], k.shape[2]
+        if k.stride(-1) != 1 or k.stride(-2) != dim or k.stride() != v.stride():  # a cache slice passes as is
+            k, v = k.contiguous(), v.contiguous()
+        assert dim <= 512, "head_dim above 512"
+        q = q.contiguous()
+        if mask is not None:
+            mask = mask.to(torch.uint8).contiguous()
+            assert mask.shape == (batch, length, keys), f"mask {tuple(mask.shape)}"
+        out = torch.empty_like(q)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads * keys, dtype=torch.float32)
+        self._fn("attention", q.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(),
+                                       batch, length, heads, kv_heads, keys, dim, k.stride(0), k.stride(1),
+                                       dim ** -0.5, scratch.data_ptr(), threads)
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._fn("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                                      x.shape[-1], eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        *lead, width = gate_up.shape
+        out = torch.empty(*lead, width // 2, dtype=gate_up.dtype)
+        self._fn("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // width,
+                                            width // 2, torch.get_num_threads())
+        return out
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("D3D_CACHE", Path.home() / ".cache" / "d3d")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise KernelBuildError("no C compiler found (set CC, or install gcc) to build the row-exact kernels")
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile rowexact.c for this machine (once; cached by source, compiler and CPU flags)."""
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_flags(), " ".join(FLAGS)]).encode())
+    target = _cache_dir() / f"rowexact-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(f"{compiler} failed to build the row-exact kernels:\n{result.stderr.strip()}")
+        if verbose:
+            print(f"d3d: built row-exact kernels {target}", file=sys.stderr)
+        os.replace(built, target)  # atomic: a half-written library is never loaded
+    return target
+
+
+_lock = threading.Lock()
+_loaded: RowExactKernels | KernelBuildError | None = None
+
+
+def row_exact_kernels() -> RowExactKernels:
+    """The compiled kernels for this machine, built on first call; raises KernelBuildError."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            # torch's own libgomp is loaded first, so the kernels share its OpenMP thread pool.
+            try:
+                path = build()
+                _loaded = RowExactKernels(ctypes.CDLL(str(path)), path)
+            except (KernelBuildError, OSError) as error:
+                _loaded = error if isinstance(error, KernelBuildError) else KernelBuildError(str(error))
+        if isinstance(_loaded, KernelBuildError):
+            raise _loaded
+        return _loaded

@@ -1,0 +1,284 @@
+/* Row-exact CPU kernels for d3d's inference forward: linear, attention, RMSNorm, SwiGLU.
+ *
+ * "Row-exact": the value computed for one row (one token) is a fixed sequence of IEEE operations
+ * that depends on that row's inputs and the weights only — never on how many rows share the call,
+ * on the row's index, on how the work is split between threads, or on vectorisation. That is what
+ * makes a 17-token verification bit-identical to 17 one-token steps on every machine, by
+ * construction rather than by a BLAS library's luck (oneDNN's bf16 GEMM, for one, changes a row's
+ * rounding between 1-row and 16-row calls on AMD Zen 4).
+ *
+ * How the rule is kept:
+ *  - every reduction (a dot product, a sum of squares, a softmax sum) runs over a fixed number of
+ *    independent lanes in index order, then folds the lanes in a fixed order;
+ *  - compiled without -ffast-math and with -ffp-contract=off, so the compiler may vectorise or
+ *    unroll but never reassociate or fuse; fused multiply-adds are written out explicitly;
+ *  - threads split the work by output rows/columns, never inside one reduction.
+ * The result does depend on the machine (AVX-512 BF16 dot products vs fp32 FMA): within one
+ * machine every path uses the same kernel, which is all losslessness needs.
+ *
+ * This file is compiled on first use by d3d/kernels/__init__.py with the machine's C compiler
+ * (-O3 -march=native -fopenmp) and called through ctypes; it sees raw pointers only.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define D3D_AVX512_BF16 1
+#endif
+
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float fold_lanes(const float *acc) {  /* fixed pairwise order */
+    float t8[8], t4[4];
+    for (int i = 0; i < 8; i++) t8[i] = acc[i] + acc[i + 8];
+    for (int i = 0; i < 4; i++) t4[i] = t8[i] + t8[i + 4];
+    return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+/* exp(x) for float, ~2 ulp: Cody-Waite reduction and a degree-6 polynomial. One formula for
+ * every element, so vectorised and scalar code agree bit for bit. */
+static inline float exp_fixed(float x) {
+    if (x < -87.0f) return 0.0f;
+    if (x > 88.0f) x = 88.0f;
+    float k = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(k, -0.693359375f, x);
+    r = fmaf(k, 2.12194440e-4f, r);
+    float p = 1.3981999507e-3f;
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p * r, r, r) + 1.0f;
+    int32_t e = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); x rows `x_stride` elements apart,
+ * w (N, K) and y (M, N) contiguous. Threads own blocks of output columns and compute every row
+ * for them, so each weight row is read from memory once per call whatever M is.
+ * ------------------------------------------------------------------------------------------- */
+
+#define COLS 4  /* output columns per block: each weight row is loaded once per block of rows */
+#define ROWS 4  /* rows per block: ROWS x COLS independent accumulators hide the FMA latency */
+
+#ifdef D3D_AVX512_BF16
+/* 32 bf16 of a row from k on, zero-filled past K. */
+static inline __m512bh load_chunk(const uint16_t *a, int64_t k, int64_t K) {
+    if (k + 32 <= K) return (__m512bh)_mm512_loadu_si512(a + k);
+    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << (K - k)) - 1), a + k);
+}
+
+static inline float fold512(__m512 v) {
+    float lanes[LANES];
+    _mm512_storeu_ps(lanes, v);
+    return fold_lanes(lanes);
+}
+
+/* out[r][c] = x_r · w_c for R rows and C columns: one 16-lane vdpbf16ps chain per (r, c). The
+ * full 4 x 4 block names its 16 accumulators so they stay in registers. */
+#define DP(r, c) a##r##c = _mm512_dpbf16_ps(a##r##c, x##r, w##c)
+static void dot_4x4_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, int64_t K,
+                         float out[ROWS][COLS]) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+           a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh w0 = load_chunk(w, k, K), w1 = load_chunk(w + K, k, K), w2 = load_chunk(w + 2 * K, k, K),
+                 w3 = load_chunk(w + 3 * K, k, K);
+        __m512bh x0 = load_chunk(x, k, K), x1 = load_chunk(x + x_stride, k, K),
+                 x2 = load_chunk(x + 2 * x_stride, k, K), x3 = load_chunk(x + 3 * x_stride, k, K);
+        DP(0, 0); DP(0, 1); DP(0, 2); DP(0, 3); DP(1, 0); DP(1, 1); DP(1, 2); DP(1, 3);
+        DP(2, 0); DP(2, 1); DP(2, 2); DP(2, 3); DP(3, 0); DP(3, 1); DP(3, 2); DP(3, 3);
+    }
+    __m512 all[ROWS][COLS] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}, {a30, a31, a32, a33}};
+    for (int r = 0; r < ROWS; r++)
+        for (int c = 0; c < COLS; c++) out[r][c] = fold512(all[r][c]);
+}
+#undef DP
+
+static void dot_block_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, int64_t K, int R, int C,
+                           float out[ROWS][COLS]) {
+    if (R == ROWS && C == COLS) {
+        dot_4x4_bf16(x, x_stride, w, K, out);
+        return;
+    }
+    for (int r = 0; r < R; r++) {  /* remainder rows: a 1 x C block, same chain per (r, c) */
+        __m512 acc[COLS] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512bh xr = load_chunk(x + r * x_stride, k, K);
+            for (int c = 0; c < C; c++) acc[c] = _mm512_dpbf16_ps(acc[c], xr, load_chunk(w + c * K, k, K));
+        }
+        for (int c = 0; c < C; c++) out[r][c] = fold512(acc[c]);
+    }
+}
+#endif
+
+/* The same block in portable C: one 16-lane fp32 FMA chain per (r, c). */
+#define DOT_BLOCK(NAME, T_ELEM, LOAD)                                                                \
+static inline __attribute__((always_inline)) void NAME(                                              \
+        const T_ELEM *x, int64_t x_stride, const T_ELEM *w, int64_t K, int R, int C, float out[ROWS][COLS]) { \
+    float acc[ROWS][COLS][LANES];                                                                    \
+    memset(acc, 0, sizeof acc);                                                                      \
+    int64_t k = 0;                                                                                   \
+    for (; k + LANES <= K; k += LANES)                                                               \
+        for (int r = 0; r < R; r++)                                                                  \
+            for (int c = 0; c < C; c++)                                                              \
+                for (int l = 0; l < LANES; l++)                                                      \
+                    acc[r][c][l] = fmaf(LOAD(x[r * x_stride + k + l]), LOAD(w[c * K + k + l]), acc[r][c][l]); \
+    for (int r = 0; r < R; r++)                                                                      \
+        for (int c = 0; c < C; c++) {                                                                \
+            for (int l = 0; k + l < K; l++)                                                          \
+                acc[r][c][l] = fmaf(LOAD(x[r * x_stride + k + l]), LOAD(w[c * K + k + l]), acc[r][c][l]); \
+            out[r][c] = fold_lanes(acc[r][c]);                                                       \
+        }                                                                                            \
+}
+
+#define IDENTITY(x) (x)
+DOT_BLOCK(dot_block_f32, float, IDENTITY)
+#ifndef D3D_AVX512_BF16
+DOT_BLOCK(dot_block_bf16, uint16_t, bf16_to_f32)
+#endif
+
+#define LINEAR(NAME, T_ELEM, LOAD, STORE, DOT)                                                       \
+void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias, T_ELEM *y,          \
+          int64_t M, int64_t N, int64_t K, int threads) {                                            \
+    int64_t blocks = (N + COLS - 1) / COLS;                                                          \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+    for (int64_t blk = 0; blk < blocks; blk++) {                                                     \
+        int64_t n0 = blk * COLS;                                                                     \
+        int C = N - n0 < COLS ? (int)(N - n0) : COLS;                                                \
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {                                                   \
+            int R = M - m0 < ROWS ? (int)(M - m0) : ROWS;                                            \
+            float out[ROWS][COLS];                                                                   \
+            if (R == ROWS && C == COLS) DOT(x + m0 * x_stride, x_stride, w + n0 * K, K, ROWS, COLS, out); \
+            else if (C == COLS) for (int r = 0; r < R; r++)                                          \
+                DOT(x + (m0 + r) * x_stride, x_stride, w + n0 * K, K, 1, COLS, (float (*)[COLS])out[r]); \
+            else DOT(x + m0 * x_stride, x_stride, w + n0 * K, K, R, C, out);                         \
+            for (int r = 0; r < R; r++)                                                              \
+                for (int c = 0; c < C; c++) {                                                        \
+                    float v = out[r][c];                                                             \
+                    if (bias) v += LOAD(bias[n0 + c]);                                               \
+                    y[(m0 + r) * N + n0 + c] = STORE(v);                                             \
+                }                                                                                    \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+LINEAR(d3d_linear_bf16, uint16_t, bf16_to_f32, f32_to_bf16, dot_block_bf16)
+LINEAR(d3d_linear_f32, float, IDENTITY, IDENTITY, dot_block_f32)
+
+/* ---------------------------------------------------------------------------------------------
+ * attention: q (B, T, H, D) contiguous; k, v: element (b, g, s, d) at b*kv_batch + g*kv_head +
+ * s*D + d (the KV cache's layout); out (B, T, H, D). Query t of a causal call (mask NULL) sees keys
+ * 0 … S-T+t; with a mask (B, T, S) bytes, the keys whose byte is 1. Scores, softmax and the
+ * weighted sum run in fp32 over the visible keys in index order.
+ * ------------------------------------------------------------------------------------------- */
+
+#define ATTENTION(NAME, T_ELEM, LOAD, STORE)                                                         \
+void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask, T_ELEM *out,       \
+          int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,                        \
+          int64_t kv_batch, int64_t kv_head, float scale, float *scratch, int threads) {             \
+    int64_t group = H / Hkv;                                                                         \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+    for (int64_t item = 0; item < B * T * H; item++) {                                               \
+        int64_t b = item / (T * H), t = (item / H) % T, h = item % H, g = h / group;                 \
+        const T_ELEM *qr = q + item * D;                                                             \
+        const T_ELEM *kb = k + b * kv_batch + g * kv_head, *vb = v + b * kv_batch + g * kv_head;     \
+        const uint8_t *mrow = mask ? mask + (b * T + t) * S : NULL;                                  \
+        int64_t last = mask ? S : S - T + t + 1;                                                     \
+        float *score = scratch + (int64_t)omp_get_thread_num() * S;                                  \
+        float qf[512];                                                                               \
+        for (int64_t d = 0; d < D; d++) qf[d] = LOAD(qr[d]);                                         \
+        float top = -INFINITY;                                                                       \
+        for (int64_t s = 0; s < last; s++) {                                                         \
+            if (mrow && !mrow[s]) { score[s] = -INFINITY; continue; }                                \
+            const T_ELEM *kr = kb + s * D;                                                           \
+            float acc[LANES] = {0};                                                                  \
+            int64_t d = 0;                                                                           \
+            for (; d + LANES <= D; d += LANES)                                                       \
+                for (int l = 0; l < LANES; l++) acc[l] = fmaf(qf[d + l], LOAD(kr[d + l]), acc[l]);   \
+            for (int l = 0; d + l < D; l++) acc[l] = fmaf(qf[d + l], LOAD(kr[d + l]), acc[l]);       \
+            score[s] = fold_lanes(acc) * scale;                                                      \
+            if (score[s] > top) top = score[s];                                                      \
+        }                                                                                            \
+        float o[512];                                                                                \
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;                                                 \
+        float total = 0.0f;                                                                          \
+        for (int64_t s = 0; s < last; s++) {                                                         \
+            if (score[s] == -INFINITY) continue;                                                     \
+            float p = exp_fixed(score[s] - top);                                                     \
+            total += p;                                                                              \
+            const T_ELEM *vr = vb + s * D;                                                           \
+            for (int64_t d = 0; d < D; d++) o[d] = fmaf(p, LOAD(vr[d]), o[d]);                       \
+        }                                                                                            \
+        float inv = total > 0.0f ? 1.0f / total : 0.0f;                                              \
+        T_ELEM *outr = out + item * D;                                                               \
+        for (int64_t d = 0; d < D; d++) outr[d] = STORE(o[d] * inv);                                 \
+    }                                                                                                \
+}
+
+ATTENTION(d3d_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+ATTENTION(d3d_attention_f32, float, IDENTITY, IDENTITY)
+
+/* ---------------------------------------------------------------------------------------------
+ * RMSNorm with transformers' rounding: y = weight * to_dtype(x * rsqrt(mean(x²) + eps)), the
+ * normalisation in fp32. SwiGLU: y = to_dtype(silu(gate)) * up for gate_up = [gate | up] (M, 2I).
+ * ------------------------------------------------------------------------------------------- */
+
+#define NORMS(SUFFIX, T_ELEM, LOAD, STORE)                                                           \
+void d3d_rms_norm_##SUFFIX(const T_ELEM *x, const T_ELEM *weight, T_ELEM *y, int64_t M, int64_t D,   \
+                           float eps, int threads) {                                                 \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+    for (int64_t m = 0; m < M; m++) {                                                                \
+        const T_ELEM *xr = x + m * D;                                                                \
+        float acc[LANES] = {0};                                                                      \
+        int64_t d = 0;                                                                               \
+        for (; d + LANES <= D; d += LANES)                                                           \
+            for (int l = 0; l < LANES; l++) { float f = LOAD(xr[d + l]); acc[l] = fmaf(f, f, acc[l]); } \
+        for (int l = 0; d + l < D; l++) { float f = LOAD(xr[d + l]); acc[l] = fmaf(f, f, acc[l]); }  \
+        float r = 1.0f / sqrtf(fold_lanes(acc) / (float)D + eps);                                    \
+        for (d = 0; d < D; d++)                                                                      \
+            y[m * D + d] = STORE(LOAD(weight[d]) * LOAD(STORE(LOAD(xr[d]) * r)));                    \
+    }                                                                                                \
+}                                                                                                    \
+void d3d_silu_mul_##SUFFIX(const T_ELEM *gate_up, T_ELEM *y, int64_t M, int64_t I, int threads) {    \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+    for (int64_t m = 0; m < M; m++)                                                                  \
+        for (int64_t i = 0; i < I; i++) {                                                            \
+            float g = LOAD(gate_up[m * 2 * I + i]);                                                  \
+            float silu = LOAD(STORE(g / (1.0f + exp_fixed(-g))));                                    \
+            y[m * I + i] = STORE(silu * LOAD(gate_up[m * 2 * I + I + i]));                           \
+        }                                                                                            \
+}
+
+NORMS(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+NORMS(f32, float, IDENTITY, IDENTITY)
+
+/* Which path this build took, for `d3d doctor`. */
+const char *d3d_kernel_path(void) {
+#ifdef D3D_AVX512_BF16
+    return "avx512-bf16 dot products (bf16), fp32 lanes (fp32)";
+#else
+    return "fp32 lanes (portable C, compiler-vectorised)";
+#endif
+}

@@ -1,0 +1,103 @@
+"""The row-exact kernels: a row's result never depends on the rows beside it; close to PyTorch's ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from d3d.kernels import TorchKernels, row_exact_kernels
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return row_exact_kernels()
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
+
+
+def cancelling_rows(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inputs whose dot products cancel heavily (large terms of both signs, small sum): any change in
+    the order of accumulation shows in the result."""
+    x = randn(rows, width, seed=3, dtype=torch.float32)
+    x[:, ::7] *= 300.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width,outputs", [(1536, 576), (576, 3072), (100, 37)])  # tails: 100 % 32, 37 % 4
+def test_linear_rows_do_not_depend_on_the_row_count(kernels, dtype, width, outputs):
+    """Each row of an M-row call equals the same row computed alone, for every M up to 33."""
+    weight = randn(outputs, width, seed=1, dtype=dtype)
+    bias = randn(outputs, seed=2, dtype=dtype)
+    x = cancelling_rows(33, width, dtype)
+    alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(33)])
+    for rows in (2, 3, 4, 5, 16, 17, 33):
+        assert torch.equal(kernels.linear(x[:rows], weight, bias), alone[:rows]), f"{rows} rows"
+    reference = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    scale = x.double().abs() @ weight.double().abs().T  # error bound grows with the terms, not the sum
+    error = (alone.double() - reference).abs() / (scale + 1)
+    assert error.max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_reads_strided_rows(kernels, dtype):
+    """A row view (stride > width) gives the same bits as its contiguous copy."""
+    weight = randn(24, 40, seed=1, dtype=dtype)
+    wide = randn(5, 64, seed=2, dtype=dtype)
+    assert torch.equal(kernels.linear(wide[:, :40], weight, None), kernels.linear(wide[:, :40].contiguous(), weight, None))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_attention_rows_equal_single_queries(kernels, dtype):
+    """Causal attention over a cache: query i of a T-query call equals a one-query call over its own keys."""
+    q = randn(1, 16, 4, 8, seed=0, dtype=dtype)  # (B, T, H, D)
+    k = randn(1, 2, 23, 8, seed=1, dtype=dtype, scale=3.0)  # (B, H_kv, S, D): 7 cached + 16 new
+    v = randn(1, 2, 23, 8, seed=2, dtype=dtype)
+    together = kernels.attention(q, k, v, None)
+    alone = [kernels.attention(q[:, i:i + 1], k[:, :, :8 + i], v[:, :, :8 + i], None) for i in range(16)]
+    assert torch.equal(together, torch.cat(alone, dim=1))
+    expected = TorchKernels.attention(q.float(), k.float(), v.float(), None)
+    torch.testing.assert_close(together.float(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_attention_matches_sdpa_and_ignores_other_rows(kernels, dtype):
+    """An arbitrary mask (B, T, S): SDPA's result, and each row equal to that row computed alone."""
+    generator = torch.Generator().manual_seed(5)
+    q = randn(2, 6, 4, 8, seed=0, dtype=dtype)
+    k = randn(2, 2, 10, 8, seed=1, dtype=dtype)
+    v = randn(2, 2, 10, 8, seed=2, dtype=dtype)
+    mask = torch.rand(2, 6, 10, generator=generator) < 0.6
+    mask[..., 0] = True  # no empty row
+    together = kernels.attention(q, k, v, mask)
+    torch.testing.assert_close(together.float(), TorchKernels.attention(q.float(), k.float(), v.float(), mask),
+                               **TOLERANCE[dtype])
+    for row in range(6):
+        alone = kernels.attention(q[:, row:row + 1], k, v, mask[:, row:row + 1])
+        assert torch.equal(alone, together[:, row:row + 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_and_swiglu_are_row_exact_and_match_torch(kernels, dtype):
+    x = randn(17, 72, seed=0, dtype=dtype, scale=4.0)
+    weight = randn(72, seed=1, dtype=dtype)
+    normed = kernels.rms_norm(x, weight, 1e-6)
+    assert torch.equal(normed[5:6], kernels.rms_norm(x[5:6], weight, 1e-6))
+    torch.testing.assert_close(normed.float(), TorchKernels.rms_norm(x, weight, 1e-6).float(), **TOLERANCE[dtype])
+    gate_up = randn(17, 2 * 40, seed=2, dtype=dtype, scale=3.0)
+    mixed = kernels.silu_mul(gate_up)
+    assert torch.equal(mixed[3:4], kernels.silu_mul(gate_up[3:4]))
+    torch.testing.assert_close(mixed.float(), TorchKernels.silu_mul(gate_up).float(), **TOLERANCE[dtype])
+
+
+def test_the_build_is_cached(kernels):
+    """The library is compiled once per machine and source; a second call reuses the file."""
+    from d3d.kernels import build
+
+    assert build() == kernels.path and kernels.path.exists()
+    assert kernels.path_name
