@@ -174,7 +174,8 @@ class DraftWorker:
         if self.stream is not None:
             # Work queued on the main stream (an earlier synchronous draft into this cache) first.
             self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+        # no_grad is per thread: the worker needs its own, or drafting would record gradients.
+        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             branches, logits = job()
         if self.stream is not None:
             self.stream.synchronize()

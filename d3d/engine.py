@@ -22,6 +22,7 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
+from d3d.exactness import verify_mode
 from d3d.gate import SpeculationGate, drafter_cost
 from d3d.lookup import LookupConfig, lookup_drafts
 from d3d.models import Decoder
@@ -134,12 +135,29 @@ def propose(block_logits: torch.Tensor, sampling: SamplingConfig,
     return sample(draft_probs, generator), draft_probs
 
 
+def score_block(target: Decoder, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
+    """Target logits (T, V) for ids (1, T) after the cache, the T new slots left pending.
+
+    One forward where the target is row-count invariant on this machine (always, with the
+    row-exact kernels), else T one-row forwards — the same bits as plain decoding either way.
+    """
+    if ids.shape[1] == 1 or verify_mode(target) == "batched":
+        return target(ids, cache=cache)[0]
+    rows = []
+    for i in range(ids.shape[1]):
+        rows.append(target(ids[:, i:i + 1], cache=cache)[0, 0])
+        cache.commit()
+    cache.rewind(ids.shape[1])
+    cache.reserve(ids.shape[1])  # the slots keep their K/V and are pending again, as after one forward
+    return torch.stack(rows)
+
+
 def verify_block(target: Decoder, cache: KVCache, anchor: int, draft_tokens: torch.Tensor,
                  draft_probs: torch.Tensor | None, sampling: SamplingConfig,
                  generator: torch.Generator) -> Verdict:
     """One target forward over [anchor, drafts]; keeps the KV of the anchor and accepted drafts."""
     ids = torch.cat([torch.tensor([anchor], device=draft_tokens.device), draft_tokens])[None]
-    target_logits = target(ids, cache=cache)[0]  # (K+1, V)
+    target_logits = score_block(target, cache, ids)  # (K+1, V)
     if sampling.greedy:
         verdict = verify_greedy(draft_tokens, target_logits.argmax(-1))
     else:

@@ -169,7 +169,10 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Target:
     generation = folder / "generation_config.json"
     tokenizer = AutoTokenizer.from_pretrained(folder)
     eos = _eos_ids(tokenizer, json.loads(generation.read_text()) if generation.is_file() else None)
-    return Target(decoder.to(dtype).eval(), tokenizer, str(folder), eos, str(folder))
+    # A target never trains: frozen weights let every forward of it run the row-exact kernels,
+    # in any thread, grad mode or not (see Decoder.kernels_for).
+    decoder = decoder.to(dtype).eval().requires_grad_(False)
+    return Target(decoder, tokenizer, str(folder), eos, str(folder))
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:

@@ -180,13 +180,15 @@ class Decoder(nn.Module):
     def kernels_for(self, x: torch.Tensor) -> Kernels:
         """The kernels a forward over `x` runs: row-exact for CPU inference, PyTorch's otherwise.
 
-        Recording gradients needs PyTorch's differentiable ops (training, healing); the row-exact
-        kernels serve every inference forward, so all decoding paths share one arithmetic.
+        A forward that can record gradients (grad mode on, and the input or a weight requiring
+        them: training, healing) needs PyTorch's differentiable ops; every other CPU forward — all
+        decoding, in any thread — runs the row-exact kernels, so all paths share one arithmetic.
         """
-        if self.row_exact is not None and x.device.type == "cpu" and not torch.is_grad_enabled() \
-                and x.dtype in (torch.bfloat16, torch.float32):
-            return self.row_exact
-        return TorchKernels
+        if self.row_exact is None or x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32):
+            return TorchKernels
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return TorchKernels
+        return self.row_exact
 
     @property
     def dtype(self) -> torch.dtype:

@@ -56,8 +56,7 @@ static inline float fold_lanes(const float *acc) {  /* fixed pairwise order */
 /* exp(x) for float, ~2 ulp: Cody-Waite reduction and a degree-6 polynomial. One formula for
  * every element, so vectorised and scalar code agree bit for bit. */
 static inline float exp_fixed(float x) {
-    if (x < -87.0f) return 0.0f;
-    if (x > 88.0f) x = 88.0f;
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     float k = nearbyintf(x * 1.44269504088896341f);
     float r = fmaf(k, -0.693359375f, x);
     r = fmaf(k, 2.12194440e-4f, r);
@@ -205,29 +204,36 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         const T_ELEM *qr = q + item * D;                                                             \
         const T_ELEM *kb = k + b * kv_batch + g * kv_head, *vb = v + b * kv_batch + g * kv_head;     \
         const uint8_t *mrow = mask ? mask + (b * T + t) * S : NULL;                                  \
-        int64_t last = mask ? S : S - T + t + 1;                                                     \
+        int64_t keys = mask ? S : S - T + t + 1;                                                     \
         float *score = scratch + (int64_t)omp_get_thread_num() * S;                                  \
-        float qf[512];                                                                               \
-        for (int64_t d = 0; d < D; d++) qf[d] = LOAD(qr[d]);                                         \
-        float top = -INFINITY;                                                                       \
-        for (int64_t s = 0; s < last; s++) {                                                         \
-            if (mrow && !mrow[s]) { score[s] = -INFINITY; continue; }                                \
+        float qf[512], o[512];                                                                       \
+        for (int64_t d = 0; d < D; d++) qf[d] = LOAD(qr[d]) * scale;                                 \
+        /* scores of the visible keys; hidden ones -inf */                                           \
+        for (int64_t s = 0; s < keys; s++) {                                                         \
             const T_ELEM *kr = kb + s * D;                                                           \
             float acc[LANES] = {0};                                                                  \
             int64_t d = 0;                                                                           \
             for (; d + LANES <= D; d += LANES)                                                       \
                 for (int l = 0; l < LANES; l++) acc[l] = fmaf(qf[d + l], LOAD(kr[d + l]), acc[l]);   \
             for (int l = 0; d + l < D; l++) acc[l] = fmaf(qf[d + l], LOAD(kr[d + l]), acc[l]);       \
-            score[s] = fold_lanes(acc) * scale;                                                      \
-            if (score[s] > top) top = score[s];                                                      \
+            score[s] = (mrow && !mrow[s]) ? -INFINITY : fold_lanes(acc);                             \
         }                                                                                            \
-        float o[512];                                                                                \
+        float top = -INFINITY;                                                                       \
+        for (int64_t s = 0; s < keys; s++) top = score[s] > top ? score[s] : top;                    \
+        /* weights exp(score - top) (0 for hidden keys) and their sum, in 16 lanes */                \
+        float sums[LANES] = {0};                                                                     \
+        for (int64_t s0 = 0; s0 < keys; s0 += LANES)                                                 \
+            for (int l = 0; l < LANES && s0 + l < keys; l++) {                                       \
+                float x = score[s0 + l];                                                             \
+                float p = x == -INFINITY ? 0.0f : exp_fixed(x - top);                                \
+                score[s0 + l] = p;                                                                   \
+                sums[l] += p;                                                                        \
+            }                                                                                        \
+        float total = fold_lanes(sums);                                                              \
         for (int64_t d = 0; d < D; d++) o[d] = 0.0f;                                                 \
-        float total = 0.0f;                                                                          \
-        for (int64_t s = 0; s < last; s++) {                                                         \
-            if (score[s] == -INFINITY) continue;                                                     \
-            float p = exp_fixed(score[s] - top);                                                     \
-            total += p;                                                                              \
+        for (int64_t s = 0; s < keys; s++) {                                                         \
+            float p = score[s];                                                                      \
+            if (p == 0.0f) continue;                                                                 \
             const T_ELEM *vr = vb + s * D;                                                           \
             for (int64_t d = 0; d < D; d++) o[d] = fmaf(p, LOAD(vr[d]), o[d]);                       \
         }                                                                                            \
