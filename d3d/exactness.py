@@ -76,11 +76,14 @@ def check_row_invariance(decoder: Decoder, max_rows: int = MAX_ROWS, context: in
     many of them, so a kernel whose rounding depends on the row count shows within a few rows.
     """
     started = time.perf_counter()
+    limit = decoder.config.max_position_embeddings
+    max_rows = min(max_rows, limit - 1)
+    context = max(1, min(context, limit - max_rows))
     vocab = decoder.config.vocab_size
     generator = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(decoder.device)
     block = torch.randint(0, vocab, (1, max_rows), generator=generator).to(decoder.device)
-    cache = decoder.new_cache(min(decoder.config.max_position_embeddings, context + max_rows))
+    cache = decoder.new_cache(context + max_rows)
     decoder(prefix, cache=cache)
     cache.commit()
     together = {}
