@@ -6,6 +6,7 @@
     d3d data / train / curves      the drafter's training data, training run and τ curves (d3d.train)
     d3d prune                      acceptance-driven layer pruning of a drafter (d3d.prune)
     d3d bench                      every method on the same prompts, interleaved, identity-checked (d3d.bench)
+    d3d doctor                     this machine: kernels, the row-invariance check, what exactness costs
 """
 
 from __future__ import annotations
@@ -305,6 +306,15 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def doctor_command(args: argparse.Namespace) -> int:
+    from d3d.doctor import as_json, doctor, format_report
+
+    dtypes = [DTYPES[name] for name in args.dtypes.split(",")] if args.dtypes else [torch.bfloat16, torch.float32]
+    machine, results = doctor(args.target, dtypes)
+    print(json.dumps(as_json(machine, results)) if args.json else format_report(machine, results))
+    return 0 if all(p.invariant for paths in results.values() for p in paths if p.used) else 1
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default",
                         help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file")
@@ -444,6 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model id in responses and /v1/models (default: the target's name); requests may name any")
     add_model_arguments(p)
     p.set_defaults(handler=serve_command)
+
+    p = commands.add_parser("doctor", help="this machine: kernels, the row-invariance self-check, what exactness costs")
+    p.add_argument("--target", default="default", help="as in `d3d generate`")
+    p.add_argument("--dtypes", default=None, help="comma-separated, e.g. bfloat16 (default: bfloat16,float32)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.set_defaults(handler=doctor_command)
     return parser
 
 

@@ -129,7 +129,7 @@ class RowExactKernels:
             assert mask.shape == (batch, length, keys), f"mask {tuple(mask.shape)}"
         out = torch.empty_like(q)
         threads = torch.get_num_threads()
-        scratch = torch.empty(threads * keys, dtype=torch.float32)
+        scratch = torch.empty(batch * length * heads * keys, dtype=torch.float32)
         self._fn("attention", q.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(),
                                        batch, length, heads, kv_heads, keys, dim, k.stride(0), k.stride(1),
                                        dim ** -0.5, scratch.data_ptr(), threads)

@@ -80,6 +80,11 @@ static inline float exp_fixed(float x) {
 
 #define COLS 4  /* output columns per block: each weight row is loaded once per block of rows */
 #define ROWS 4  /* rows per block: ROWS x COLS independent accumulators hide the FMA latency */
+#define AHEAD 4  /* column blocks between the one computed and the one prefetched */
+/* Prefetch the 64-byte lines of `COLS` weight rows that hold element k (memory-bound at 1 row,
+ * and at 17 rows it overlaps the weight stream with the arithmetic). */
+#define PREFETCH_BLOCK(ahead, k, K)                                                                 \
+    for (int c_ = 0; c_ < COLS; c_++) __builtin_prefetch((const char *)((ahead) + c_ * (K) + (k)), 0, 0)
 
 #ifdef D3D_AVX512_BF16
 /* 32 bf16 of a row from k on, zero-filled past K. */
@@ -98,10 +103,11 @@ static inline float fold512(__m512 v) {
  * full 4 x 4 block names its 16 accumulators so they stay in registers. */
 #define DP(r, c) a##r##c = _mm512_dpbf16_ps(a##r##c, x##r, w##c)
 static void dot_4x4_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, int64_t K,
-                         float out[ROWS][COLS]) {
+                         const uint16_t *ahead, float out[ROWS][COLS]) {
     __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
            a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     for (int64_t k = 0; k < K; k += 32) {
+        if (ahead) PREFETCH_BLOCK(ahead, k, K);
         __m512bh w0 = load_chunk(w, k, K), w1 = load_chunk(w + K, k, K), w2 = load_chunk(w + 2 * K, k, K),
                  w3 = load_chunk(w + 3 * K, k, K);
         __m512bh x0 = load_chunk(x, k, K), x1 = load_chunk(x + x_stride, k, K),
@@ -116,14 +122,15 @@ static void dot_4x4_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w,
 #undef DP
 
 static void dot_block_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, int64_t K, int R, int C,
-                           float out[ROWS][COLS]) {
+                           const uint16_t *ahead, float out[ROWS][COLS]) {
     if (R == ROWS && C == COLS) {
-        dot_4x4_bf16(x, x_stride, w, K, out);
+        dot_4x4_bf16(x, x_stride, w, K, ahead, out);
         return;
     }
     for (int r = 0; r < R; r++) {  /* remainder rows: a 1 x C block, same chain per (r, c) */
         __m512 acc[COLS] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t k = 0; k < K; k += 32) {
+            if (ahead && r == 0) PREFETCH_BLOCK(ahead, k, K);
             __m512bh xr = load_chunk(x + r * x_stride, k, K);
             for (int c = 0; c < C; c++) acc[c] = _mm512_dpbf16_ps(acc[c], xr, load_chunk(w + c * K, k, K));
         }
@@ -135,15 +142,18 @@ static void dot_block_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *
 /* The same block in portable C: one 16-lane fp32 FMA chain per (r, c). */
 #define DOT_BLOCK(NAME, T_ELEM, LOAD)                                                                \
 static inline __attribute__((always_inline)) void NAME(                                              \
-        const T_ELEM *x, int64_t x_stride, const T_ELEM *w, int64_t K, int R, int C, float out[ROWS][COLS]) { \
+        const T_ELEM *x, int64_t x_stride, const T_ELEM *w, int64_t K, int R, int C, const T_ELEM *ahead, \
+        float out[ROWS][COLS]) {                                                                     \
     float acc[ROWS][COLS][LANES];                                                                    \
     memset(acc, 0, sizeof acc);                                                                      \
     int64_t k = 0;                                                                                   \
-    for (; k + LANES <= K; k += LANES)                                                               \
+    for (; k + LANES <= K; k += LANES) {                                                             \
+        if (ahead) PREFETCH_BLOCK(ahead, k, K);                                                      \
         for (int r = 0; r < R; r++)                                                                  \
             for (int c = 0; c < C; c++)                                                              \
                 for (int l = 0; l < LANES; l++)                                                      \
                     acc[r][c][l] = fmaf(LOAD(x[r * x_stride + k + l]), LOAD(w[c * K + k + l]), acc[r][c][l]); \
+    }                                                                                                \
     for (int r = 0; r < R; r++)                                                                      \
         for (int c = 0; c < C; c++) {                                                                \
             for (int l = 0; k + l < K; l++)                                                          \
@@ -166,13 +176,16 @@ void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias
     for (int64_t blk = 0; blk < blocks; blk++) {                                                     \
         int64_t n0 = blk * COLS;                                                                     \
         int C = N - n0 < COLS ? (int)(N - n0) : COLS;                                                \
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {                                                   \
+        /* the first pass over this block's weights also pulls in a block further on */             \
+        const T_ELEM *ahead = blk + AHEAD < blocks ? w + (n0 + AHEAD * COLS) * K : NULL;             \
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS, ahead = NULL) {                                     \
             int R = M - m0 < ROWS ? (int)(M - m0) : ROWS;                                            \
             float out[ROWS][COLS];                                                                   \
-            if (R == ROWS && C == COLS) DOT(x + m0 * x_stride, x_stride, w + n0 * K, K, ROWS, COLS, out); \
+            if (R == ROWS && C == COLS) DOT(x + m0 * x_stride, x_stride, w + n0 * K, K, ROWS, COLS, ahead, out); \
             else if (C == COLS) for (int r = 0; r < R; r++)                                          \
-                DOT(x + (m0 + r) * x_stride, x_stride, w + n0 * K, K, 1, COLS, (float (*)[COLS])out[r]); \
-            else DOT(x + m0 * x_stride, x_stride, w + n0 * K, K, R, C, out);                         \
+                DOT(x + (m0 + r) * x_stride, x_stride, w + n0 * K, K, 1, COLS, r ? NULL : ahead,    \
+                    (float (*)[COLS])out[r]);                                                        \
+            else DOT(x + m0 * x_stride, x_stride, w + n0 * K, K, R, C, NULL, out);                  \
             for (int r = 0; r < R; r++)                                                              \
                 for (int c = 0; c < C; c++) {                                                        \
                     float v = out[r][c];                                                             \
@@ -189,50 +202,64 @@ LINEAR(d3d_linear_f32, float, IDENTITY, IDENTITY, dot_block_f32)
 /* ---------------------------------------------------------------------------------------------
  * attention: q (B, T, H, D) contiguous; k, v: element (b, g, s, d) at b*kv_batch + g*kv_head +
  * s*D + d (the KV cache's layout); out (B, T, H, D). Query t of a causal call (mask NULL) sees keys
- * 0 … S-T+t; with a mask (B, T, S) bytes, the keys whose byte is 1. Scores, softmax and the
- * weighted sum run in fp32 over the visible keys in index order.
+ * 0 … S-T+t; with a mask (B, T, S) bytes, the keys whose byte is 1. In fp32:
+ *  1. scores: a tile of 16 keys is transposed once and serves every query of its KV head; a
+ *     score is one FMA chain over d = 0 … D-1 (q pre-scaled), whatever the tile or query count;
+ *  2. per query: max, exp and sum over the visible keys in 16 lanes, then the weighted sum of V
+ *     in key order. `scores` is scratch of B*T*H*S floats.
  * ------------------------------------------------------------------------------------------- */
+
+#define KEY_TILE 16
 
 #define ATTENTION(NAME, T_ELEM, LOAD, STORE)                                                         \
 void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask, T_ELEM *out,       \
           int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,                        \
-          int64_t kv_batch, int64_t kv_head, float scale, float *scratch, int threads) {             \
-    int64_t group = H / Hkv;                                                                         \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+          int64_t kv_batch, int64_t kv_head, float scale, float *scores, int threads) {              \
+    int64_t group = H / Hkv, tiles = (S + KEY_TILE - 1) / KEY_TILE;                                  \
+    _Pragma("omp parallel num_threads(threads)")                                                     \
+    {                                                                                                \
+    _Pragma("omp for schedule(static)")                                                              \
+    for (int64_t job = 0; job < B * Hkv * tiles; job++) {                                            \
+        int64_t b = job / (Hkv * tiles), g = (job / tiles) % Hkv, s0 = (job % tiles) * KEY_TILE;     \
+        int64_t n = S - s0 < KEY_TILE ? S - s0 : KEY_TILE;                                           \
+        const T_ELEM *kb = k + b * kv_batch + g * kv_head + s0 * D;                                  \
+        float kt[512][KEY_TILE];                                                                     \
+        for (int64_t d = 0; d < D; d++)                                                              \
+            for (int l = 0; l < KEY_TILE; l++) kt[d][l] = l < n ? LOAD(kb[l * D + d]) : 0.0f;        \
+        for (int64_t t = 0; t < T; t++)                                                              \
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {                                  \
+                const T_ELEM *qr = q + ((b * T + t) * H + h) * D;                                    \
+                float acc[KEY_TILE] = {0};                                                           \
+                for (int64_t d = 0; d < D; d++) {                                                    \
+                    float qd = LOAD(qr[d]) * scale;                                                  \
+                    for (int l = 0; l < KEY_TILE; l++) acc[l] = fmaf(qd, kt[d][l], acc[l]);          \
+                }                                                                                    \
+                float *row = scores + ((b * T + t) * H + h) * S + s0;                                \
+                const uint8_t *mrow = mask ? mask + (b * T + t) * S + s0 : NULL;                     \
+                int64_t visible = mask ? n : S - T + t + 1 - s0;                                     \
+                for (int l = 0; l < n; l++)                                                          \
+                    row[l] = (mrow ? mrow[l] != 0 : l < visible) ? acc[l] : -INFINITY;               \
+            }                                                                                        \
+    }                                                                                                \
+    _Pragma("omp for schedule(static)")                                                              \
     for (int64_t item = 0; item < B * T * H; item++) {                                               \
-        int64_t b = item / (T * H), t = (item / H) % T, h = item % H, g = h / group;                 \
-        const T_ELEM *qr = q + item * D;                                                             \
-        const T_ELEM *kb = k + b * kv_batch + g * kv_head, *vb = v + b * kv_batch + g * kv_head;     \
-        const uint8_t *mrow = mask ? mask + (b * T + t) * S : NULL;                                  \
-        int64_t keys = mask ? S : S - T + t + 1;                                                     \
-        float *score = scratch + (int64_t)omp_get_thread_num() * S;                                  \
-        float qf[512], o[512];                                                                       \
-        for (int64_t d = 0; d < D; d++) qf[d] = LOAD(qr[d]) * scale;                                 \
-        /* scores of the visible keys; hidden ones -inf */                                           \
-        for (int64_t s = 0; s < keys; s++) {                                                         \
-            const T_ELEM *kr = kb + s * D;                                                           \
-            float acc[LANES] = {0};                                                                  \
-            int64_t d = 0;                                                                           \
-            for (; d + LANES <= D; d += LANES)                                                       \
-                for (int l = 0; l < LANES; l++) acc[l] = fmaf(qf[d + l], LOAD(kr[d + l]), acc[l]);   \
-            for (int l = 0; d + l < D; l++) acc[l] = fmaf(qf[d + l], LOAD(kr[d + l]), acc[l]);       \
-            score[s] = (mrow && !mrow[s]) ? -INFINITY : fold_lanes(acc);                             \
-        }                                                                                            \
+        int64_t b = item / (T * H), g = (item % H) / group;                                          \
+        const T_ELEM *vb = v + b * kv_batch + g * kv_head;                                           \
+        float *row = scores + item * S;                                                              \
         float top = -INFINITY;                                                                       \
-        for (int64_t s = 0; s < keys; s++) top = score[s] > top ? score[s] : top;                    \
-        /* weights exp(score - top) (0 for hidden keys) and their sum, in 16 lanes */                \
+        for (int64_t s = 0; s < S; s++) top = row[s] > top ? row[s] : top;                           \
         float sums[LANES] = {0};                                                                     \
-        for (int64_t s0 = 0; s0 < keys; s0 += LANES)                                                 \
-            for (int l = 0; l < LANES && s0 + l < keys; l++) {                                       \
-                float x = score[s0 + l];                                                             \
+        for (int64_t s0 = 0; s0 < S; s0 += LANES)                                                    \
+            for (int l = 0; l < LANES && s0 + l < S; l++) {                                          \
+                float x = row[s0 + l];                                                               \
                 float p = x == -INFINITY ? 0.0f : exp_fixed(x - top);                                \
-                score[s0 + l] = p;                                                                   \
+                row[s0 + l] = p;                                                                     \
                 sums[l] += p;                                                                        \
             }                                                                                        \
-        float total = fold_lanes(sums);                                                              \
+        float total = fold_lanes(sums), o[512];                                                      \
         for (int64_t d = 0; d < D; d++) o[d] = 0.0f;                                                 \
-        for (int64_t s = 0; s < keys; s++) {                                                         \
-            float p = score[s];                                                                      \
+        for (int64_t s = 0; s < S; s++) {                                                            \
+            float p = row[s];                                                                        \
             if (p == 0.0f) continue;                                                                 \
             const T_ELEM *vr = vb + s * D;                                                           \
             for (int64_t d = 0; d < D; d++) o[d] = fmaf(p, LOAD(vr[d]), o[d]);                       \
@@ -240,6 +267,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         float inv = total > 0.0f ? 1.0f / total : 0.0f;                                              \
         T_ELEM *outr = out + item * D;                                                               \
         for (int64_t d = 0; d < D; d++) outr[d] = STORE(o[d] * inv);                                 \
+    }                                                                                                \
     }                                                                                                \
 }
 

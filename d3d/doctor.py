@@ -1,0 +1,124 @@
+"""`d3d doctor`: what this machine gives d3d — CPU, kernels, the row-invariance check and its costs.
+
+For each dtype it loads the target, runs the self-check of `d3d.exactness` afresh (k-row forwards
+against one-row steps, k = 1 … 17, bit for bit) for the kernels decoding uses and for PyTorch's
+own ops, and times a one-token step and a 17-token verification on each path, so a user sees
+what is guaranteed here, which path runs, and what exactness costs. It only reports.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from d3d.exactness import MAX_ROWS, check_row_invariance, cpu_name
+from d3d.kernels import KernelBuildError, row_exact_kernels
+from d3d.models import Decoder
+
+
+@dataclass
+class PathCost:
+    """One arithmetic path for the target: its check result and its step costs (medians)."""
+
+    kernels: str  # "row-exact: …" or "torch"
+    invariant: bool  # k-row forwards bit-identical to one-row steps for every k checked
+    mismatched_rows: dict[str, int]  # k → rows that differed
+    step_ms: float  # one-token step
+    verify_ms: float  # one 17-token forward
+    used: bool  # the path decoding takes on this machine
+
+    @property
+    def verify_steps(self) -> float:
+        """Cost of a verification in one-token steps: one forward if invariant, else 17 steps."""
+        return (self.verify_ms if self.invariant else MAX_ROWS * self.step_ms) / self.step_ms
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                found = set(line.split(":", 1)[1].split())
+                return [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in found]
+    except OSError:
+        pass
+    return []
+
+
+@torch.no_grad()
+def time_forward(decoder: Decoder, rows: int, context: int = 256, repeats: int = 9) -> float:
+    """Median milliseconds of a `rows`-token cached forward after `context` tokens."""
+    cache = decoder.new_cache(context + rows)
+    decoder(torch.randint(0, decoder.config.vocab_size, (1, context)), cache=cache)
+    cache.commit()
+    ids = torch.randint(0, decoder.config.vocab_size, (1, rows))
+    times = []
+    for i in range(repeats + 2):
+        started = time.perf_counter()
+        decoder(ids, cache=cache)
+        cache.commit(0)
+        if i >= 2:  # warm-up excluded
+            times.append(time.perf_counter() - started)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def measure_paths(target: Decoder) -> list[PathCost]:
+    """The decoding path and PyTorch's own ops, each checked and timed on this target."""
+    torch_target = Decoder(target.config, kernels="torch").to(dtype=target.dtype)
+    torch_target.load_state_dict(target.state_dict())
+    torch_target.eval().requires_grad_(False)
+    paths = []
+    for decoder, used in ((target, True), (torch_target, target.row_exact is None)):
+        if decoder is torch_target and target.row_exact is None:
+            continue  # the decoding path already is PyTorch's
+        report = check_row_invariance(decoder)
+        paths.append(PathCost(report.kernels, report.invariant, report.mismatched_rows,
+                              time_forward(decoder, 1), time_forward(decoder, MAX_ROWS), used))
+    return paths
+
+
+def describe_machine() -> dict:
+    try:
+        kernels = row_exact_kernels()
+        build = f"{kernels.path_name} ({kernels.path})"
+    except KernelBuildError as error:
+        build = f"unavailable: {str(error).splitlines()[0]}"
+    return {"cpu": cpu_name(), "flags": cpu_flags(), "machine": platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "row_exact_kernels": build}
+
+
+def format_report(machine: dict, results: dict[str, list[PathCost]]) -> str:
+    lines = [f"CPU            {machine['cpu']} ({', '.join(machine['flags']) or 'no AVX flags read'})",
+             f"torch          {machine['torch']}, {machine['threads']} threads",
+             f"kernels        {machine['row_exact_kernels']}",
+             f"rows checked   1 … {MAX_ROWS}: each k-row forward against k one-token steps, bit for bit", ""]
+    header = f"{'dtype':<9} {'path':<58} {'check':<22} {'step ms':>8} {'verify-17 ms':>13} {'verify/step':>12}"
+    lines += [header, "-" * len(header)]
+    for dtype, paths in results.items():
+        for path in paths:
+            check = "identical" if path.invariant else "DIFFERS " + ",".join(
+                f"{k}:{n}" for k, n in list(path.mismatched_rows.items())[:4])
+            name = ("→ " if path.used else "  ") + path.kernels
+            lines.append(f"{dtype:<9} {name[:58]:<58} {check:<22} {path.step_ms:>8.1f} {path.verify_ms:>13.1f} "
+                         f"{path.verify_steps:>12.2f}")
+    lines += ["", "→ marks the path decoding uses. A path that differs would verify row by row (17 steps per "
+              "verification); decoding is then still exact, only slower."]
+    return "\n".join(lines)
+
+
+def doctor(target_source: str | None, dtypes: list[torch.dtype]) -> tuple[dict, dict[str, list[PathCost]]]:
+    from d3d.loading import load_target
+
+    results = {}
+    for dtype in dtypes:
+        target = load_target(target_source, dtype)
+        results[str(dtype).removeprefix("torch.")] = measure_paths(target.decoder)
+    return describe_machine(), results
+
+
+def as_json(machine: dict, results: dict[str, list[PathCost]]) -> dict:
+    return {"machine": machine,
+            "paths": {dtype: [{**asdict(p), "verify_steps": p.verify_steps} for p in paths]
+                      for dtype, paths in results.items()}}
