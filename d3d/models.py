@@ -80,11 +80,6 @@ def warn_once(message: str) -> None:
         print(message, file=sys.stderr)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -101,23 +96,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: KVCache | None, layer_index: int, kernels: Kernels) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: KVCache | None, layer_index: int, kernels: Kernels) -> torch.Tensor:
+        """residual + attention(x): the residual add rides on the output projection."""
         batch, length, _ = x.shape  # (B, T, hidden)
-        q, k, v = kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(self.widths, dim=-1)
-        q = q.reshape(batch, length, self.num_heads, self.head_dim)  # (B, T, H, D)
-        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
-        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
+        qkv = kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # (B, T, (H + 2 H_kv) D)
         if self.q_norm is not None:
-            q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
-        # Elementwise products and sums round the same way in any layout: row-exact as they stand.
-        q = q * cos + rotate_half(q) * sin
-        k = (k * cos + rotate_half(k) * sin).transpose(1, 2)  # (B, H_kv, T, D)
-        v = v.transpose(1, 2)
-        if cache is not None:
-            k, v = cache.write(layer_index, k, v)  # (B, H_kv, S, D), S = cached + T
+            q, k, v = qkv.split(self.widths, dim=-1)
+            q = self.q_norm(q.reshape(batch, length, self.num_heads, self.head_dim), kernels)
+            k = self.k_norm(k.reshape(batch, length, self.num_kv_heads, self.head_dim), kernels)
+            qkv = torch.cat((q.flatten(2), k.flatten(2), v), dim=-1)
+        # q (B, T, H, D); k, v (B, H_kv, S, D), S = cached + T
+        q, k, v = kernels.rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, cache, layer_index)
         out = kernels.attention(q, k, v, mask)  # (B, T, H, D)
-        return kernels.linear(out.reshape(batch, length, -1), self.o_proj.weight, self.o_proj.bias)
+        return kernels.linear(out.reshape(batch, length, -1), self.o_proj.weight, self.o_proj.bias, residual)
 
 
 class MLP(nn.Module):
@@ -127,9 +119,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)  # fused
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        """residual + MLP(x)."""
         gate_up = kernels.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return kernels.linear(kernels.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
+        return kernels.linear(kernels.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -141,8 +134,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, mask, cache, layer_index, kernels):
-        x = x + self.self_attn(self.input_layernorm(x, kernels), cos, sin, mask, cache, layer_index, kernels)
-        return x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
+        x = self.self_attn(self.input_layernorm(x, kernels), x, cos, sin, mask, cache, layer_index, kernels)
+        return self.mlp(self.post_attention_layernorm(x, kernels), x, kernels)
 
 
 class Decoder(nn.Module):

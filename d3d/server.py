@@ -257,8 +257,11 @@ class MainThread:
         def job() -> None:
             try:
                 outcome = (True, fn(*args))
-            except BaseException as error:  # handed to the request, which answers with it
+            except Exception as error:  # handed to the request, which answers with it
                 outcome = (False, error)
+            except BaseException as error:  # Ctrl-C during a generation stops the server, not one request
+                loop.call_soon_threadsafe(settle, False, error)
+                raise
             loop.call_soon_threadsafe(settle, *outcome)
 
         self.jobs.put(job)

@@ -101,3 +101,31 @@ def test_the_build_is_cached(kernels):
 
     assert build() == kernels.path and kernels.path.exists()
     assert kernels.path_name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_residual_is_the_separate_add(kernels, dtype):
+    """linear(…, residual) rounds like PyTorch's `residual + linear(…)`: the same bits."""
+    weight, x = randn(48, 40, seed=1, dtype=dtype), randn(5, 40, seed=2, dtype=dtype)
+    residual = randn(5, 48, seed=3, dtype=dtype, scale=10.0)
+    assert torch.equal(kernels.linear(x, weight, None, residual), residual + kernels.linear(x, weight, None))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_matches_pytorch_bit_for_bit(kernels, dtype):
+    """The fused RoPE + KV store gives PyTorch's q, k and v exactly, and fills the cache slots."""
+    from d3d.cache import KVCache
+
+    heads, kv_heads, dim, length = 4, 2, 8, 5
+    qkv = randn(1, length, (heads + 2 * kv_heads) * dim, seed=0, dtype=dtype, scale=3.0)
+    angles = randn(1, length, 1, dim, seed=1, dtype=torch.float32, scale=3.0)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    results = []
+    for implementation in (kernels, TorchKernels):
+        cache = KVCache(2, kv_heads, dim, 16, dtype=dtype)
+        cache.reserve(3)
+        cache.commit()  # 3 slots already cached
+        cache.reserve(length)
+        results.append(implementation.rope_store(qkv, cos, sin, heads, kv_heads, cache, 1))
+    for ours, reference in zip(*results):
+        assert ours.shape == reference.shape and torch.equal(ours, reference)

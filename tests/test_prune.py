@@ -135,8 +135,12 @@ def test_cli_prune_writes_a_smaller_checkpoint_and_never_touches_the_input(
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert hashlib.sha256((tmp_path / "in" / "model.safetensors").read_bytes()).hexdigest() == digest
     loaded = Drafter.from_pretrained(tmp_path / "out", target.decoder)
-    assert len(loaded.decoder.layers) == len(summary["chosen_layers"]) < 4
     report = json.loads((tmp_path / "out" / "prune.json").read_text())
+    # The shipped depth is the measured fastest round; which one that is depends on the machine's
+    # timings, so the test checks the rule, not a depth.
+    fastest = max(report["rounds"], key=lambda r: r["tokens_per_second"])
+    assert loaded.config.target_layers == summary["chosen_layers"] == fastest["layers"]
+    assert [len(r["layers"]) for r in report["rounds"]] == [4, 3, 2]
     assert all(r["tokens_per_second"] > 0 and r["async_tokens_per_second"] > 0 for r in report["rounds"])
     assert all(1.0 <= r["decoded_tau"] <= 4 for r in report["rounds"])
     assert report["ar_tokens_per_second"] > 0

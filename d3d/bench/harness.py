@@ -3,9 +3,9 @@
 Protocol: load once; warm every method up on a throw-away prompt; then for each prompt run every
 method back to back, rotating the order from prompt to prompt so that no method always runs
 first (these machines are shared and noisy); compare throughput as ratios to d3d's own AR decoding
-from the same run. At T = 0 each d3d method's tokens must equal AR's — d3d's bf16 decoder is
-batch-invariant, so this is enforced in bf16 too — and a mismatch is reported with the prompt id
-and position and makes the command exit non-zero. transformers' methods run their own kernels, so
+from the same run. At T = 0 each d3d method's tokens must equal AR's — d3d's target forward is
+row-exact by construction (`d3d.kernels`), so this is enforced in bf16 and fp32 alike — and a
+mismatch is reported with the prompt id and position and makes the command exit non-zero. transformers' methods run their own kernels, so
 their agreement with d3d's AR is reported (transformers AR vs d3d AR is the control), not enforced.
 MT-Bench's second turn follows the model's own first answer (AR's, identical for all methods at T = 0).
 """

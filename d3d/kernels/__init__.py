@@ -24,10 +24,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from d3d.cache import KVCache
 
 SOURCE = Path(__file__).with_name("rowexact.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
@@ -43,8 +47,29 @@ class TorchKernels:
     name = "torch"
 
     @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., K) @ weight (N, K)ᵀ + bias, then + residual (..., N) when given."""
+        out = F.linear(x, weight, bias)
+        return out if residual is None else residual + out
+
+    @staticmethod
+    def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                   cache: KVCache | None, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split qkv (B, T, (H + 2 H_kv) D), rotate q and k, store k and v in the cache.
+
+        Returns q (B, T, H, D) and the keys/values attention reads, (B, H_kv, S, D): every cached
+        slot plus the new ones (only the new ones without a cache). cos, sin: (B, T, 1, D).
+        """
+        batch, length, width = qkv.shape
+        dim = width // (heads + 2 * kv_heads)
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q = rotate(q.reshape(batch, length, heads, dim), cos, sin)
+        k = rotate(k.reshape(batch, length, kv_heads, dim), cos, sin).transpose(1, 2)
+        v = v.reshape(batch, length, kv_heads, dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.write(layer, k, v)
+        return q, k, v
 
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -70,6 +95,12 @@ class TorchKernels:
         return F.silu(gate) * up
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x (B, T, H, D): x·cos + rotate_half(x)·sin, each product rounded to x's dtype."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
@@ -83,11 +114,23 @@ class RowExactKernels:
         self.library, self.path = library, path
         i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
         for suffix in ("bf16", "f32"):
-            getattr(library, f"d3d_linear_{suffix}").argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32]
+            getattr(library, f"d3d_linear_{suffix}").argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+            packed = getattr(library, f"d3d_linear_packed_{suffix}", None)
+            if packed is not None:
+                packed.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+            getattr(library, f"d3d_rope_store_{suffix}").argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                                                      i64, i64, i64, i64, i64]
             getattr(library, f"d3d_attention_{suffix}").argtypes = [
                 ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32]
             getattr(library, f"d3d_rms_norm_{suffix}").argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
             getattr(library, f"d3d_silu_mul_{suffix}").argtypes = [ptr, ptr, i64, i64, i32]
+        library.d3d_packed_linear.argtypes = [i32]
+        self._functions: dict[tuple[str, torch.dtype], Any] = {}  # (kind, dtype) → C function
+        self.packs = {dtype: bool(library.d3d_packed_linear(dtype == torch.bfloat16))
+                      for dtype in (torch.bfloat16, torch.float32)}
+        # id(weight) → (weakref to it, its version when packed, the packed copy); an entry goes when
+        # its weight does, and is repacked after an in-place update of the weight
+        self._packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         library.d3d_kernel_path.restype = ctypes.c_char_p
         self.path_name = library.d3d_kernel_path().decode()
 
@@ -99,22 +142,69 @@ class RowExactKernels:
         return row_exact_kernels, ()
 
     def _fn(self, kind: str, dtype: torch.dtype):
-        if dtype == torch.bfloat16:
-            return getattr(self.library, f"d3d_{kind}_bf16")
-        if dtype == torch.float32:
-            return getattr(self.library, f"d3d_{kind}_f32")
-        raise TypeError(f"row-exact kernels run bf16 or fp32, not {dtype}")
+        try:
+            return self._functions[kind, dtype]
+        except KeyError:
+            if dtype not in (torch.bfloat16, torch.float32):
+                raise TypeError(f"row-exact kernels run bf16 or fp32, not {dtype}") from None
+            suffix = "bf16" if dtype == torch.bfloat16 else "f32"
+            function = self._functions[kind, dtype] = getattr(self.library, f"d3d_{kind}_{suffix}")
+            return function
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The weight (N, K) in the layout of the packed kernel (None where this build has none):
+        16 output columns per 64-byte step — fp32 (N/16, K, 16), bf16 (N/16, K/2, 16, 2) — with N
+        zero-padded to a multiple of 64."""
+        if not self.packs[weight.dtype] or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
+            return None
+        key = id(weight)
+        entry = self._packed.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+            return entry[2]
+        rows, width = weight.shape
+        padded = torch.zeros(-(-rows // 64) * 64, width, dtype=weight.dtype)  # whole 4-group tiles
+        padded[:rows] = weight.detach()
+        pair = 2 if weight.dtype == torch.bfloat16 else 1
+        packed = padded.view(-1, 16, width // pair, pair).transpose(1, 2).contiguous()
+        self._packed[key] = (weakref.ref(weight, lambda _, key=key: self._packed.pop(key, None)),
+                             weight._version, packed)
+        return packed
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
         *lead, width = x.shape
         x2 = x.reshape(-1, width)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         assert weight.is_contiguous() and weight.shape[1] == width and weight.dtype == x.dtype
         out = torch.empty(*lead, weight.shape[0], dtype=x.dtype)
-        self._fn("linear", x.dtype)(x2.data_ptr(), x2.stride(0), weight.data_ptr(), _ptr(bias), out.data_ptr(),
-                                    x2.shape[0], weight.shape[0], width, torch.get_num_threads())
+        # A weight always takes the same kernel whatever the row count: that is the invariant.
+        packed = self.packed(weight)
+        kernel = self._fn("linear", x.dtype) if packed is None else self._fn("linear_packed", x.dtype)
+        if residual is not None:
+            residual = residual.contiguous()
+            assert residual.shape == out.shape and residual.dtype == out.dtype
+        kernel(x2.data_ptr(), x2.stride(0), (weight if packed is None else packed).data_ptr(), _ptr(bias),
+               _ptr(residual), out.data_ptr(), x2.shape[0], weight.shape[0], width, torch.get_num_threads())
         return out
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                   cache: KVCache | None, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`TorchKernels.rope_store` in one call, the same bits (IEEE products and sums, rounded alike)."""
+        if cache is None:
+            return TorchKernels.rope_store(qkv, cos, sin, heads, kv_heads, cache, layer)
+        batch, length, width = qkv.shape
+        dim = width // (heads + 2 * kv_heads)
+        assert cache.pending == length, "rope_store() must follow reserve() with the same token count"
+        keys, values = cache.keys[layer], cache.values[layer]  # (B, H_kv, capacity, D), contiguous
+        qkv = qkv.contiguous()
+        q = torch.empty(batch, length, heads, dim, dtype=qkv.dtype)
+        cos, sin = cos.reshape(batch * length, dim).contiguous(), sin.reshape(batch * length, dim).contiguous()
+        self._fn("rope_store", qkv.dtype)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                                          keys.data_ptr(), values.data_ptr(), batch, length, heads, kv_heads, dim,
+                                          cache.length, keys.stride(0), keys.stride(1))
+        end = cache.length + length
+        return q, keys[:, :, :end], values[:, :, :end]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q (B, T, H, D) over k/v (B, H_kv, S, D) → (B, T, H, D); mask (B, T, S), None = causal."""

@@ -73,7 +73,8 @@ static inline float exp_fixed(float x) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); x rows `x_stride` elements apart,
+ * linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), rounded, then + residual[m, n] when given
+ * (rounded again: the same bits as PyTorch's `residual + linear(x)`); x rows `x_stride` elements apart,
  * w (N, K) and y (M, N) contiguous. Threads own blocks of output columns and compute every row
  * for them, so each weight row is read from memory once per call whatever M is.
  * ------------------------------------------------------------------------------------------- */
@@ -169,8 +170,8 @@ DOT_BLOCK(dot_block_bf16, uint16_t, bf16_to_f32)
 #endif
 
 #define LINEAR(NAME, T_ELEM, LOAD, STORE, DOT)                                                       \
-void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias, T_ELEM *y,          \
-          int64_t M, int64_t N, int64_t K, int threads) {                                            \
+void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias, const T_ELEM *residual, \
+          T_ELEM *y, int64_t M, int64_t N, int64_t K, int threads) {                                            \
     int64_t blocks = (N + COLS - 1) / COLS;                                                          \
     _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
     for (int64_t blk = 0; blk < blocks; blk++) {                                                     \
@@ -190,7 +191,8 @@ void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias
                 for (int c = 0; c < C; c++) {                                                        \
                     float v = out[r][c];                                                             \
                     if (bias) v += LOAD(bias[n0 + c]);                                               \
-                    y[(m0 + r) * N + n0 + c] = STORE(v);                                             \
+                    int64_t at = (m0 + r) * N + n0 + c;                                              \
+                    y[at] = residual ? STORE(LOAD(residual[at]) + LOAD(STORE(v))) : STORE(v);        \
                 }                                                                                    \
         }                                                                                            \
     }                                                                                                \
@@ -198,6 +200,105 @@ void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias
 
 LINEAR(d3d_linear_bf16, uint16_t, bf16_to_f32, f32_to_bf16, dot_block_bf16)
 LINEAR(d3d_linear_f32, float, IDENTITY, IDENTITY, dot_block_f32)
+
+/* ---------------------------------------------------------------------------------------------
+ * packed linear (AVX-512): weights repacked once so that one 64-byte load holds the same k step
+ * of 16 output columns — bf16 (N/16, K/2, 16, 2), fp32 (N/16, K, 16). Each accumulator lane is
+ * one output column, fed by one FMA chain over k in order (bf16: vdpbf16ps over k pairs); no
+ * horizontal sum. A tile is up to 6 rows x 4 column groups (64 columns); the row count only
+ * decides how rows are grouped into tiles, never a row's own chain.
+ * ------------------------------------------------------------------------------------------- */
+
+#if defined(__AVX512F__)
+#define GROUPS 4     /* 16-column groups per tile; packed weights are zero-padded to 64 columns */
+#define TILE_ROWS 6  /* up to 6 x 4 accumulators + 4 weight registers + 1 broadcast: 29 of 32 */
+
+#define PACKED_LINEAR(NAME, T_ELEM, LOAD, STORE, STEPS, STEP_ELEMS, BROADCAST, FMA)                   \
+static inline __attribute__((always_inline)) void NAME##_tile(                                       \
+        const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, int64_t K, const int R,                 \
+        const T_ELEM *ahead, __m512 acc[TILE_ROWS][GROUPS]) {                                        \
+    int64_t group_elems = (int64_t)(STEPS) * 16 * (STEP_ELEMS);                                      \
+    for (int r = 0; r < R; r++)                                                                      \
+        for (int g = 0; g < GROUPS; g++) acc[r][g] = _mm512_setzero_ps();                            \
+    for (int64_t i = 0; i < (STEPS); i++) {                                                          \
+        const T_ELEM *wi = wp + i * 16 * (STEP_ELEMS);                                               \
+        if (ahead) for (int g = 0; g < GROUPS; g++)                                                  \
+            __builtin_prefetch((const char *)(ahead + g * group_elems + i * 16 * (STEP_ELEMS)), 0, 0); \
+        __m512 w0 = LOADW(wi), w1 = LOADW(wi + group_elems), w2 = LOADW(wi + 2 * group_elems),       \
+               w3 = LOADW(wi + 3 * group_elems);                                                     \
+        for (int r = 0; r < R; r++) {                                                                \
+            __m512 xr = BROADCAST(x + r * x_stride, i);                                              \
+            acc[r][0] = FMA(acc[r][0], xr, w0); acc[r][1] = FMA(acc[r][1], xr, w1);                  \
+            acc[r][2] = FMA(acc[r][2], xr, w2); acc[r][3] = FMA(acc[r][3], xr, w3);                  \
+        }                                                                                            \
+    }                                                                                                \
+}                                                                                                    \
+void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, const T_ELEM *bias, const T_ELEM *residual, \
+          T_ELEM *y, int64_t M, int64_t N, int64_t K, int threads) {                                            \
+    int64_t blocks = (N + 16 * GROUPS - 1) / (16 * GROUPS);                                          \
+    int64_t group_elems = (int64_t)(STEPS) * 16 * (STEP_ELEMS);                                      \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+    for (int64_t blk = 0; blk < blocks; blk++) {                                                     \
+        int64_t n0 = blk * 16 * GROUPS;                                                              \
+        const T_ELEM *w = wp + blk * GROUPS * group_elems;                                           \
+        const T_ELEM *ahead = blk + AHEAD < blocks ? w + AHEAD * GROUPS * group_elems : NULL;        \
+        /* rows in tiles of at most 6, as even as possible: 17 rows → 6, 6, 5 */                     \
+        int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;                                             \
+        for (int64_t t = 0, m0 = 0; t < tiles; t++, ahead = NULL) {                                  \
+            int R = (int)((M - m0) / (tiles - t));                                                   \
+            __m512 acc[TILE_ROWS][GROUPS];                                                           \
+            const T_ELEM *xt = x + m0 * x_stride;                                                    \
+            switch (R) {  /* one specialised loop per tile height */                                 \
+                case 1: NAME##_tile(xt, x_stride, w, K, 1, ahead, acc); break;                       \
+                case 2: NAME##_tile(xt, x_stride, w, K, 2, ahead, acc); break;                       \
+                case 3: NAME##_tile(xt, x_stride, w, K, 3, ahead, acc); break;                       \
+                case 4: NAME##_tile(xt, x_stride, w, K, 4, ahead, acc); break;                       \
+                case 5: NAME##_tile(xt, x_stride, w, K, 5, ahead, acc); break;                       \
+                default: NAME##_tile(xt, x_stride, w, K, 6, ahead, acc); break;                      \
+            }                                                                                        \
+            for (int r = 0; r < R; r++)                                                              \
+                for (int g = 0; g < GROUPS; g++) {                                                   \
+                    float lanes[16];                                                                 \
+                    _mm512_storeu_ps(lanes, acc[r][g]);                                              \
+                    for (int j = 0; j < 16 && n0 + g * 16 + j < N; j++) {                            \
+                        int64_t n = n0 + g * 16 + j;                                                 \
+                        float v = lanes[j];                                                          \
+                        if (bias) v += LOAD(bias[n]);                                                \
+                        int64_t at = (m0 + r) * N + n;                                               \
+                        y[at] = residual ? STORE(LOAD(residual[at]) + LOAD(STORE(v))) : STORE(v);    \
+                    }                                                                                \
+                }                                                                                    \
+            m0 += R;                                                                                 \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+#define LOADW(p) _mm512_loadu_ps((const float *)(p))  /* 64 bytes: 16 floats or 16 bf16 pairs */
+#define BROADCAST_F32(row, i) _mm512_set1_ps((row)[i])
+#define FMA_F32(acc, x, w) _mm512_fmadd_ps(x, w, acc)
+PACKED_LINEAR(d3d_linear_packed_f32, float, IDENTITY, IDENTITY, K, 1, BROADCAST_F32, FMA_F32)
+#ifdef D3D_AVX512_BF16
+static inline __m512 broadcast_pair(const uint16_t *row, int64_t i) {
+    int32_t pair;
+    memcpy(&pair, row + 2 * i, 4);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(pair));
+}
+#define FMA_BF16(acc, x, w) _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(x), (__m512bh)_mm512_castps_si512(w))
+PACKED_LINEAR(d3d_linear_packed_bf16, uint16_t, bf16_to_f32, f32_to_bf16, K / 2, 2, broadcast_pair, FMA_BF16)
+#endif
+#endif
+
+/* Which layouts this build's linear takes: 1 = packed (AVX-512), 0 = plain (N, K). */
+int d3d_packed_linear(int bf16) {
+#if defined(D3D_AVX512_BF16)
+    return 1;
+#elif defined(__AVX512F__)
+    return !bf16;
+#else
+    (void)bf16;
+    return 0;
+#endif
+}
 
 /* ---------------------------------------------------------------------------------------------
  * attention: q (B, T, H, D) contiguous; k, v: element (b, g, s, d) at b*kv_batch + g*kv_head +
@@ -308,11 +409,49 @@ void d3d_silu_mul_##SUFFIX(const T_ELEM *gate_up, T_ELEM *y, int64_t M, int64_t 
 NORMS(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 NORMS(f32, float, IDENTITY, IDENTITY)
 
+/* ---------------------------------------------------------------------------------------------
+ * RoPE and the KV store: from qkv (M, (H + 2 Hkv) D) rows, M = B*T, write q rotated to
+ * q_out (M, H, D) and k rotated, v as is into the cache slots start … start+T-1 of batch row b at
+ * k_cache + b*kv_batch + g*kv_head + slot*D. Rotation with PyTorch's rounding:
+ * to_dtype(to_dtype(x*cos) + to_dtype(rotate_half(x)*sin)); cos/sin (M, D) rows of each token.
+ * ------------------------------------------------------------------------------------------- */
+
+#define ROPE_STORE(NAME, T_ELEM, LOAD, STORE)                                                        \
+static inline void NAME##_rotate(const T_ELEM *x, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *out, \
+                                 int64_t D) {                                                        \
+    int64_t half = D / 2;                                                                            \
+    for (int64_t d = 0; d < D; d++) {                                                                \
+        float rot = d < half ? -LOAD(x[d + half]) : LOAD(x[d - half]);                               \
+        float a = LOAD(STORE(LOAD(x[d]) * LOAD(cos_[d]))), b = LOAD(STORE(rot * LOAD(sin_[d])));     \
+        out[d] = STORE(a + b);                                                                       \
+    }                                                                                                \
+}                                                                                                    \
+void NAME(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *q_out, T_ELEM *k_cache, \
+          T_ELEM *v_cache, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t start,   \
+          int64_t kv_batch, int64_t kv_head) {                                                       \
+    int64_t width = (H + 2 * Hkv) * D;                                                               \
+    for (int64_t m = 0; m < B * T; m++) {                                                            \
+        int64_t b = m / T, slot = start + m % T;                                                     \
+        const T_ELEM *row = qkv + m * width, *c = cos_ + m * D, *s = sin_ + m * D;                   \
+        for (int64_t h = 0; h < H; h++) NAME##_rotate(row + h * D, c, s, q_out + (m * H + h) * D, D); \
+        for (int64_t g = 0; g < Hkv; g++) {                                                          \
+            int64_t at = b * kv_batch + g * kv_head + slot * D;                                      \
+            NAME##_rotate(row + (H + g) * D, c, s, k_cache + at, D);                                 \
+            memcpy(v_cache + at, row + (H + Hkv + g) * D, D * sizeof(T_ELEM));                       \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+ROPE_STORE(d3d_rope_store_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+ROPE_STORE(d3d_rope_store_f32, float, IDENTITY, IDENTITY)
+
 /* Which path this build took, for `d3d doctor`. */
 const char *d3d_kernel_path(void) {
-#ifdef D3D_AVX512_BF16
-    return "avx512-bf16 dot products (bf16), fp32 lanes (fp32)";
+#if defined(D3D_AVX512_BF16)
+    return "avx512: packed bf16 pair dot products (bf16), packed fp32 FMA (fp32)";
+#elif defined(__AVX512F__)
+    return "avx512: plain bf16 lanes (bf16), packed fp32 FMA (fp32)";
 #else
-    return "fp32 lanes (portable C, compiler-vectorised)";
+    return "portable C, compiler-vectorised fp32 lanes";
 #endif
 }

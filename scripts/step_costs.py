@@ -1,0 +1,64 @@
+"""Time the target's one-token step and a 17-token verification forward, and check they agree bit for bit.
+
+Usage: python scripts/step_costs.py [--dtype bfloat16|float32] [--context 256] [--repeats 15]
+Prints one JSON line. Works on any d3d checkout (PYTHONPATH=OTHER_CHECKOUT to time another
+version on the same machine), so before/after figures come from the same script.
+"""
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from d3d.loading import load_target
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 3):
+        started = time.perf_counter()
+        fn()
+        if i >= 3:  # warm-up excluded
+            times.append(time.perf_counter() - started)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    decoder = load_target(dtype=getattr(torch, args.dtype)).decoder
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, decoder.config.vocab_size, (1, args.context), generator=generator)
+    block = torch.randint(0, decoder.config.vocab_size, (1, 17), generator=generator)
+    cache = decoder.new_cache(args.context + 17)
+    decoder(prompt, cache=cache)
+    cache.commit()
+
+    def forward(rows: int):
+        decoder(block[:, :rows], cache=cache)
+        cache.commit(0)
+
+    step, verify = median_ms(lambda: forward(1), args.repeats), median_ms(lambda: forward(17), args.repeats)
+    together = decoder(block, cache=cache)[0]
+    cache.commit(0)
+    singles = []
+    for i in range(17):
+        singles.append(decoder(block[:, i:i + 1], cache=cache)[0, 0])
+        cache.commit()
+    identical_rows = int((together == torch.stack(singles)).all(-1).sum())
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    print(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(), "dtype": args.dtype, "context": args.context,
+                      "step_ms": round(step, 2), "verify17_ms": round(verify, 2),
+                      "verify17_in_steps": round(verify / step, 2), "ar_tokens_per_s": round(1000 / step, 1),
+                      "rows_identical_to_steps": f"{identical_rows}/17"}))
+
+
+if __name__ == "__main__":
+    main()
