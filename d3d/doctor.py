@@ -50,6 +50,7 @@ def cpu_flags() -> list[str]:
 @torch.no_grad()
 def time_forward(decoder: Decoder, rows: int, context: int = 256, repeats: int = 9) -> float:
     """Median milliseconds of a `rows`-token cached forward after `context` tokens."""
+    context = min(context, decoder.config.max_position_embeddings - rows)
     cache = decoder.new_cache(context + rows)
     decoder(torch.randint(0, decoder.config.vocab_size, (1, context)), cache=cache)
     cache.commit()
@@ -81,8 +82,9 @@ def measure_paths(target: Decoder) -> list[PathCost]:
 
 def describe_machine() -> dict:
     try:
-        kernels = row_exact_kernels()
-        build = f"{kernels.path_name} ({kernels.path})"
+        started = time.perf_counter()
+        kernels = row_exact_kernels()  # compiled on the machine's first use, then loaded from the cache
+        build = f"{kernels.path_name} ({kernels.path}; ready in {time.perf_counter() - started:.2f} s)"
     except KernelBuildError as error:
         build = f"unavailable: {str(error).splitlines()[0]}"
     return {"cpu": cpu_name(), "flags": cpu_flags(), "machine": platform.machine(), "torch": torch.__version__,
@@ -93,6 +95,9 @@ def format_report(machine: dict, results: dict[str, list[PathCost]]) -> str:
     lines = [f"CPU            {machine['cpu']} ({', '.join(machine['flags']) or 'no AVX flags read'})",
              f"torch          {machine['torch']}, {machine['threads']} threads",
              f"kernels        {machine['row_exact_kernels']}",
+             "weight packing " + ", ".join(f"{k.removeprefix('pack_seconds_')} {v:.2f} s"
+                                           for k, v in machine.items() if k.startswith("pack_seconds_"))
+             + " (once per load)",
              f"rows checked   1 … {MAX_ROWS}: each k-row forward against k one-token steps, bit for bit", ""]
     header = f"{'dtype':<9} {'path':<58} {'check':<22} {'step ms':>8} {'verify-17 ms':>13} {'verify/step':>12}"
     lines += [header, "-" * len(header)]
@@ -111,11 +116,15 @@ def format_report(machine: dict, results: dict[str, list[PathCost]]) -> str:
 def doctor(target_source: str | None, dtypes: list[torch.dtype]) -> tuple[dict, dict[str, list[PathCost]]]:
     from d3d.loading import load_target
 
-    results = {}
+    results, machine = {}, describe_machine()
     for dtype in dtypes:
-        target = load_target(target_source, dtype)
-        results[str(dtype).removeprefix("torch.")] = measure_paths(target.decoder)
-    return describe_machine(), results
+        decoder = load_target(target_source, dtype).decoder
+        fresh = Decoder(decoder.config).to(dtype=dtype)  # unpacked weights: time the packing once
+        fresh.load_state_dict(decoder.state_dict())
+        machine[f"pack_seconds_{str(dtype).removeprefix('torch.')}"] = round(fresh.pack_weights(), 3)
+        del fresh
+        results[str(dtype).removeprefix("torch.")] = measure_paths(decoder)
+    return machine, results
 
 
 def as_json(machine: dict, results: dict[str, list[PathCost]]) -> dict:

@@ -172,6 +172,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Target:
     # A target never trains: frozen weights let every forward of it run the row-exact kernels,
     # in any thread, grad mode or not (see Decoder.kernels_for).
     decoder = decoder.to(dtype).eval().requires_grad_(False)
+    decoder.pack_weights()
     return Target(decoder, tokenizer, str(folder), eos, str(folder))
 
 

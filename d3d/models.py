@@ -5,10 +5,10 @@ norm and Qwen2 q/k/v bias, tied or untied embeddings — the same arithmetic as 
 modelling code, so logits match it for the same weights. Attention takes an arbitrary boolean
 mask over (cached + new) positions, which block drafting, packed async branches and training use.
 
-The arithmetic comes from `d3d.kernels`: under `torch.no_grad()` on a CPU the row-exact kernels
-(a token's logits are bit-identical whether it is decoded alone or verified among 16 others, by
-construction), and PyTorch's differentiable ops whenever gradients are recorded or the decoder is
-on another device. `Decoder(config, kernels=...)` chooses; see `KernelChoice`.
+The arithmetic comes from `d3d.kernels`: on a CPU the row-exact kernels (a token's logits are
+bit-identical whether it is decoded alone or verified among 16 others, by construction) for every
+forward that records no gradients, and PyTorch's differentiable ops for training or on another
+device. `Decoder(config, kernels=...)` chooses; see `KernelChoice` and `Decoder.kernels_for`.
 
 This module is the model only: it never samples, never tokenizes and owns no generation loop.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from typing import Literal
 
 import torch
@@ -182,6 +183,17 @@ class Decoder(nn.Module):
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
             return TorchKernels
         return self.row_exact
+
+    def pack_weights(self) -> float:
+        """Repack every weight the row-exact linear reads, now rather than on first use; seconds taken."""
+        if self.row_exact is None or self.device.type != "cpu":
+            return 0.0
+        started = time.perf_counter()
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                self.row_exact.packed(module.weight)
+        self.row_exact.packed(self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return time.perf_counter() - started
 
     @property
     def dtype(self) -> torch.dtype:

@@ -383,7 +383,7 @@ ATTENTION(d3d_attention_f32, float, IDENTITY, IDENTITY)
 #define NORMS(SUFFIX, T_ELEM, LOAD, STORE)                                                           \
 void d3d_rms_norm_##SUFFIX(const T_ELEM *x, const T_ELEM *weight, T_ELEM *y, int64_t M, int64_t D,   \
                            float eps, int threads) {                                                 \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(M > 1)")                             \
     for (int64_t m = 0; m < M; m++) {                                                                \
         const T_ELEM *xr = x + m * D;                                                                \
         float acc[LANES] = {0};                                                                      \
@@ -397,7 +397,7 @@ void d3d_rms_norm_##SUFFIX(const T_ELEM *x, const T_ELEM *weight, T_ELEM *y, int
     }                                                                                                \
 }                                                                                                    \
 void d3d_silu_mul_##SUFFIX(const T_ELEM *gate_up, T_ELEM *y, int64_t M, int64_t I, int threads) {    \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(M > 1)")                             \
     for (int64_t m = 0; m < M; m++)                                                                  \
         for (int64_t i = 0; i < I; i++) {                                                            \
             float g = LOAD(gate_up[m * 2 * I + i]);                                                  \
