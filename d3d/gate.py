@@ -9,9 +9,11 @@ decoding. A weak drafter then drafts only its first, likely tokens, and lookup d
 missing fall back to plain decoding instead of slowing the request. Every `explore_every` steps a
 source drafts in full again so the averages follow the text.
 
-Costs are a fixed model, not clock readings: at batch 1 on CPU a forward is bound by the bytes of
-weights it reads, and verification measured 1 + 0.028·k one-token steps here (bf16,
-SmolLM2-135M, k ≤ 15). Fixed costs keep the gate's choices — and so the random draws at T > 0 —
+Costs are a fixed model, not clock readings: at batch 1 on CPU a one-token forward is bound by
+the bytes of weights it reads and each extra row adds arithmetic; with the row-exact kernels a
+verification of k drafts measured about 1 + 0.075·k one-token steps (bf16, SmolLM2-135M, AMD
+EPYC Zen 4, 2 threads: 1 row 14.2 ms, 4 rows 16.8, 8 rows 21.9, 17 rows 31.6; see
+docs/performance.md). Fixed costs keep the gate's choices — and so the random draws at T > 0 —
 a function of the tokens alone: the same seed gives the same output. Output is lossless either way.
 """
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-VERIFY_COST_PER_DRAFT = 0.028  # extra cost of each verified draft, in one-token steps
+VERIFY_COST_PER_DRAFT = 0.075  # extra cost of each verified draft, in one-token steps
 
 
 def weight_bytes(modules: list[nn.Module]) -> int:

@@ -23,11 +23,12 @@ def test_expected_tokens_from_acceptance():
 
 
 def test_a_weak_drafter_proposes_only_its_likely_drafts():
-    """α = (0.6, 0.1, …) with drafting cost 0.1: two drafts pay best, all fifteen pay less."""
-    gate = SpeculationGate({"drafter": 0.1}, explore_every=100,
+    """α = (0.6, 0.1, …), drafting cost 0.1, 0.028 steps per verified draft: two drafts pay best,
+    all fifteen pay less."""
+    gate = SpeculationGate({"drafter": 0.1}, verify_cost_per_draft=0.028, explore_every=100,
                            acceptance={"drafter": [0.6, 0.1]}, last_used={"drafter": 0})
     def rate(k):
-        return gate.expected_tokens("drafter", k) / (1 + VERIFY_COST_PER_DRAFT * k + 0.1)
+        return gate.expected_tokens("drafter", k) / (1 + 0.028 * k + 0.1)
 
     k = gate.num_drafts("drafter", 15)
     assert k == max(range(1, 16), key=rate) == 2  # 1.66 tokens for cost 1.156
