@@ -189,6 +189,7 @@ def train(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     """Every method on the same prompts in one process; exits 1 if a d3d method's output differs from AR."""
     from d3d.bench.harness import BenchConfig, run_benchmark, save_result
+    from d3d.bench.methods import check_methods
     from d3d.bench.report import markdown, plots
 
     if args.datasets is not None:
@@ -209,6 +210,7 @@ def bench(args: argparse.Namespace) -> int:
     if args.quick:
         config.num_prompts = 2 if config.num_prompts is None else min(config.num_prompts, 2)
         config.max_new_tokens = min(config.max_new_tokens, 48)
+    check_methods(config.methods)  # unknown names, llama.cpp not built: say so before loading anything
     pipeline = load_pipeline(args)
     challengers = {}
     for spec in args.compare_drafter:
@@ -404,7 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", action="append", default=[], help="a user JSONL prompt file (repeatable)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"per dataset (default: {DEFAULT_BENCH_PROMPTS}; all when only --prompts files are given)")
-    p.add_argument("--methods", default="ar,hf,hf_lookup,lookup,drafter,speculative")
+    p.add_argument("--methods", default="ar,hf,hf_lookup,lookup,drafter,speculative",
+                   help="comma-separated; also async, async_reanchor, and llama.cpp's llamacpp, llamacpp_lookup "
+                        "(opt-in: build them with scripts/llamacpp.sh)")
     p.add_argument("--quick", action="store_true", help="2 prompts per dataset (of HumanEval and MT-Bench by default), 48 tokens")
     p.add_argument("--out", default="runs/bench", help="folder for the JSON result")
     p.add_argument("--report", default="", help="write a Markdown report (+ PNG plots beside it) here")

@@ -5,8 +5,11 @@ method back to back, rotating the order from prompt to prompt so that no method 
 first (these machines are shared and noisy); compare throughput as ratios to d3d's own AR decoding
 from the same run. At T = 0 each d3d method's tokens must equal AR's — d3d's target forward is
 row-exact by construction (`d3d.kernels`), so this is enforced in bf16 and fp32 alike — and a
-mismatch is reported with the prompt id and position and makes the command exit non-zero. transformers' methods run their own kernels, so
-their agreement with d3d's AR is reported (transformers AR vs d3d AR is the control), not enforced.
+mismatch is reported with the prompt id and position and makes the command exit non-zero.
+transformers' and llama.cpp's methods run their own kernels, so their agreement with d3d's AR is
+reported (their plain AR vs d3d AR is the control), not enforced. Decode-only speed leaves out each
+run's prefill (the time to its first new token), so baselines whose prompt processing differs
+compare on decoding too.
 MT-Bench's second turn follows the model's own first answer (AR's, identical for all methods at T = 0).
 """
 
@@ -25,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from d3d.bench.datasets import Prompt, load_dataset, sample_prompts
-from d3d.bench.methods import OURS, MethodRun, base_method, build_methods, describe
+from d3d.bench.methods import OURS, Method, MethodRun, base_method, build_methods, close_methods, describe
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.generation import Pipeline
 from d3d.stats import SpecStats
@@ -53,6 +56,8 @@ class Record:
     loops: bool  # the AR output of this prompt is caught in a repetition loop
     stats: SpecStats
     first_mismatch: int | None  # position where tokens differ from d3d AR (None = identical)
+    prefill_seconds: float | None = None  # up to the first new token; None = the method does not say
+    extra: dict[str, float] = field(default_factory=dict)  # figures only this method has
 
 
 def is_looping(tokens: list[int], window: int = 64, max_period: int = 32) -> bool:
@@ -111,6 +116,33 @@ def run_benchmark(pipeline: Pipeline, config: BenchConfig, progress: bool = True
     names = list(dict.fromkeys(["ar", *config.methods]))  # AR is always measured: speedups are over it
     methods = build_methods(pipeline, names, challengers)
     names = list(methods)
+    # Methods that load outside this process (the llama.cpp servers) say how long that took.
+    load = {n: round(m.load_seconds, 2) for n, m in methods.items() if getattr(m, "load_seconds", None) is not None}
+    try:
+        records, mismatches = run_interleaved(pipeline, config, methods, generation, progress)
+    finally:
+        close_methods(methods)
+    result = summarise(records, names, config)
+    drafters = {label: p.drafter_source for label, p in (challengers or {}).items()}
+    result.update(machine=machine(), dtype=str(pipeline.target.decoder.dtype).removeprefix("torch."),
+                  target=pipeline.target.name, drafter=pipeline.drafter_source, challengers=drafters,
+                  mismatches=mismatches, identical=not mismatches, load_seconds=load,
+                  peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                  config=config.__dict__, descriptions={n: describe(n, drafters) for n in names},
+                  definitions={"tau": "tokens committed per verification step, bonus token included",
+                               "speedup": "method tokens/s ÷ d3d AR tokens/s over the same prompts, same run",
+                               "decode": "(new tokens − 1) ÷ (seconds − prefill seconds): speed after the "
+                                         "first new token",
+                               "loop": "AR output whose last 64 tokens repeat with a period ≤ 32"})
+    result["records"] = [record_dict(r) for r in records]
+    return result
+
+
+def run_interleaved(pipeline: Pipeline, config: BenchConfig, methods: dict[str, Method],
+                    generation: GenerationConfig, progress: bool) -> tuple[list[Record], list[str]]:
+    """Warm every method up, then every prompt through every method in rotating order."""
+    names = list(methods)
+    sampling = generation.sampling
     prompts = [(name, p) for name in config.datasets
                for p in sample_prompts(load_dataset(name), config.num_prompts, config.seed)]
     warm = pipeline.encode("Say hello.", chat=pipeline.target.tokenizer.chat_template is not None)
@@ -136,27 +168,31 @@ def run_benchmark(pipeline: Pipeline, config: BenchConfig, progress: bool = True
                 if mismatch is not None and base_method(name) in OURS:
                     mismatches.append(f"{name} differs from AR on {dataset}:{prompt_id} at token {mismatch}")
                 records.append(Record(dataset, prompt_id, name, len(run.tokens), run.seconds, loops,
-                                      run.stats, mismatch))
+                                      run.stats, mismatch, run.prefill_seconds, dict(run.extra)))
         bar.update(len(names))
     bar.close()
-    result = summarise(records, names, config)
-    drafters = {label: p.drafter_source for label, p in (challengers or {}).items()}
-    result.update(machine=machine(), dtype=str(pipeline.target.decoder.dtype).removeprefix("torch."),
-                  target=pipeline.target.name, drafter=pipeline.drafter_source, challengers=drafters,
-                  mismatches=mismatches, identical=not mismatches,
-                  peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-                  config=config.__dict__, descriptions={n: describe(n, drafters) for n in names},
-                  definitions={"tau": "tokens committed per verification step, bonus token included",
-                               "speedup": "method tokens/s ÷ d3d AR tokens/s over the same prompts, same run",
-                               "loop": "AR output whose last 64 tokens repeat with a period ≤ 32"})
-    result["records"] = [record_dict(r) for r in records]
-    return result
+    return records, mismatches
 
 
 def record_dict(r: Record) -> dict[str, Any]:
+    prefill = None if r.prefill_seconds is None else round(r.prefill_seconds, 4)
     return {"dataset": r.dataset, "prompt_id": r.prompt_id, "method": r.method, "new_tokens": r.new_tokens,
-            "seconds": round(r.seconds, 4), "loops": r.loops, "tau": round(r.stats.tau, 3),
-            "first_mismatch": r.first_mismatch}
+            "seconds": round(r.seconds, 4), "prefill_seconds": prefill, "loops": r.loops,
+            "tau": round(r.stats.tau, 3), "first_mismatch": r.first_mismatch, **r.extra}
+
+
+def draft_acceptance(records: list[Record]) -> float | None:
+    drafted = sum(r.extra.get("drafted", 0) for r in records)
+    return round(sum(r.extra.get("accepted", 0) for r in records) / drafted, 3) if drafted else None
+
+
+def decode_rate(records: list[Record]) -> float | None:
+    """Tokens/s after each run's first new token; None if a run's prefill was not measured."""
+    if not records or any(r.prefill_seconds is None for r in records):
+        return None
+    tokens = sum(max(r.new_tokens - 1, 0) for r in records)
+    seconds = sum(r.seconds - r.prefill_seconds for r in records)  # type: ignore[operator]
+    return round(tokens / seconds, 2) if seconds > 0 else None
 
 
 def aggregate(records: list[Record], ar: list[Record]) -> dict[str, Any]:
@@ -167,6 +203,9 @@ def aggregate(records: list[Record], ar: list[Record]) -> dict[str, Any]:
         stats = stats.merge(r.stats)
     rate = tokens / max(seconds, 1e-9)
     return {"prompts": len(records), "tokens": tokens, "tokens_per_second": round(rate, 2),
+            "decode_tokens_per_second": decode_rate(records),
+            # drafts a baseline without SpecStats reports (llama.cpp lookup): accepted ÷ drafted
+            "draft_acceptance": draft_acceptance(records),
             "speedup": round(rate / ar_rate, 3) if ar_rate else None,
             "tau": round(stats.tau, 3) if stats.steps else None,
             "acceptance_rate": [round(x, 3) for x in stats.acceptance_rate],

@@ -1,9 +1,12 @@
 """The decoding methods a benchmark compares, behind one call shape.
 
 Each method takes prompt ids and a GenerationConfig and returns a `MethodRun`: the generated ids,
-the wall time, and — for speculative methods — the engine's SpecStats. d3d's own methods run
-through `Pipeline.steps`; the transformers baselines (plain `generate`, prompt lookup) run on a
-transformers model holding the very same weights, so they are what users of transformers get.
+the wall time, the time to the first token (the prefill) and — for speculative methods — the
+engine's SpecStats. d3d's own methods run through `Pipeline.steps`; the transformers baselines
+(plain `generate`, prompt lookup) run on a transformers model holding the very same weights, so
+they are what users of transformers get; the llama.cpp baselines (plain, lookup) run llama.cpp's
+server on the BF16 GGUF of the embedded target (`d3d.bench.llamacpp`; opt-in, built by
+scripts/llamacpp.sh).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from d3d.stats import SpecStats
 OURS = ("ar", "lookup", "drafter", "speculative", "async", "async_reanchor")
 NEED_DRAFTER = ("drafter", "speculative", "async", "async_reanchor")
 TRANSFORMERS = ("hf", "hf_lookup")
-ALL_METHODS = OURS + TRANSFORMERS
+LLAMACPP = ("llamacpp", "llamacpp_lookup")
+ALL_METHODS = OURS + TRANSFORMERS + LLAMACPP
 DESCRIPTIONS = {
     "ar": "d3d plain AR decoding (the reference)",
     "lookup": "d3d speculative, context lookup drafts only",
@@ -35,6 +39,7 @@ DESCRIPTIONS = {
                       "instead of redrafting",
     "hf": "transformers generate (AR)",
     "hf_lookup": "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)",
+    # "llamacpp", "llamacpp_lookup": `d3d.bench.llamacpp.describe` (names the build and threads)
 }
 
 
@@ -43,20 +48,25 @@ class MethodRun:
     tokens: list[int]
     seconds: float
     stats: SpecStats = field(default_factory=SpecStats)
+    prefill_seconds: float | None = None  # up to the first new token (prompt + its sample); None: not measured
+    extra: dict[str, float] = field(default_factory=dict)  # figures only this method has (llama.cpp's drafts)
 
 
 Method = Callable[[list[int], GenerationConfig], MethodRun]
 
 
 def timed(steps: Callable[[], Iterator[Step]]) -> MethodRun:
-    """Run an engine to the end: its tokens, wall time and final stats."""
+    """Run an engine to the end: its tokens, wall time, prefill time and final stats."""
     started = time.perf_counter()
+    prefill = None
     tokens: list[int] = []
     stats = SpecStats()
     for step in steps():
+        if prefill is None:  # the first step is the prefill's token
+            prefill = time.perf_counter() - started
         tokens.extend(step.tokens)
         stats = step.stats
-    return MethodRun(tokens, time.perf_counter() - started, stats)
+    return MethodRun(tokens, time.perf_counter() - started, stats, prefill)
 
 
 def ours(pipeline: Pipeline, name: str) -> Method:
@@ -110,29 +120,66 @@ def base_method(name: str) -> str:
 
 def describe(name: str, drafters: dict[str, str]) -> str:
     base, _, label = name.partition("@")
+    if base in LLAMACPP:
+        from d3d.bench.llamacpp import describe as describe_llamacpp
+
+        return describe_llamacpp(lookup=base == "llamacpp_lookup")
     return DESCRIPTIONS[base] + (f"; drafter {drafters[label]}" if label else "")
+
+
+def check_methods(names: list[str]) -> None:
+    """Refuse unknown method names, and llama.cpp methods when llama.cpp is not built — before
+    anything is loaded."""
+    unknown = [n for n in names if n not in ALL_METHODS]
+    if unknown:
+        raise ConfigError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    if any(n in LLAMACPP for n in names):
+        from d3d.bench.llamacpp import find_install
+
+        find_install()
+
+
+def close_methods(methods: dict[str, Method]) -> None:
+    """Stop what methods hold outside this process (the llama.cpp servers)."""
+    for method in methods.values():
+        close = getattr(method, "close", None)
+        if close is not None:
+            close()
 
 
 def build_methods(pipeline: Pipeline, names: list[str],
                   challengers: dict[str, Pipeline] | None = None) -> dict[str, Method]:
     """The methods `names`, plus `method@label` for each method that needs a drafter, run with
     each challenger pipeline's drafter (same target), so drafters compare in one interleaved run."""
-    unknown = [n for n in names if n not in ALL_METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
+    check_methods(names)
     if pipeline.drafter is None and any(n in NEED_DRAFTER for n in names):
         raise ConfigError(f"methods {', '.join(NEED_DRAFTER)} need a drafter")
     methods: dict[str, Method] = {}
+    try:
+        add_methods(methods, pipeline, names, challengers or {})
+    except BaseException:
+        close_methods(methods)  # a llama.cpp server already started must not outlive the error
+        raise
+    return methods
+
+
+def add_methods(methods: dict[str, Method], pipeline: Pipeline, names: list[str],
+                challengers: dict[str, Pipeline]) -> None:
+    """Fill `methods` in place, so that what was started before a failure can be stopped."""
     model = None
     for name in names:
         if name in OURS:
             methods[name] = ours(pipeline, name)
+        elif name in LLAMACPP:
+            from d3d.bench.llamacpp import llamacpp_method
+
+            methods[name] = llamacpp_method(pipeline.target, lookup=name == "llamacpp_lookup")
         else:
             model = model or transformers_model(pipeline)
             pad = pipeline.target.tokenizer.pad_token_id
             methods[name] = transformers_method(model, name == "hf_lookup",
                                                 pad if pad is not None else (pipeline.target.eos_token_ids or [0])[0])
-    for label, challenger in (challengers or {}).items():
+    for label, challenger in challengers.items():
         if challenger.drafter is None:
             raise ConfigError(f"the challenger {label!r} has no drafter")
         if not any(n in NEED_DRAFTER for n in names):
@@ -140,4 +187,3 @@ def build_methods(pipeline: Pipeline, names: list[str],
         for name in names:
             if name in NEED_DRAFTER:
                 methods[f"{name}@{label}"] = ours(challenger, name)
-    return methods

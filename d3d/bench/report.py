@@ -20,24 +20,34 @@ def markdown(result: dict[str, Any], command: str) -> str:
         "",
         "τ = tokens committed per verification step, **bonus token included**. Speedup = tokens/s ÷ "
         "d3d AR tokens/s over the same prompts in the same run (methods interleaved per prompt, "
-        "after warm-up). *Loop-free* drops prompts whose AR output ends in a repetition loop.",
+        "after warm-up). *Decode tok/s* leaves out each run's prefill (the time to its first new "
+        "token). *Loop-free* drops prompts whose AR output ends in a repetition loop.",
         "",
     ]
     if config["temperature"] == 0:
         verdict = "every d3d method's output is token-identical to AR" if result["identical"] else \
             "**MISMATCHES**: " + "; ".join(result["mismatches"][:10])
         lines += [f"Identity check (T = 0): {verdict}.", ""]
-    lines += ["| dataset | loops | method | tok/s | speedup | τ | speedup (loop-free) | τ (loop-free) | identical to AR |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| dataset | loops | method | tok/s | decode tok/s | speedup | τ | speedup (loop-free) | τ (loop-free) "
+              "| identical to AR |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for group, row in table.items():
         for name in names:
             a, f = row[name]["all"], row[name]["loop_free"]
             tau = "–" if a["tau"] is None else f"{a['tau']:.2f}"
             tau_free = "–" if f["tau"] is None else f"{f['tau']:.2f}"
             same = f"{a['identical']}/{a['prompts']}" if config["temperature"] == 0 else "n/a (T > 0)"
-            lines.append(f"| {group} | {row['loop_share']:.0%} | {name} | {a['tokens_per_second']:.1f} | "
+            decode = "–" if a.get("decode_tokens_per_second") is None else f"{a['decode_tokens_per_second']:.1f}"
+            lines.append(f"| {group} | {row['loop_share']:.0%} | {name} | {a['tokens_per_second']:.1f} | {decode} | "
                          f"{a['speedup']:.2f}× | {tau} | {_x(f['speedup'])} | {tau_free} | {same} |")
     lines += step_table(table["all"], names)
+    drafts = [f"`{n}` {table['all'][n]['all']['draft_acceptance']:.0%}" for n in names
+              if table["all"][n]["all"].get("draft_acceptance") is not None]
+    if drafts:
+        lines += ["", "Drafts accepted (baselines without step stats, all datasets): " + ", ".join(drafts) + "."]
+    if result.get("load_seconds"):
+        loads = ", ".join(f"`{n}` {s:.1f} s" for n, s in result["load_seconds"].items())
+        lines += ["", f"Started before any measurement (server start and model load, not timed): {loads}."]
     lines += ["", "Methods:", ""] + [f"- `{n}`: {result['descriptions'][n]}" for n in names]
     return "\n".join(lines) + "\n"
 
