@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -153,6 +155,13 @@ def test_a_partly_cached_prompt_is_refused():
         LlamaCppMethod(Cached(PLAIN_ANSWER), lookup=False)(list(range(33)), greedy())
 
 
+def pretend_built(monkeypatch) -> None:
+    """The fake servers stand in for a build: the up-front check must not look for real binaries
+    (a fresh clone, like CI, has none)."""
+    monkeypatch.setattr(llamacpp, "find_install", lambda folder=None: llamacpp.Install(Path("llama-server"),
+                                                                                      Path("target.gguf")))
+
+
 # -- in the harness -------------------------------------------------------------------------------
 
 def test_harness_reports_llama_cpp_disagreement_without_failing(monkeypatch, tmp_path):
@@ -168,6 +177,7 @@ def test_harness_reports_llama_cpp_disagreement_without_failing(monkeypatch, tmp
         return LlamaCppMethod(servers[-1], lookup)
 
     monkeypatch.setattr(llamacpp, "llamacpp_method", fake_method)
+    pretend_built(monkeypatch)
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"id": "p1", "prompt": "hello world"}) + "\n")
     config = BenchConfig(datasets=[str(path)], num_prompts=None, max_new_tokens=6,
@@ -199,6 +209,7 @@ def test_a_failing_method_stops_the_servers_already_started(monkeypatch):
         return LlamaCppMethod(servers[-1], lookup)
 
     monkeypatch.setattr(llamacpp, "llamacpp_method", fake_method)
+    pretend_built(monkeypatch)
     with pytest.raises(ValueError, match="transformers baselines need"):  # the tiny target has no HF folder
         build_methods(tiny_pipeline(), ["ar", "llamacpp", "hf"])
     assert len(servers) == 1 and servers[0].closed
