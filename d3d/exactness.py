@@ -27,6 +27,8 @@ from typing import Literal
 
 import torch
 
+from d3d.kernels import cpu_flags_line
+from d3d.loading import cache_root
 from d3d.models import Decoder
 
 VerifyMode = Literal["batched", "row-by-row"]
@@ -105,16 +107,12 @@ def check_row_invariance(decoder: Decoder, max_rows: int = MAX_ROWS, context: in
 
 
 def _cache_file(decoder: Decoder) -> Path:
-    flags = ""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
+    flags = cpu_flags_line()
     kernels = decoder.row_exact
     build = kernels.path.name if kernels is not None else "torch-" + torch.__version__
     key = json.dumps([cpu_name(), flags, build, torch.__version__, str(decoder.dtype), str(decoder.device),
                       torch.get_num_threads(), decoder.config.to_dict()], sort_keys=True)
-    root = Path(os.environ.get("D3D_CACHE", Path.home() / ".cache" / "d3d")) / "exactness"
+    root = cache_root() / "exactness"
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 

@@ -245,7 +245,8 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("D3D_CACHE", Path.home() / ".cache" / "d3d")) / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags_line() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (what -march=native compiles for)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -266,7 +267,7 @@ def build(verbose: bool = False) -> Path:
     """Compile rowexact.c for this machine (once; cached by source, compiler and CPU flags)."""
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_flags(), " ".join(FLAGS)]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, cpu_flags_line(), " ".join(FLAGS)]).encode())
     target = _cache_dir() / f"rowexact-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
