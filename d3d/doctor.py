@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from d3d.exactness import MAX_ROWS, check_row_invariance, cpu_name
-from d3d.kernels import KernelBuildError, row_exact_kernels
+from d3d.kernels import KernelBuildError, cpu_flags_line, row_exact_kernels
 from d3d.models import Decoder
 
 
@@ -37,14 +37,9 @@ class PathCost:
 
 
 def cpu_flags() -> list[str]:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                found = set(line.split(":", 1)[1].split())
-                return [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in found]
-    except OSError:
-        pass
-    return []
+    """The vector-extension flags that decide the kernels' path, as this CPU reports them."""
+    found = set(cpu_flags_line().partition(":")[2].split())
+    return [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in found]
 
 
 @torch.no_grad()
@@ -70,10 +65,11 @@ def measure_paths(target: Decoder) -> list[PathCost]:
     torch_target = Decoder(target.config, kernels="torch").to(dtype=target.dtype)
     torch_target.load_state_dict(target.state_dict())
     torch_target.eval().requires_grad_(False)
+    candidates = [(target, True)]
+    if target.row_exact is not None:  # else the decoding path already is PyTorch's
+        candidates.append((torch_target, False))
     paths = []
-    for decoder, used in ((target, True), (torch_target, target.row_exact is None)):
-        if decoder is torch_target and target.row_exact is None:
-            continue  # the decoding path already is PyTorch's
+    for decoder, used in candidates:
         report = check_row_invariance(decoder)
         paths.append(PathCost(report.kernels, report.invariant, report.mismatched_rows,
                               time_forward(decoder, 1), time_forward(decoder, MAX_ROWS), used))
