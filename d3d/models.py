@@ -25,7 +25,8 @@ from torch import nn
 
 from d3d.cache import KVCache
 from d3d.config import ConfigError, ModelConfig
-from d3d.kernels import KernelBuildError, RowExactKernels, TorchKernels, row_exact_kernels
+from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKernels, TorchKernels,
+                         row_exact_kernels)
 
 # "auto": row-exact kernels where they build (CPU inference), else PyTorch's; "row-exact": required
 # (fails loudly where they cannot build); "torch": PyTorch's ops everywhere.
@@ -157,6 +158,12 @@ class Decoder(nn.Module):
         # cos/sin of every position, computed once: a position's rotation is then one table row,
         # the same bits in any forward (a fresh cos() call may round lanes differently).
         self.register_buffer("rope_table", rope_table(config), persistent=False)
+        self._rope_tables: dict[tuple, torch.Tensor] = {}  # the table in other dtypes
+        self._layer_table: tuple[tuple[nn.Module, ...], LayerTable | None] | None = None
+
+    def __getstate__(self) -> dict:
+        # copies (deepcopy, pickling) rebuild their own caches: the table points at this decoder's weights
+        return {**self.__dict__, "_rope_tables": {}, "_layer_table": None}
 
     @staticmethod
     def _load_row_exact(choice: KernelChoice) -> RowExactKernels | None:
@@ -211,13 +218,41 @@ class Decoder(nn.Module):
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, batch_size, self.dtype, self.device)
 
+    def rope_table_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The cos/sin table (2, positions, D) in `dtype`, converted once."""
+        table = self.rope_table
+        key = (dtype, table.device, table.data_ptr())
+        cached = self._rope_tables.get(key)
+        if cached is None:
+            cached = self._rope_tables[key] = table.to(dtype)
+        return cached
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (B, T, 1, D) for positions (B, T)."""
+        table = self.rope_table_as(dtype)
+        positions = self.clamp_positions(positions)
+        return table[0][positions][:, :, None], table[1][positions][:, :, None]
+
+    def clamp_positions(self, positions: torch.Tensor) -> torch.Tensor:
         # Positions past the context reuse the last rotation: only async branches drafted beyond the
         # length limit reach them, and those drafts are never verified.
-        positions = positions.clamp(max=self.rope_table.shape[1] - 1)
-        table = self.rope_table.to(dtype)
-        return table[0][positions][:, :, None], table[1][positions][:, :, None]
+        return positions.clamp(max=self.rope_table.shape[1] - 1)
+
+    def layer_table(self, kernels: RowExactKernels) -> LayerTable | None:
+        """The row-exact kernels' table of this decoder's weights, rebuilt when a weight changed."""
+        layers = tuple(self.layers)
+        if self._layer_table is None or self._layer_table[0] != layers or not (
+                self._layer_table[1] is None or self._layer_table[1].current()):
+            rows = []
+            for layer in layers:
+                attention, mlp = layer.self_attn, layer.mlp
+                rows.append((layer.input_layernorm.weight, attention.qkv_proj.weight, attention.qkv_proj.bias,
+                             attention.q_norm.weight if attention.q_norm is not None else None,
+                             attention.k_norm.weight if attention.k_norm is not None else None,
+                             attention.o_proj.weight, attention.o_proj.bias, layer.post_attention_layernorm.weight,
+                             mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias))
+            self._layer_table = (layers, kernels.layer_table(rows))
+        return self._layer_table[1]
 
     def hidden_states(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                       mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -229,8 +264,15 @@ class Decoder(nn.Module):
         if mask is not None:
             expected = (batch, length, length + (cache.length if cache is not None else 0))
             assert tuple(mask.shape) == expected, f"mask {tuple(mask.shape)} != {expected}"
-        cos, sin = self.rope(positions, embeds.dtype)
         kernels = self.kernels_for(embeds)
+        if cache is not None and kernels is self.row_exact and self.layers:
+            table = self.layer_table(kernels)
+            if table is not None:  # every layer in one C call: the same kernels, no per-op overhead
+                c = self.config
+                shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
+                return kernels.forward(table, shape, embeds, self.rope_table_as(embeds.dtype),
+                                       self.clamp_positions(positions), cache, mask, self.norm.weight)
+        cos, sin = self.rope(positions, embeds.dtype)
         x = embeds
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, index, kernels)

@@ -1,19 +1,20 @@
-"""Where a forward of the target spends its time: each row-exact kernel's share, the rest (Python,
-PyTorch glue) by difference. One-token step and 17-token verification, after a 256-token context.
+"""Where a forward of the target spends its time: each stage of the fused C forward (summed over
+the layers, timed by thread 0 after each stage's barrier), the output projection, and the rest
+(Python, embedding, allocation) by difference. One-token step and 17-token verification, after a
+256-token context.
 
 Usage: python scripts/profile_step.py [--dtype bfloat16] [--repeats 20]   (prints one JSON line)
 """
 
 import argparse
-import collections
+import ctypes
 import json
 import time
 
 import torch
 
+from d3d.kernels import RowExactKernels, build
 from d3d.loading import load_target
-
-KERNELS = ("linear", "attention", "rms_norm", "silu_mul", "rope_store")
 
 
 @torch.no_grad()
@@ -23,18 +24,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     decoder = load_target(dtype=getattr(torch, args.dtype)).decoder
-    kernels = decoder.row_exact
-    spent: collections.Counter[str] = collections.Counter()
-    for name in KERNELS:  # wrap each kernel of this process's instance with a timer
-        function = getattr(kernels, name)
+    path = build(profile=True)  # the same kernels, with stage timers compiled in
+    kernels = decoder.row_exact = RowExactKernels(ctypes.CDLL(str(path)), path)
+    decoder.pack_weights()
+    head_seconds = 0.0
+    linear = kernels.linear
 
-        def timed(*call_args, function=function, name=name):
-            started = time.perf_counter()
-            result = function(*call_args)
-            spent[name] += time.perf_counter() - started
-            return result
+    def timed_linear(*call_args):  # after the fused forward, only the output projection calls it
+        nonlocal head_seconds
+        started = time.perf_counter()
+        result = linear(*call_args)
+        head_seconds += time.perf_counter() - started
+        return result
 
-        setattr(kernels, name, timed)
+    kernels.linear = timed_linear
     generator = torch.Generator().manual_seed(0)
     cache = decoder.new_cache(256 + 17)
     decoder(torch.randint(0, decoder.config.vocab_size, (1, 256), generator=generator), cache=cache)
@@ -45,13 +48,16 @@ def main() -> None:
         for _ in range(3):
             decoder(ids, cache=cache)
             cache.commit(0)
-        spent.clear()
+        kernels.stage_seconds(reset=True)
+        head_seconds = 0.0
         started = time.perf_counter()
         for _ in range(args.repeats):
             decoder(ids, cache=cache)
             cache.commit(0)
         total = (time.perf_counter() - started) / args.repeats * 1000
-        shares = {name: round(spent[name] / args.repeats * 1000, 2) for name in KERNELS}
+        shares = {name: round(seconds / args.repeats * 1000, 2)
+                  for name, seconds in kernels.stage_seconds().items()}
+        shares["output_projection"] = round(head_seconds / args.repeats * 1000, 2)
         shares["other"] = round(total - sum(shares.values()), 2)
         result[f"rows_{rows}"] = {"total_ms": round(total, 2), **shares}
     print(json.dumps(result))

@@ -191,6 +191,53 @@ def test_row_exact_forward_does_not_depend_on_the_thread_count(threads):
     assert torch.equal(together, reference) and torch.equal(one_by_one, reference)
 
 
+def per_op_forward(decoder: Decoder, ids: torch.Tensor, cache, mask=None) -> torch.Tensor:
+    """Logits from one row-exact kernel call per operation (the layers' own forward), not the fused C forward."""
+    kernels = decoder.row_exact
+    batch, length = ids.shape
+    positions = torch.arange(cache.length, cache.length + length)[None].expand(batch, -1)
+    cache.reserve(length)
+    cos, sin = decoder.rope(positions, decoder.dtype)
+    x = decoder.embed_tokens(ids)
+    for index, layer in enumerate(decoder.layers):
+        x = layer(x, cos, sin, mask, cache, index, kernels)
+    return decoder.logits(decoder.norm(x, kernels))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@torch.no_grad()
+def test_fused_forward_is_the_per_op_forward(dtype, family):
+    """A cached forward runs every layer in one C call (`d3d_forward`); it computes the same bits, keys
+    and values as one kernel call per operation — causal or masked, one sequence or two."""
+    config = tiny_config(family, attention_bias=family != "qwen3", mlp_bias=family == "llama")
+    decoder = make_decoder(config, dtype=dtype)
+    assert decoder.layer_table(decoder.row_exact) is not None  # this decoder runs fused
+    prefix, block = random_ids(7, seed=1).repeat(2, 1), random_ids(5, seed=2).repeat(2, 1)
+    block[1] = random_ids(5, seed=3)[0]
+    fused_cache, per_op_cache = decoder.new_cache(batch_size=2), decoder.new_cache(batch_size=2)
+    mask = torch.rand(2, 5, 12, generator=torch.Generator().manual_seed(4)) < 0.6
+    mask[..., 7:] |= torch.eye(5, dtype=torch.bool)  # every query sees itself
+    for ids, step_mask, kept in ((prefix, None, 7), (block, None, 0), (block, mask, 0)):
+        fused = decoder(ids, cache=fused_cache, mask=step_mask)
+        assert torch.equal(fused, per_op_forward(decoder, ids, per_op_cache, step_mask))
+        assert torch.equal(fused_cache.keys, per_op_cache.keys) and torch.equal(fused_cache.values, per_op_cache.values)
+        fused_cache.commit(kept)
+        per_op_cache.commit(kept)
+
+
+@torch.no_grad()
+def test_fused_forward_follows_weight_updates():
+    """The fused forward's weight table is rebuilt after an in-place update (e.g. a training step)."""
+    decoder = make_decoder(tiny_config("llama"))
+    ids = random_ids(4)
+    before = decoder(ids, cache=decoder.new_cache())
+    decoder.layers[0].mlp.down_proj.weight.mul_(2.0)
+    after = decoder(ids, cache=decoder.new_cache())
+    assert not torch.equal(before, after)
+    assert torch.equal(after, per_op_forward(decoder, ids, decoder.new_cache()))
+
+
 @torch.no_grad()
 def test_torch_kernels_control():
     """Control: the same check over PyTorch's own ops (kernels="torch") in fp32.

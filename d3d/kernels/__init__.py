@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,9 @@ class RowExactKernels:
                 ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32]
             getattr(library, f"d3d_rms_norm_{suffix}").argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
             getattr(library, f"d3d_silu_mul_{suffix}").argtypes = [ptr, ptr, i64, i64, i32]
+            getattr(library, f"d3d_forward_{suffix}").argtypes = [
+                ptr, i64, i64, i64, i64, i64, i64, f32, f32, i32, ptr, ptr, ptr, i64,
+                ptr, ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i32]
         library.d3d_packed_linear.argtypes = [i32]
         self._functions: dict[tuple[str, torch.dtype], Any] = {}  # (kind, dtype) → C function
         self.packs = {dtype: bool(library.d3d_packed_linear(dtype == torch.bfloat16))
@@ -133,6 +137,17 @@ class RowExactKernels:
         self._packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         library.d3d_kernel_path.restype = ctypes.c_char_p
         self.path_name = library.d3d_kernel_path().decode()
+
+    # Stage names of the fused forward's profile (the STAGE_ enum in rowexact.c).
+    STAGES = ("norm", "qkv", "rope_store", "attention", "o", "gate_up", "silu_mul", "down")
+
+    def stage_seconds(self, reset: bool = False) -> dict[str, float]:
+        """Seconds the fused forward spent per stage so far (zeros unless built with `profile`)."""
+        table = (ctypes.c_double * len(self.STAGES)).in_dll(self.library, "d3d_stage_seconds")
+        spent = dict(zip(self.STAGES, table))
+        if reset:
+            ctypes.memset(table, 0, ctypes.sizeof(table))
+        return spent
 
     # One library per process: a copied or pickled decoder shares it.
     def __deepcopy__(self, memo: dict) -> "RowExactKernels":
@@ -188,6 +203,42 @@ class RowExactKernels:
                _ptr(residual), out.data_ptr(), x2.shape[0], weight.shape[0], width, torch.get_num_threads())
         return out
 
+    def layer_table(self, layers: list[tuple[torch.Tensor | None, ...]]) -> "LayerTable | None":
+        """The pointer table `forward` reads, or None where this build cannot run these layers fused."""
+        return LayerTable.build(self, layers)
+
+    def forward(self, table: "LayerTable", shape: "DecoderShape", x: torch.Tensor, rope: torch.Tensor,
+                positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
+                final_norm: torch.Tensor) -> torch.Tensor:
+        """Every layer and the final norm over x (B, T, hidden) in one C call; returns the normed hidden
+        states. The same kernels as the per-op calls, so the same bits (tested).
+
+        rope: (2, P, D) cos/sin tables in x's dtype; positions (B, T) rows of them, below P; the
+        new keys and values go to the cache's reserved slots.
+        """
+        batch, length, hidden = x.shape
+        assert cache.pending == length, "forward() must follow reserve() with the same token count"
+        keys, values = cache.keys, cache.values  # (L, B, H_kv, capacity, D)
+        assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == x.dtype
+        keys_seen = cache.length + length
+        x = x.contiguous().clone()  # the residual stream, updated in place by the kernel
+        positions = positions.contiguous()
+        if mask is not None:
+            mask = mask.to(torch.uint8).contiguous()
+            assert mask.shape == (batch, length, keys_seen), f"mask {tuple(mask.shape)}"
+        rows, heads, dim = batch * length, shape.heads, shape.head_dim
+        width = (heads + 2 * shape.kv_heads) * dim
+        work = torch.empty(rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), dtype=x.dtype)
+        scores = torch.empty(rows * heads * keys_seen, dtype=torch.float32)
+        out = torch.empty_like(x)
+        self._fn("forward", x.dtype)(
+            table.pointers, table.layers, hidden, heads, shape.kv_heads, dim, shape.intermediate, shape.eps,
+            dim ** -0.5, table.packed, x.data_ptr(), rope.data_ptr(), positions.data_ptr(), rope.shape[1],
+            keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), cache.length,
+            _ptr(mask), batch, length, final_norm.data_ptr(), out.data_ptr(), work.data_ptr(), scores.data_ptr(),
+            torch.get_num_threads())
+        return out
+
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                    cache: KVCache | None, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`TorchKernels.rope_store` in one call, the same bits (IEEE products and sums, rounded alike)."""
@@ -241,6 +292,66 @@ class RowExactKernels:
         return out
 
 
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes `RowExactKernels.forward` needs besides the weights."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+# A layer's tensors in the order of the C forward's table (LAYER_SLOTS in rowexact.c); None where
+# the architecture has no such tensor. The linear weights are the ones the kernel may repack.
+LAYER_SLOTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm",
+               "gate_up", "gate_up_bias", "down", "down_bias")
+LINEAR_SLOTS = {LAYER_SLOTS.index(name) for name in ("qkv", "o", "gate_up", "down")}
+
+
+class LayerTable:
+    """The C forward's pointers to every layer's weights, with the packed copies they point to.
+
+    Built once and reused while `current()` holds: the same tensors, unchanged in place (their
+    version counters) and not moved (their data pointers).
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], keep: list[torch.Tensor], pointers: list[int | None],
+                 layers: int, packed: bool) -> None:
+        self.tensors, self.keep, self.layers, self.packed = tensors, keep, layers, int(packed)
+        self.pointers = (ctypes.c_void_p * len(pointers))(*pointers)
+        self.stamp = self._stamp()
+
+    def _stamp(self) -> list[tuple[int, int]]:
+        return [(t._version, t.data_ptr()) for t in self.tensors]
+
+    def current(self) -> bool:
+        return self._stamp() == self.stamp
+
+    @classmethod
+    def build(cls, kernels: "RowExactKernels", layers: list[tuple[torch.Tensor | None, ...]]) -> "LayerTable | None":
+        tensors, keep, pointers, packed_flags = [], [], [], set()
+        for row in layers:
+            assert len(row) == len(LAYER_SLOTS)
+            for slot, tensor in enumerate(row):
+                if tensor is None:
+                    pointers.append(None)
+                    continue
+                if not tensor.is_contiguous():
+                    return None
+                tensors.append(tensor)
+                if slot in LINEAR_SLOTS:
+                    packed = kernels.packed(tensor)
+                    packed_flags.add(packed is not None)
+                    tensor = tensor if packed is None else packed
+                keep.append(tensor)
+                pointers.append(tensor.data_ptr())
+        if len(packed_flags) > 1:  # a mixed layout (an odd bf16 width): per-op calls instead
+            return None
+        return cls(tensors, keep, pointers, len(layers), packed_flags == {True})
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("D3D_CACHE", Path.home() / ".cache" / "d3d")) / "kernels"
 
@@ -263,18 +374,22 @@ def _compiler() -> str:
     raise KernelBuildError("no C compiler found (set CC, or install gcc) to build the row-exact kernels")
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile rowexact.c for this machine (once; cached by source, compiler and CPU flags)."""
+def build(verbose: bool = False, profile: bool = False) -> Path:
+    """Compile rowexact.c for this machine (once; cached by source, compiler and CPU flags).
+
+    `profile` builds the variant whose fused forward times its stages (`stage_seconds`).
+    """
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, cpu_flags_line(), " ".join(FLAGS)]).encode())
-    target = _cache_dir() / f"rowexact-{key.hexdigest()[:16]}.so"
+    flags = FLAGS + ["-DD3D_PROFILE"] * profile
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, cpu_flags_line(), " ".join(flags)]).encode())
+    target = _cache_dir() / f"rowexact-{key.hexdigest()[:16]}{'-profile' * profile}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(f"{compiler} failed to build the row-exact kernels:\n{result.stderr.strip()}")

@@ -72,6 +72,25 @@ static inline float exp_fixed(float x) {
     return p * scale;
 }
 
+#ifdef __AVX512F__
+/* exp_fixed on 16 lanes: the same operations in the same order, so the same bits per lane. */
+static inline __m512 exp_fixed16(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
 /* ---------------------------------------------------------------------------------------------
  * linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), rounded, then + residual[m, n] when given
  * (rounded again: the same bits as PyTorch's `residual + linear(x)`); x rows `x_stride` elements apart,
@@ -170,10 +189,10 @@ DOT_BLOCK(dot_block_bf16, uint16_t, bf16_to_f32)
 #endif
 
 #define LINEAR(NAME, T_ELEM, LOAD, STORE, DOT)                                                       \
-void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias, const T_ELEM *residual, \
-          T_ELEM *y, int64_t M, int64_t N, int64_t K, int threads) {                                            \
+static void NAME##_body(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias,      \
+                        const T_ELEM *residual, T_ELEM *y, int64_t M, int64_t N, int64_t K) {        \
     int64_t blocks = (N + COLS - 1) / COLS;                                                          \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+    _Pragma("omp for schedule(static)")                                                              \
     for (int64_t blk = 0; blk < blocks; blk++) {                                                     \
         int64_t n0 = blk * COLS;                                                                     \
         int C = N - n0 < COLS ? (int)(N - n0) : COLS;                                                \
@@ -196,6 +215,11 @@ void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias
                 }                                                                                    \
         }                                                                                            \
     }                                                                                                \
+}                                                                                                    \
+void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias, const T_ELEM *residual, \
+          T_ELEM *y, int64_t M, int64_t N, int64_t K, int threads) {                                 \
+    _Pragma("omp parallel num_threads(threads)")                                                     \
+    NAME##_body(x, x_stride, w, bias, residual, y, M, N, K);                                         \
 }
 
 LINEAR(d3d_linear_bf16, uint16_t, bf16_to_f32, f32_to_bf16, dot_block_bf16)
@@ -233,11 +257,11 @@ static inline __attribute__((always_inline)) void NAME##_tile(                  
         }                                                                                            \
     }                                                                                                \
 }                                                                                                    \
-void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, const T_ELEM *bias, const T_ELEM *residual, \
-          T_ELEM *y, int64_t M, int64_t N, int64_t K, int threads) {                                            \
+static void NAME##_body(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, const T_ELEM *bias,     \
+                        const T_ELEM *residual, T_ELEM *y, int64_t M, int64_t N, int64_t K) {        \
     int64_t blocks = (N + 16 * GROUPS - 1) / (16 * GROUPS);                                          \
     int64_t group_elems = (int64_t)(STEPS) * 16 * (STEP_ELEMS);                                      \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
+    _Pragma("omp for schedule(static)")                                                              \
     for (int64_t blk = 0; blk < blocks; blk++) {                                                     \
         int64_t n0 = blk * 16 * GROUPS;                                                              \
         const T_ELEM *w = wp + blk * GROUPS * group_elems;                                           \
@@ -271,6 +295,11 @@ void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, const T_ELEM *bia
             m0 += R;                                                                                 \
         }                                                                                            \
     }                                                                                                \
+}                                                                                                    \
+void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, const T_ELEM *bias, const T_ELEM *residual, \
+          T_ELEM *y, int64_t M, int64_t N, int64_t K, int threads) {                                 \
+    _Pragma("omp parallel num_threads(threads)")                                                     \
+    NAME##_body(x, x_stride, wp, bias, residual, y, M, N, K);                                        \
 }
 
 #define LOADW(p) _mm512_loadu_ps((const float *)(p))  /* 64 bytes: 16 floats or 16 bf16 pairs */
@@ -312,13 +341,84 @@ int d3d_packed_linear(int bf16) {
 
 #define KEY_TILE 16
 
-#define ATTENTION(NAME, T_ELEM, LOAD, STORE)                                                         \
-void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask, T_ELEM *out,       \
-          int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,                        \
-          int64_t kv_batch, int64_t kv_head, float scale, float *scores, int threads) {              \
+/* o[d] = sum over s in order of p[s] * v[s, d] (one FMA chain per d; keys with p = 0 skipped).
+ * With AVX-512, 64 values of d at a time stay in registers for the whole pass over s. */
+#define WEIGHTED_SUM_PORTABLE(T_ELEM, LOAD, p, v, S, D, o)                                          \
+    do {                                                                                             \
+        for (int64_t d = 0; d < (D); d++) (o)[d] = 0.0f;                                             \
+        for (int64_t s = 0; s < (S); s++) {                                                          \
+            float ps = (p)[s];                                                                       \
+            if (ps == 0.0f) continue;                                                                \
+            const T_ELEM *vr = (v) + s * (D);                                                        \
+            for (int64_t d = 0; d < (D); d++) (o)[d] = fmaf(ps, LOAD(vr[d]), (o)[d]);                \
+        }                                                                                            \
+    } while (0)
+#ifdef __AVX512F__
+static inline __m512 load16_bf16(const uint16_t *a, __mmask16 live) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, a)), 16));
+}
+static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_maskz_loadu_ps(live, a); }
+#define WEIGHTED_SUM_VECTOR(SUFFIX, T_ELEM, p, v, S, D, o)                                          \
+    for (int64_t d0 = 0; d0 < (D); d0 += 64) {                                                       \
+        __mmask16 live[4];                                                                           \
+        for (int j = 0; j < 4; j++) {                                                                \
+            int64_t left = (D) - d0 - 16 * j;                                                        \
+            live[j] = left >= 16 ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1); \
+        }                                                                                            \
+        __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;                                  \
+        for (int64_t s = 0; s < (S); s++) {                                                          \
+            float ps = (p)[s];                                                                       \
+            if (ps == 0.0f) continue;                                                                \
+            const T_ELEM *vr = (v) + s * (D) + d0;                                                   \
+            __m512 pv = _mm512_set1_ps(ps);                                                          \
+            o0 = _mm512_fmadd_ps(pv, load16_##SUFFIX(vr, live[0]), o0);                              \
+            o1 = _mm512_fmadd_ps(pv, load16_##SUFFIX(vr + 16, live[1]), o1);                         \
+            o2 = _mm512_fmadd_ps(pv, load16_##SUFFIX(vr + 32, live[2]), o2);                         \
+            o3 = _mm512_fmadd_ps(pv, load16_##SUFFIX(vr + 48, live[3]), o3);                         \
+        }                                                                                            \
+        float lanes_[64];                                                                            \
+        _mm512_storeu_ps(lanes_, o0); _mm512_storeu_ps(lanes_ + 16, o1);                             \
+        _mm512_storeu_ps(lanes_ + 32, o2); _mm512_storeu_ps(lanes_ + 48, o3);                        \
+        for (int64_t d = d0; d < (D) && d < d0 + 64; d++) (o)[d] = lanes_[d - d0];                   \
+    }
+#define WEIGHTED_SUM_bf16(p, v, S, D, o) WEIGHTED_SUM_VECTOR(bf16, uint16_t, p, v, S, D, o)
+#define WEIGHTED_SUM_f32(p, v, S, D, o) WEIGHTED_SUM_VECTOR(f32, float, p, v, S, D, o)
+#else
+#define WEIGHTED_SUM_bf16(p, v, S, D, o) WEIGHTED_SUM_PORTABLE(uint16_t, bf16_to_f32, p, v, S, D, o)
+#define WEIGHTED_SUM_f32(p, v, S, D, o) WEIGHTED_SUM_PORTABLE(float, IDENTITY, p, v, S, D, o)
+#endif
+
+/* row[s] = exp(row[s] - top) (0 for -inf), and sums[l] += row[s] for s = l mod 16, in s order. */
+#ifdef __AVX512F__
+#define EXP_SUM(row, S, top, sums)                                                                   \
+    do {                                                                                             \
+        __m512 sum_ = _mm512_loadu_ps(sums), top_ = _mm512_set1_ps(top);                             \
+        for (int64_t s0 = 0; s0 < (S); s0 += LANES) {                                                \
+            __mmask16 live = (S) - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << ((S) - s0)) - 1); \
+            __m512 x = _mm512_maskz_loadu_ps(live, (row) + s0);                                      \
+            __mmask16 seen = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); \
+            __m512 p = _mm512_maskz_mov_ps(seen, exp_fixed16(_mm512_sub_ps(x, top_)));               \
+            _mm512_mask_storeu_ps((row) + s0, live, p);                                              \
+            sum_ = _mm512_mask_add_ps(sum_, live, sum_, p);                                          \
+        }                                                                                            \
+        _mm512_storeu_ps(sums, sum_);                                                                \
+    } while (0)
+#else
+#define EXP_SUM(row, S, top, sums)                                                                   \
+    for (int64_t s0 = 0; s0 < (S); s0 += LANES)                                                      \
+        for (int l = 0; l < LANES && s0 + l < (S); l++) {                                            \
+            float x_ = (row)[s0 + l];                                                                \
+            float p_ = x_ == -INFINITY ? 0.0f : exp_fixed(x_ - (top));                               \
+            (row)[s0 + l] = p_;                                                                      \
+            (sums)[l] += p_;                                                                         \
+        }
+#endif
+
+#define ATTENTION(NAME, SUFFIX, T_ELEM, LOAD, STORE)                                                         \
+static void NAME##_body(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask,      \
+                        T_ELEM *out, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S,        \
+                        int64_t D, int64_t kv_batch, int64_t kv_head, float scale, float *scores) {  \
     int64_t group = H / Hkv, tiles = (S + KEY_TILE - 1) / KEY_TILE;                                  \
-    _Pragma("omp parallel num_threads(threads)")                                                     \
-    {                                                                                                \
     _Pragma("omp for schedule(static)")                                                              \
     for (int64_t job = 0; job < B * Hkv * tiles; job++) {                                            \
         int64_t b = job / (Hkv * tiles), g = (job / tiles) % Hkv, s0 = (job % tiles) * KEY_TILE;     \
@@ -350,60 +450,69 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         float top = -INFINITY;                                                                       \
         for (int64_t s = 0; s < S; s++) top = row[s] > top ? row[s] : top;                           \
         float sums[LANES] = {0};                                                                     \
-        for (int64_t s0 = 0; s0 < S; s0 += LANES)                                                    \
-            for (int l = 0; l < LANES && s0 + l < S; l++) {                                          \
-                float x = row[s0 + l];                                                               \
-                float p = x == -INFINITY ? 0.0f : exp_fixed(x - top);                                \
-                row[s0 + l] = p;                                                                     \
-                sums[l] += p;                                                                        \
-            }                                                                                        \
+        EXP_SUM(row, S, top, sums);                                                                  \
         float total = fold_lanes(sums), o[512];                                                      \
-        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;                                                 \
-        for (int64_t s = 0; s < S; s++) {                                                            \
-            float p = row[s];                                                                        \
-            if (p == 0.0f) continue;                                                                 \
-            const T_ELEM *vr = vb + s * D;                                                           \
-            for (int64_t d = 0; d < D; d++) o[d] = fmaf(p, LOAD(vr[d]), o[d]);                       \
-        }                                                                                            \
+        WEIGHTED_SUM_##SUFFIX(row, vb, S, D, o);                                                     \
         float inv = total > 0.0f ? 1.0f / total : 0.0f;                                              \
         T_ELEM *outr = out + item * D;                                                               \
         for (int64_t d = 0; d < D; d++) outr[d] = STORE(o[d] * inv);                                 \
     }                                                                                                \
-    }                                                                                                \
+}                                                                                                    \
+void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask, T_ELEM *out,       \
+          int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,                        \
+          int64_t kv_batch, int64_t kv_head, float scale, float *scores, int threads) {              \
+    _Pragma("omp parallel num_threads(threads)")                                                     \
+    NAME##_body(q, k, v, mask, out, B, T, H, Hkv, S, D, kv_batch, kv_head, scale, scores);          \
 }
 
-ATTENTION(d3d_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-ATTENTION(d3d_attention_f32, float, IDENTITY, IDENTITY)
+ATTENTION(d3d_attention_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+ATTENTION(d3d_attention_f32, f32, float, IDENTITY, IDENTITY)
 
 /* ---------------------------------------------------------------------------------------------
  * RMSNorm with transformers' rounding: y = weight * to_dtype(x * rsqrt(mean(x²) + eps)), the
- * normalisation in fp32. SwiGLU: y = to_dtype(silu(gate)) * up for gate_up = [gate | up] (M, 2I).
+ * normalisation in fp32 (in place allowed: y = x). SwiGLU: y = to_dtype(silu(gate)) * up for
+ * gate_up = [gate | up] (M, 2I), elementwise.
  * ------------------------------------------------------------------------------------------- */
 
+#define SILU_CHUNK 256  /* elements of one row per work item: a 1-row call still splits */
+
 #define NORMS(SUFFIX, T_ELEM, LOAD, STORE)                                                           \
+static inline void rms_norm_row_##SUFFIX(const T_ELEM *xr, const T_ELEM *weight, T_ELEM *yr, int64_t D, \
+                                         float eps) {                                                \
+    float acc[LANES] = {0};                                                                          \
+    int64_t d = 0;                                                                                   \
+    for (; d + LANES <= D; d += LANES)                                                               \
+        for (int l = 0; l < LANES; l++) { float f = LOAD(xr[d + l]); acc[l] = fmaf(f, f, acc[l]); }  \
+    for (int l = 0; d + l < D; l++) { float f = LOAD(xr[d + l]); acc[l] = fmaf(f, f, acc[l]); }      \
+    float r = 1.0f / sqrtf(fold_lanes(acc) / (float)D + eps);                                        \
+    for (d = 0; d < D; d++) yr[d] = STORE(LOAD(weight[d]) * LOAD(STORE(LOAD(xr[d]) * r)));           \
+}                                                                                                    \
+static void rms_norm_body_##SUFFIX(const T_ELEM *x, const T_ELEM *weight, T_ELEM *y, int64_t M,      \
+                                   int64_t D, float eps) {                                           \
+    _Pragma("omp for schedule(static)")                                                              \
+    for (int64_t m = 0; m < M; m++) rms_norm_row_##SUFFIX(x + m * D, weight, y + m * D, D, eps);     \
+}                                                                                                    \
 void d3d_rms_norm_##SUFFIX(const T_ELEM *x, const T_ELEM *weight, T_ELEM *y, int64_t M, int64_t D,   \
                            float eps, int threads) {                                                 \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if(M > 1)")                             \
-    for (int64_t m = 0; m < M; m++) {                                                                \
-        const T_ELEM *xr = x + m * D;                                                                \
-        float acc[LANES] = {0};                                                                      \
-        int64_t d = 0;                                                                               \
-        for (; d + LANES <= D; d += LANES)                                                           \
-            for (int l = 0; l < LANES; l++) { float f = LOAD(xr[d + l]); acc[l] = fmaf(f, f, acc[l]); } \
-        for (int l = 0; d + l < D; l++) { float f = LOAD(xr[d + l]); acc[l] = fmaf(f, f, acc[l]); }  \
-        float r = 1.0f / sqrtf(fold_lanes(acc) / (float)D + eps);                                    \
-        for (d = 0; d < D; d++)                                                                      \
-            y[m * D + d] = STORE(LOAD(weight[d]) * LOAD(STORE(LOAD(xr[d]) * r)));                    \
-    }                                                                                                \
+    _Pragma("omp parallel num_threads(threads) if(M > 1)")                                           \
+    rms_norm_body_##SUFFIX(x, weight, y, M, D, eps);                                                 \
 }                                                                                                    \
-void d3d_silu_mul_##SUFFIX(const T_ELEM *gate_up, T_ELEM *y, int64_t M, int64_t I, int threads) {    \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if(M > 1)")                             \
-    for (int64_t m = 0; m < M; m++)                                                                  \
-        for (int64_t i = 0; i < I; i++) {                                                            \
+static void silu_mul_body_##SUFFIX(const T_ELEM *gate_up, T_ELEM *y, int64_t M, int64_t I) {         \
+    int64_t chunks = (I + SILU_CHUNK - 1) / SILU_CHUNK;                                              \
+    _Pragma("omp for schedule(static)")                                                              \
+    for (int64_t job = 0; job < M * chunks; job++) {                                                 \
+        int64_t m = job / chunks, i0 = (job % chunks) * SILU_CHUNK;                                  \
+        int64_t i1 = i0 + SILU_CHUNK < I ? i0 + SILU_CHUNK : I;                                      \
+        for (int64_t i = i0; i < i1; i++) {                                                          \
             float g = LOAD(gate_up[m * 2 * I + i]);                                                  \
             float silu = LOAD(STORE(g / (1.0f + exp_fixed(-g))));                                    \
             y[m * I + i] = STORE(silu * LOAD(gate_up[m * 2 * I + I + i]));                           \
         }                                                                                            \
+    }                                                                                                \
+}                                                                                                    \
+void d3d_silu_mul_##SUFFIX(const T_ELEM *gate_up, T_ELEM *y, int64_t M, int64_t I, int threads) {    \
+    _Pragma("omp parallel num_threads(threads) if(M > 1)")                                           \
+    silu_mul_body_##SUFFIX(gate_up, y, M, I);                                                        \
 }
 
 NORMS(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
@@ -413,12 +522,13 @@ NORMS(f32, float, IDENTITY, IDENTITY)
  * RoPE and the KV store: from qkv (M, (H + 2 Hkv) D) rows, M = B*T, write q rotated to
  * q_out (M, H, D) and k rotated, v as is into the cache slots start … start+T-1 of batch row b at
  * k_cache + b*kv_batch + g*kv_head + slot*D. Rotation with PyTorch's rounding:
- * to_dtype(to_dtype(x*cos) + to_dtype(rotate_half(x)*sin)); cos/sin (M, D) rows of each token.
+ * to_dtype(to_dtype(x*cos) + to_dtype(rotate_half(x)*sin)). Row m's cos/sin are row m of cos_/sin_
+ * (M, D), or with `positions`, row positions[m] of tables cos_/sin_ (P, D).
  * ------------------------------------------------------------------------------------------- */
 
-#define ROPE_STORE(NAME, T_ELEM, LOAD, STORE)                                                        \
-static inline void NAME##_rotate(const T_ELEM *x, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *out, \
-                                 int64_t D) {                                                        \
+#define ROPE_STORE(SUFFIX, T_ELEM, LOAD, STORE)                                                      \
+static inline void rotate_##SUFFIX(const T_ELEM *x, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *out, \
+                                   int64_t D) {                                                      \
     int64_t half = D / 2;                                                                            \
     for (int64_t d = 0; d < D; d++) {                                                                \
         float rot = d < half ? -LOAD(x[d + half]) : LOAD(x[d - half]);                               \
@@ -426,24 +536,134 @@ static inline void NAME##_rotate(const T_ELEM *x, const T_ELEM *cos_, const T_EL
         out[d] = STORE(a + b);                                                                       \
     }                                                                                                \
 }                                                                                                    \
-void NAME(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *q_out, T_ELEM *k_cache, \
-          T_ELEM *v_cache, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t start,   \
-          int64_t kv_batch, int64_t kv_head) {                                                       \
+static void rope_store_body_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM *sin_,      \
+                                     const int64_t *positions, T_ELEM *q_out, T_ELEM *k_cache,       \
+                                     T_ELEM *v_cache, int64_t B, int64_t T, int64_t H, int64_t Hkv,  \
+                                     int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head) {  \
     int64_t width = (H + 2 * Hkv) * D;                                                               \
     for (int64_t m = 0; m < B * T; m++) {                                                            \
-        int64_t b = m / T, slot = start + m % T;                                                     \
-        const T_ELEM *row = qkv + m * width, *c = cos_ + m * D, *s = sin_ + m * D;                   \
-        for (int64_t h = 0; h < H; h++) NAME##_rotate(row + h * D, c, s, q_out + (m * H + h) * D, D); \
+        int64_t b = m / T, slot = start + m % T, row_at = (positions ? positions[m] : m) * D;        \
+        const T_ELEM *row = qkv + m * width, *c = cos_ + row_at, *s = sin_ + row_at;                 \
+        for (int64_t h = 0; h < H; h++) rotate_##SUFFIX(row + h * D, c, s, q_out + (m * H + h) * D, D); \
         for (int64_t g = 0; g < Hkv; g++) {                                                          \
             int64_t at = b * kv_batch + g * kv_head + slot * D;                                      \
-            NAME##_rotate(row + (H + g) * D, c, s, k_cache + at, D);                                 \
+            rotate_##SUFFIX(row + (H + g) * D, c, s, k_cache + at, D);                               \
             memcpy(v_cache + at, row + (H + Hkv + g) * D, D * sizeof(T_ELEM));                       \
         }                                                                                            \
     }                                                                                                \
+}                                                                                                    \
+void d3d_rope_store_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *q_out, \
+                             T_ELEM *k_cache, T_ELEM *v_cache, int64_t B, int64_t T, int64_t H,      \
+                             int64_t Hkv, int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head) { \
+    rope_store_body_##SUFFIX(qkv, cos_, sin_, NULL, q_out, k_cache, v_cache, B, T, H, Hkv, D, start, \
+                             kv_batch, kv_head);                                                     \
 }
 
-ROPE_STORE(d3d_rope_store_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-ROPE_STORE(d3d_rope_store_f32, float, IDENTITY, IDENTITY)
+ROPE_STORE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+ROPE_STORE(f32, float, IDENTITY, IDENTITY)
+
+/* ---------------------------------------------------------------------------------------------
+ * The whole decoder in one call: every layer, then the final norm, over a KV cache, in one
+ * parallel region. Each stage is the body of the per-op kernel above (the same code, so the same
+ * bits as a forward made of per-op calls); the implicit barrier after each stage orders them.
+ *
+ * `layers` holds LAYER_SLOTS pointers per layer: input norm, qkv weight, qkv bias, q norm, k norm,
+ * o weight, o bias, post-attention norm, gate_up weight, gate_up bias, down weight, down bias —
+ * NULL for an absent bias or q/k norm; weights in the packed layout when `packed`. `x` (M, hidden)
+ * is the residual stream, updated in place; `out` gets the final norm of it. Caches: element
+ * (l, b, g, s, d) at l*kv_layer + b*kv_batch + g*kv_head + s*D + d; the new tokens go to slots
+ * start … start+T-1. `rope`: (2, P, D) cos and sin tables; `positions` (M) rows of them. `mask`:
+ * (B, T, start+T) bytes, or NULL for causal. Scratch: `work` (M, hidden + width + 2 H D + 3 I)
+ * elements, `scores` B*T*H*(start+T) floats.
+ * ------------------------------------------------------------------------------------------- */
+
+#define LAYER_SLOTS 12
+
+/* Built with -DD3D_PROFILE (scripts/profile_step.py), the forward adds each stage's wall time,
+ * taken by thread 0 after the stage's barrier, to d3d_stage_seconds. */
+enum { STAGE_NORM, STAGE_QKV, STAGE_ROPE, STAGE_ATTENTION, STAGE_O, STAGE_GATE_UP, STAGE_SILU, STAGE_DOWN, STAGES };
+double d3d_stage_seconds[STAGES];
+#ifdef D3D_PROFILE
+#define STAGE(name) do { if (omp_get_thread_num() == 0) { double now_ = omp_get_wtime();                 \
+                         d3d_stage_seconds[name] += now_ - stage_clock_; stage_clock_ = now_; } } while (0)
+#else
+#define STAGE(name) do { } while (0)
+#endif
+
+#define FORWARD(SUFFIX, T_ELEM)                                                                      \
+void d3d_forward_##SUFFIX(const void *const *layers, int64_t L, int64_t hidden, int64_t H, int64_t Hkv, \
+                          int64_t D, int64_t I, float eps, float scale, int packed, T_ELEM *x,       \
+                          const T_ELEM *rope, const int64_t *positions, int64_t P,                   \
+                          T_ELEM *k_cache, T_ELEM *v_cache, int64_t kv_layer, int64_t kv_batch,      \
+                          int64_t kv_head, int64_t start, const uint8_t *mask, int64_t B, int64_t T, \
+                          const T_ELEM *final_norm, T_ELEM *out, T_ELEM *work, float *scores,        \
+                          int threads) {                                                             \
+    int64_t M = B * T, S = start + T, width = (H + 2 * Hkv) * D;                                     \
+    T_ELEM *normed = work, *qkv = normed + M * hidden, *q = qkv + M * width, *attn = q + M * H * D;  \
+    T_ELEM *gate_up = attn + M * H * D, *act = gate_up + M * 2 * I;                                  \
+    _Pragma("omp parallel num_threads(threads)")                                                     \
+    {                                                                                                \
+    double stage_clock_ = omp_get_wtime();                                                           \
+    (void)stage_clock_;                                                                              \
+    for (int64_t l = 0; l < L; l++) {                                                                \
+        const T_ELEM *const *w = (const T_ELEM *const *)(layers + l * LAYER_SLOTS);                  \
+        T_ELEM *keys = k_cache + l * kv_layer, *values = v_cache + l * kv_layer;                     \
+        rms_norm_body_##SUFFIX(x, w[0], normed, M, hidden, eps);                                     \
+        STAGE(STAGE_NORM);                                                                           \
+        linear_##SUFFIX(normed, hidden, w[1], w[2], NULL, qkv, M, width, hidden, packed);            \
+        STAGE(STAGE_QKV);                                                                            \
+        if (w[3]) {  /* Qwen3: RMSNorm of every q and k head, in place */                            \
+            _Pragma("omp for schedule(static)")                                                      \
+            for (int64_t item = 0; item < M * (H + Hkv); item++) {                                   \
+                int64_t m = item / (H + Hkv), j = item % (H + Hkv);                                  \
+                T_ELEM *head = qkv + m * width + j * D;                                              \
+                rms_norm_row_##SUFFIX(head, j < H ? w[3] : w[4], head, D, eps);                      \
+            }                                                                                        \
+        }                                                                                            \
+        _Pragma("omp single")                                                                        \
+        rope_store_body_##SUFFIX(qkv, rope, rope + P * D, positions, q, keys, values, B, T, H, Hkv, D, \
+                                 start, kv_batch, kv_head);                                          \
+        STAGE(STAGE_ROPE);                                                                           \
+        d3d_attention_##SUFFIX##_body(q, keys, values, mask, attn, B, T, H, Hkv, S, D, kv_batch,     \
+                                      kv_head, scale, scores);                                       \
+        STAGE(STAGE_ATTENTION);                                                                      \
+        linear_##SUFFIX(attn, H * D, w[5], w[6], x, x, M, hidden, H * D, packed);                    \
+        STAGE(STAGE_O);                                                                              \
+        rms_norm_body_##SUFFIX(x, w[7], normed, M, hidden, eps);                                     \
+        STAGE(STAGE_NORM);                                                                           \
+        linear_##SUFFIX(normed, hidden, w[8], w[9], NULL, gate_up, M, 2 * I, hidden, packed);        \
+        STAGE(STAGE_GATE_UP);                                                                        \
+        silu_mul_body_##SUFFIX(gate_up, act, M, I);                                                  \
+        STAGE(STAGE_SILU);                                                                           \
+        linear_##SUFFIX(act, I, w[10], w[11], x, x, M, hidden, I, packed);                           \
+        STAGE(STAGE_DOWN);                                                                           \
+    }                                                                                                \
+    rms_norm_body_##SUFFIX(x, final_norm, out, M, hidden, eps);                                      \
+    STAGE(STAGE_NORM);                                                                               \
+    }                                                                                                \
+}
+
+/* The linear body a weight's layout takes (the same choice the per-op call makes). */
+static void linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                        const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, int packed) {
+#ifdef D3D_AVX512_BF16
+    if (packed) { d3d_linear_packed_bf16_body(x, x_stride, w, bias, residual, y, M, N, K); return; }
+#endif
+    (void)packed;
+    d3d_linear_bf16_body(x, x_stride, w, bias, residual, y, M, N, K);
+}
+
+static void linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias,
+                       const float *residual, float *y, int64_t M, int64_t N, int64_t K, int packed) {
+#ifdef __AVX512F__
+    if (packed) { d3d_linear_packed_f32_body(x, x_stride, w, bias, residual, y, M, N, K); return; }
+#endif
+    (void)packed;
+    d3d_linear_f32_body(x, x_stride, w, bias, residual, y, M, N, K);
+}
+
+FORWARD(bf16, uint16_t)
+FORWARD(f32, float)
 
 /* Which path this build took, for `d3d doctor`. */
 const char *d3d_kernel_path(void) {
