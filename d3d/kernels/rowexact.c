@@ -239,49 +239,47 @@ LINEAR(d3d_linear_f32, float, IDENTITY, IDENTITY, dot_block_f32)
 
 #define PACKED_LINEAR(NAME, T_ELEM, LOAD, STORE, STEPS, STEP_ELEMS, BROADCAST, FMA)                   \
 static inline __attribute__((always_inline)) void NAME##_tile(                                       \
-        const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, int64_t K, const int R,                 \
+        const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, int64_t K, const int R, const int G,    \
         const T_ELEM *ahead, __m512 acc[TILE_ROWS][GROUPS]) {                                        \
     int64_t group_elems = (int64_t)(STEPS) * 16 * (STEP_ELEMS);                                      \
     for (int r = 0; r < R; r++)                                                                      \
-        for (int g = 0; g < GROUPS; g++) acc[r][g] = _mm512_setzero_ps();                            \
+        for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();                                 \
     for (int64_t i = 0; i < (STEPS); i++) {                                                          \
         const T_ELEM *wi = wp + i * 16 * (STEP_ELEMS);                                               \
-        if (ahead) for (int g = 0; g < GROUPS; g++)                                                  \
+        if (ahead) for (int g = 0; g < G; g++)                                                       \
             __builtin_prefetch((const char *)(ahead + g * group_elems + i * 16 * (STEP_ELEMS)), 0, 0); \
-        __m512 w0 = LOADW(wi), w1 = LOADW(wi + group_elems), w2 = LOADW(wi + 2 * group_elems),       \
-               w3 = LOADW(wi + 3 * group_elems);                                                     \
+        __m512 wv[GROUPS];                                                                           \
+        for (int g = 0; g < G; g++) wv[g] = LOADW(wi + g * group_elems);                             \
         for (int r = 0; r < R; r++) {                                                                \
             __m512 xr = BROADCAST(x + r * x_stride, i);                                              \
-            acc[r][0] = FMA(acc[r][0], xr, w0); acc[r][1] = FMA(acc[r][1], xr, w1);                  \
-            acc[r][2] = FMA(acc[r][2], xr, w2); acc[r][3] = FMA(acc[r][3], xr, w3);                  \
+            for (int g = 0; g < G; g++) acc[r][g] = FMA(acc[r][g], xr, wv[g]);                       \
         }                                                                                            \
     }                                                                                                \
 }                                                                                                    \
+/* Threads own runs of 16-column groups, as even as possible (576 columns: 18 groups each); each   \
+ * run goes in tiles of up to 4 groups x 6 rows. */                                                 \
 static void NAME##_body(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, const T_ELEM *bias,     \
                         const T_ELEM *residual, T_ELEM *y, int64_t M, int64_t N, int64_t K) {        \
-    int64_t blocks = (N + 16 * GROUPS - 1) / (16 * GROUPS);                                          \
-    int64_t group_elems = (int64_t)(STEPS) * 16 * (STEP_ELEMS);                                      \
-    _Pragma("omp for schedule(static)")                                                              \
-    for (int64_t blk = 0; blk < blocks; blk++) {                                                     \
-        int64_t n0 = blk * 16 * GROUPS;                                                              \
-        const T_ELEM *w = wp + blk * GROUPS * group_elems;                                           \
-        const T_ELEM *ahead = blk + AHEAD < blocks ? w + AHEAD * GROUPS * group_elems : NULL;        \
+    int64_t groups = (N + 15) / 16, group_elems = (int64_t)(STEPS) * 16 * (STEP_ELEMS);              \
+    int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();                              \
+    int64_t first = groups * me / threads, last = groups * (me + 1) / threads;                       \
+    for (int64_t g0 = first; g0 < last; g0 += GROUPS) {                                              \
+        int G = last - g0 < GROUPS ? (int)(last - g0) : GROUPS;                                      \
+        int64_t n0 = g0 * 16;                                                                        \
+        const T_ELEM *w = wp + g0 * group_elems;                                                     \
+        /* the first pass over these columns also pulls in the tile AHEAD tiles further on */       \
+        const T_ELEM *ahead = g0 + AHEAD * GROUPS < last ? w + AHEAD * GROUPS * group_elems : NULL;  \
         /* rows in tiles of at most 6, as even as possible: 17 rows → 6, 6, 5 */                     \
         int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;                                             \
         for (int64_t t = 0, m0 = 0; t < tiles; t++, ahead = NULL) {                                  \
             int R = (int)((M - m0) / (tiles - t));                                                   \
             __m512 acc[TILE_ROWS][GROUPS];                                                           \
             const T_ELEM *xt = x + m0 * x_stride;                                                    \
-            switch (R) {  /* one specialised loop per tile height */                                 \
-                case 1: NAME##_tile(xt, x_stride, w, K, 1, ahead, acc); break;                       \
-                case 2: NAME##_tile(xt, x_stride, w, K, 2, ahead, acc); break;                       \
-                case 3: NAME##_tile(xt, x_stride, w, K, 3, ahead, acc); break;                       \
-                case 4: NAME##_tile(xt, x_stride, w, K, 4, ahead, acc); break;                       \
-                case 5: NAME##_tile(xt, x_stride, w, K, 5, ahead, acc); break;                       \
-                default: NAME##_tile(xt, x_stride, w, K, 6, ahead, acc); break;                      \
+            switch (G * 8 + R) {  /* one specialised loop per tile height and width */              \
+                TILE_CASES(NAME, 1) TILE_CASES(NAME, 2) TILE_CASES(NAME, 3) TILE_CASES(NAME, 4)      \
             }                                                                                        \
             for (int r = 0; r < R; r++)                                                              \
-                for (int g = 0; g < GROUPS; g++) {                                                   \
+                for (int g = 0; g < G; g++) {                                                        \
                     float lanes[16];                                                                 \
                     _mm512_storeu_ps(lanes, acc[r][g]);                                              \
                     for (int j = 0; j < 16 && n0 + g * 16 + j < N; j++) {                            \
@@ -295,12 +293,17 @@ static void NAME##_body(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, con
             m0 += R;                                                                                 \
         }                                                                                            \
     }                                                                                                \
+    _Pragma("omp barrier")                                                                           \
 }                                                                                                    \
 void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, const T_ELEM *bias, const T_ELEM *residual, \
           T_ELEM *y, int64_t M, int64_t N, int64_t K, int threads) {                                 \
     _Pragma("omp parallel num_threads(threads)")                                                     \
     NAME##_body(x, x_stride, wp, bias, residual, y, M, N, K);                                        \
 }
+
+#define TILE_CASE(NAME, G, R) case G * 8 + R: NAME##_tile(xt, x_stride, w, K, R, G, ahead, acc); break;
+#define TILE_CASES(NAME, G) TILE_CASE(NAME, G, 1) TILE_CASE(NAME, G, 2) TILE_CASE(NAME, G, 3)            \
+                            TILE_CASE(NAME, G, 4) TILE_CASE(NAME, G, 5) TILE_CASE(NAME, G, 6)
 
 #define LOADW(p) _mm512_loadu_ps((const float *)(p))  /* 64 bytes: 16 floats or 16 bf16 pairs */
 #define BROADCAST_F32(row, i) _mm512_set1_ps((row)[i])
