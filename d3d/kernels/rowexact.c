@@ -230,7 +230,9 @@ LINEAR(d3d_linear_f32, float, IDENTITY, IDENTITY, dot_block_f32)
  * of 16 output columns — bf16 (N/16, K/2, 16, 2), fp32 (N/16, K, 16). Each accumulator lane is
  * one output column, fed by one FMA chain over k in order (bf16: vdpbf16ps over k pairs); no
  * horizontal sum. A tile is up to 6 rows x 4 column groups (64 columns); the row count only
- * decides how rows are grouped into tiles, never a row's own chain.
+ * decides how rows are grouped into tiles, never a row's own chain. No software prefetch: with
+ * the weights in huge pages the hardware prefetchers stream them faster without it (measured on
+ * AMD EPYC Zen 4: ~5% per step).
  * ------------------------------------------------------------------------------------------- */
 
 #if defined(__AVX512F__)
@@ -240,14 +242,12 @@ LINEAR(d3d_linear_f32, float, IDENTITY, IDENTITY, dot_block_f32)
 #define PACKED_LINEAR(NAME, T_ELEM, LOAD, STORE, STEPS, STEP_ELEMS, BROADCAST, FMA)                   \
 static inline __attribute__((always_inline)) void NAME##_tile(                                       \
         const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, int64_t K, const int R, const int G,    \
-        const T_ELEM *ahead, __m512 acc[TILE_ROWS][GROUPS]) {                                        \
+        __m512 acc[TILE_ROWS][GROUPS]) {                                                             \
     int64_t group_elems = (int64_t)(STEPS) * 16 * (STEP_ELEMS);                                      \
     for (int r = 0; r < R; r++)                                                                      \
         for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();                                 \
     for (int64_t i = 0; i < (STEPS); i++) {                                                          \
         const T_ELEM *wi = wp + i * 16 * (STEP_ELEMS);                                               \
-        if (ahead) for (int g = 0; g < G; g++)                                                       \
-            __builtin_prefetch((const char *)(ahead + g * group_elems + i * 16 * (STEP_ELEMS)), 0, 0); \
         __m512 wv[GROUPS];                                                                           \
         for (int g = 0; g < G; g++) wv[g] = LOADW(wi + g * group_elems);                             \
         for (int r = 0; r < R; r++) {                                                                \
@@ -267,11 +267,9 @@ static void NAME##_body(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, con
         int G = last - g0 < GROUPS ? (int)(last - g0) : GROUPS;                                      \
         int64_t n0 = g0 * 16;                                                                        \
         const T_ELEM *w = wp + g0 * group_elems;                                                     \
-        /* the first pass over these columns also pulls in the tile AHEAD tiles further on */       \
-        const T_ELEM *ahead = g0 + AHEAD * GROUPS < last ? w + AHEAD * GROUPS * group_elems : NULL;  \
         /* rows in tiles of at most 6, as even as possible: 17 rows → 6, 6, 5 */                     \
         int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;                                             \
-        for (int64_t t = 0, m0 = 0; t < tiles; t++, ahead = NULL) {                                  \
+        for (int64_t t = 0, m0 = 0; t < tiles; t++) {                                                \
             int R = (int)((M - m0) / (tiles - t));                                                   \
             __m512 acc[TILE_ROWS][GROUPS];                                                           \
             const T_ELEM *xt = x + m0 * x_stride;                                                    \
@@ -301,7 +299,7 @@ void NAME(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, const T_ELEM *bia
     NAME##_body(x, x_stride, wp, bias, residual, y, M, N, K);                                        \
 }
 
-#define TILE_CASE(NAME, G, R) case G * 8 + R: NAME##_tile(xt, x_stride, w, K, R, G, ahead, acc); break;
+#define TILE_CASE(NAME, G, R) case G * 8 + R: NAME##_tile(xt, x_stride, w, K, R, G, acc); break;
 #define TILE_CASES(NAME, G) TILE_CASE(NAME, G, 1) TILE_CASE(NAME, G, 2) TILE_CASE(NAME, G, 3)            \
                             TILE_CASE(NAME, G, 4) TILE_CASE(NAME, G, 5) TILE_CASE(NAME, G, 6)
 
