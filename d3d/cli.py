@@ -312,7 +312,7 @@ def doctor_command(args: argparse.Namespace) -> int:
     from d3d.doctor import as_json, doctor, format_report
 
     dtypes = [DTYPES[name] for name in args.dtypes.split(",")] if args.dtypes else [torch.bfloat16, torch.float32]
-    machine, results = doctor(args.target, dtypes)
+    machine, results = doctor(args.target, dtypes, None if args.drafter == "none" else args.drafter, args.recalibrate)
     print(json.dumps(as_json(machine, results)) if args.json else format_report(machine, results))
     return 0 if all(p.invariant for paths in results.values() for p in paths if p.used) else 1
 
@@ -462,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("doctor", help="this machine: kernels, the row-invariance self-check, what exactness costs")
     p.add_argument("--target", default="default", help="as in `d3d generate`")
     p.add_argument("--dtypes", default=None, help="comma-separated, e.g. bfloat16 (default: bfloat16,float32)")
+    p.add_argument("--drafter", default="default", help="the drafter whose costs the gate weighs, as in `d3d generate`")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure the gate's verification and drafting costs again (e.g. after a busy moment)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.set_defaults(handler=doctor_command)
     return parser

@@ -1,4 +1,5 @@
-"""`d3d doctor`: what this machine gives d3d — CPU, kernels, the row-invariance check and its costs.
+"""`d3d doctor`: what this machine gives d3d — CPU, kernels, the row-invariance check and its costs,
+and the speculation gate's measured costs.
 
 For each dtype it loads the target, runs the self-check of `d3d.exactness` afresh (k-row forwards
 against one-row steps, k = 1 … 17, bit for bit) for the kernels decoding uses and for PyTorch's
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from d3d.costs import forward_costs
 from d3d.exactness import MAX_ROWS, check_row_invariance, cpu_name
 from d3d.kernels import KernelBuildError, cpu_flags_line, row_exact_kernels
 from d3d.models import Decoder
@@ -105,21 +107,37 @@ def format_report(machine: dict, results: dict[str, list[PathCost]]) -> str:
             lines.append(f"{dtype:<9} {name[:58]:<58} {check:<22} {path.step_ms:>8.1f} {path.verify_ms:>13.1f} "
                          f"{path.verify_steps:>12.2f}")
     lines += ["", "→ marks the path decoding uses. A path that differs would verify row by row (17 steps per "
-              "verification); decoding is then still exact, only slower."]
+              "verification); decoding is then still exact, only slower.", ""]
+    for key, costs in machine.items():
+        if key.startswith("gate_costs_"):
+            verify = costs["verify"]
+            shown = ", ".join(f"{k}: {verify[k]:.2f}" for k in (1, 2, 4, 8, len(verify) - 1) if k < len(verify))
+            drafter = f"; a drafter pass {costs['drafter']:.2f}" if costs["drafter"] else ""
+            lines.append(f"gate costs     {key.removeprefix('gate_costs_')}, in one-token steps of "
+                         f"{costs['step_ms']:.1f} ms — verifying k drafts {shown}{drafter} "
+                         "(measured once, $D3D_CACHE/costs; --recalibrate to redo)")
     return "\n".join(lines)
 
 
-def doctor(target_source: str | None, dtypes: list[torch.dtype]) -> tuple[dict, dict[str, list[PathCost]]]:
+def doctor(target_source: str | None, dtypes: list[torch.dtype], drafter_source: str | None = "default",
+           recalibrate: bool = False) -> tuple[dict, dict[str, list[PathCost]]]:
+    """Check and time each dtype's paths; read (or with `recalibrate`, re-measure) the gate's costs."""
+    from d3d.generation import resolve_drafter
     from d3d.loading import load_target
 
     results, machine = {}, describe_machine()
     for dtype in dtypes:
-        decoder = load_target(target_source, dtype).decoder
+        name = str(dtype).removeprefix("torch.")
+        target = load_target(target_source, dtype)
+        decoder = target.decoder
         fresh = Decoder(decoder.config).to(dtype=dtype)  # unpacked weights: time the packing once
         fresh.load_state_dict(decoder.state_dict())
-        machine[f"pack_seconds_{str(dtype).removeprefix('torch.')}"] = round(fresh.pack_weights(), 3)
+        machine[f"pack_seconds_{name}"] = round(fresh.pack_weights(), 3)
         del fresh
-        results[str(dtype).removeprefix("torch.")] = measure_paths(decoder)
+        results[name] = measure_paths(decoder)
+        drafter, _ = resolve_drafter(target, drafter_source, target_source, None)
+        max_drafts = (drafter.block_size if drafter is not None else 16) - 1  # as the engine asks
+        machine[f"gate_costs_{name}"] = asdict(forward_costs(decoder, drafter, max_drafts, remeasure=recalibrate))
     return machine, results
 
 

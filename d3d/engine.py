@@ -21,9 +21,10 @@ import torch
 
 from d3d.cache import KVCache
 from d3d.config import GenerationConfig, SamplingConfig
+from d3d.costs import forward_costs
 from d3d.drafter import Drafter
 from d3d.exactness import verify_mode
-from d3d.gate import SpeculationGate, drafter_cost
+from d3d.gate import SpeculationGate
 from d3d.lookup import LookupConfig, lookup_drafts
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities, sample
@@ -187,7 +188,8 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
     block_size = drafter.block_size if drafter is not None else 16
     gate = None
     if adaptive:
-        gate = SpeculationGate({"lookup": 0.0, "drafter": drafter_cost(target, drafter) if drafter is not None else 0.0})
+        costs = forward_costs(target, drafter, block_size - 1)
+        gate = SpeculationGate({"lookup": 0.0, "drafter": costs.drafter}, costs.verify)
     if drafter is not None and drafter.config.target_vocab_size != target.config.vocab_size:
         raise ValueError("the drafter was made for another vocabulary")
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)

@@ -106,12 +106,16 @@ def check_row_invariance(decoder: Decoder, max_rows: int = MAX_ROWS, context: in
                             list(range(1, max_rows + 1)), mismatched, time.perf_counter() - started)
 
 
-def _cache_file(decoder: Decoder) -> Path:
-    flags = cpu_flags_line()
+def machine_key(decoder: Decoder) -> list:
+    """What a measurement on `decoder` depends on: CPU, kernel build, torch, dtype, device, threads, shapes."""
     kernels = decoder.row_exact
     build = kernels.path.name if kernels is not None else "torch-" + torch.__version__
-    key = json.dumps([cpu_name(), flags, build, torch.__version__, str(decoder.dtype), str(decoder.device),
-                      torch.get_num_threads(), decoder.config.to_dict()], sort_keys=True)
+    return [cpu_name(), cpu_flags_line(), build, torch.__version__, str(decoder.dtype), str(decoder.device),
+            torch.get_num_threads(), decoder.config.to_dict()]
+
+
+def _cache_file(decoder: Decoder) -> Path:
+    key = json.dumps(machine_key(decoder), sort_keys=True)
     root = cache_root() / "exactness"
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 

@@ -1,7 +1,7 @@
 """When and how far to speculate: a per-request gate over drafting sources.
 
-Proposing k drafts from source s costs one verification of k+1 tokens (1 + c·k one-token steps)
-plus the source's own drafting cost, and commits 1 + Σ_{i≤k} Π_{j≤i} α_j tokens in expectation,
+Proposing k drafts from source s costs one verification of k+1 tokens plus the source's own
+drafting cost, and commits 1 + Σ_{i≤k} Π_{j≤i} α_j tokens in expectation,
 where α_j is the chance that draft j is accepted once drafts 1..j-1 were. A plain step commits 1
 token for cost 1. The gate keeps moving averages of α_j per source, measured on this request, and
 each step proposes the k that maximises tokens ÷ cost — or nothing, when no k beats plain
@@ -9,40 +9,22 @@ decoding. A weak drafter then drafts only its first, likely tokens, and lookup d
 missing fall back to plain decoding instead of slowing the request. Every `explore_every` steps a
 source drafts in full again so the averages follow the text.
 
-Costs are a fixed model, not clock readings: at batch 1 on CPU a one-token forward is bound by
-the bytes of weights it reads and each extra row adds arithmetic; with the row-exact kernels a
-verification of k drafts measured about 1 + 0.075·k one-token steps (bf16, SmolLM2-135M, AMD
-EPYC Zen 4, 2 threads: 1 row 14.2 ms, 4 rows 16.8, 8 rows 21.9, 17 rows 31.6; see
-docs/performance.md). Fixed costs keep the gate's choices — and so the random draws at T > 0 —
-a function of the tokens alone: the same seed gives the same output. Output is lossless either way.
+Costs are measured on the running machine (`d3d.costs`): verifying k drafts costs verify[k]
+one-token steps, a drafter proposal its measured block pass; both stored once per machine, so the
+gate's choices — and so the random draws at T > 0 — are a function of the tokens alone: the same
+seed gives the same output. Output is lossless either way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-from torch import nn
-
-VERIFY_COST_PER_DRAFT = 0.075  # extra cost of each verified draft, in one-token steps
-
-
-def weight_bytes(modules: list[nn.Module]) -> int:
-    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-
-
-def drafter_cost(target, drafter) -> float:
-    """The drafter's block pass in one-token target steps: its share of the weight bytes (both read
-    their head), times what a B-token forward costs over a one-token one."""
-    target_bytes = weight_bytes([target.layers, target.norm]) + target.embed_tokens.weight.nbytes
-    head = drafter.draft_head.nbytes if drafter.config.draft_vocab_size else target.embed_tokens.weight.nbytes
-    share = (weight_bytes([drafter.decoder.layers, drafter.decoder.norm]) + head) / target_bytes
-    return share * (1.0 + VERIFY_COST_PER_DRAFT * (drafter.block_size - 1))
 
 
 @dataclass
 class SpeculationGate:
     draft_costs: dict[str, float]  # drafting cost of each source ("lookup", "drafter") in one-token steps
-    verify_cost_per_draft: float = VERIFY_COST_PER_DRAFT
+    verify_costs: Sequence[float]  # [k]: verifying k drafts, in one-token steps ([0] = 1: a plain step)
     explore_every: int = 8  # steps after which a source drafts in full once more
     weight: float = 0.25  # moving-average weight of the newest observation
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # per source: α_1, α_2, …
@@ -65,7 +47,7 @@ class SpeculationGate:
             return max_drafts
         best, best_rate = 0, 1.0  # plain decoding: one token per unit cost
         for k in range(1, max_drafts + 1):
-            cost = 1.0 + self.verify_cost_per_draft * k + self.draft_costs[source]
+            cost = self.verify_costs[min(k, len(self.verify_costs) - 1)] + self.draft_costs[source]
             rate = self.expected_tokens(source, k) / cost
             if rate > best_rate:
                 best, best_rate = k, rate

@@ -1,5 +1,6 @@
-"""The speculation gate: how many drafts each source proposes, from its measured acceptance and a
-fixed cost model — none when plain decoding pays better, re-tried every `explore_every` steps."""
+"""The speculation gate: how many drafts each source proposes, from its measured acceptance and
+the machine's measured costs — none when plain decoding pays better, re-tried every
+`explore_every` steps; and the cost measurement itself (`d3d.costs`)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,30 @@ import torch
 
 from conftest import make_decoder, tiny_config
 from d3d.drafter import Drafter
-from d3d.gate import VERIFY_COST_PER_DRAFT, SpeculationGate, drafter_cost
+from d3d.costs import forward_costs
+from d3d.gate import SpeculationGate
+
+
+def linear(per_draft: float, drafts: int = 15) -> list[float]:
+    """A cost model where each verified draft adds `per_draft` one-token steps."""
+    return [1 + per_draft * k for k in range(drafts + 1)]
 
 
 def test_an_unknown_source_drafts_in_full():
     """Before any observation a source proposes every draft it may."""
-    assert SpeculationGate({"lookup": 0.0}).num_drafts("lookup", 15) == 15
+    assert SpeculationGate({"lookup": 0.0}, linear(0.1)).num_drafts("lookup", 15) == 15
 
 
 def test_expected_tokens_from_acceptance():
     """1 + α1 + α1·α2 + …; unreached positions borrow the last α."""
-    gate = SpeculationGate({"drafter": 0.1}, acceptance={"drafter": [0.5, 0.5]})
+    gate = SpeculationGate({"drafter": 0.1}, linear(0.1), acceptance={"drafter": [0.5, 0.5]})
     assert gate.expected_tokens("drafter", 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
 
 
 def test_a_weak_drafter_proposes_only_its_likely_drafts():
     """α = (0.6, 0.1, …), drafting cost 0.1, 0.028 steps per verified draft: two drafts pay best,
     all fifteen pay less."""
-    gate = SpeculationGate({"drafter": 0.1}, verify_cost_per_draft=0.028, explore_every=100,
+    gate = SpeculationGate({"drafter": 0.1}, linear(0.028), explore_every=100,
                            acceptance={"drafter": [0.6, 0.1]}, last_used={"drafter": 0})
     def rate(k):
         return gate.expected_tokens("drafter", k) / (1 + 0.028 * k + 0.1)
@@ -37,7 +44,7 @@ def test_a_weak_drafter_proposes_only_its_likely_drafts():
 
 def test_a_useless_source_falls_back_to_plain_steps_and_is_explored():
     """Drafts that are never accepted: zero drafts, except a full try every `explore_every` steps."""
-    gate = SpeculationGate({"lookup": 0.0}, explore_every=4)
+    gate = SpeculationGate({"lookup": 0.0}, linear(0.1), explore_every=4)
     gate.record("lookup", 15, 0)
     decisions = []
     for _ in range(8):
@@ -49,7 +56,7 @@ def test_a_useless_source_falls_back_to_plain_steps_and_is_explored():
 
 def test_acceptance_averages_follow_recent_steps():
     """After misses α1 falls and drafting stops; after full accepts it recovers."""
-    gate = SpeculationGate({"lookup": 0.0}, explore_every=100, weight=0.5)
+    gate = SpeculationGate({"lookup": 0.0}, linear(0.1), explore_every=100, weight=0.5)
     for _ in range(6):
         gate.record("lookup", 15, 0)
     assert gate.num_drafts("lookup", 15) == 0
@@ -58,11 +65,35 @@ def test_acceptance_averages_follow_recent_steps():
     assert gate.num_drafts("lookup", 15) == 15
 
 
-def test_drafter_cost_counts_layers_and_head():
-    """A drafter copying all layers costs about a B-token target forward; fewer layers and a smaller
-    head cost less."""
+def test_the_gate_reads_measured_costs_where_they_bend():
+    """Costs that jump past 8 drafts (a second tile of rows): the gate stops where the jump starts."""
+    costs = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4] + [2.2] * 7
+    gate = SpeculationGate({"lookup": 0.0}, costs, explore_every=100,
+                           acceptance={"lookup": [0.9] * 15}, last_used={"lookup": 0})
+    assert gate.num_drafts("lookup", 15) == 8
+
+
+@torch.no_grad()
+def test_forward_costs_are_measured_once_and_stored(tmp_path, monkeypatch):
+    """Costs come from timed forwards of these models: a plain step is 1, a verification never costs
+    less than a smaller one, a drafter pass costs something; stored on disk, then read back as is."""
+    monkeypatch.setenv("D3D_CACHE", str(tmp_path))
     target = make_decoder(tiny_config(), seed=0)
-    full = Drafter.from_target(target, list(range(target.config.num_layers)))
-    small = Drafter.from_target(target, [0], draft_vocab=torch.arange(8))
-    assert abs(drafter_cost(target, full) - (1 + VERIFY_COST_PER_DRAFT * 15)) < 0.05
-    assert drafter_cost(target, small) < drafter_cost(target, full) / 1.5
+    drafter = Drafter.from_target(target, [0], draft_vocab=torch.arange(8))
+    costs = forward_costs(target, drafter, max_drafts=15)
+    assert len(costs.verify) == 16 and costs.verify[0] == 1.0
+    assert all(a <= b for a, b in zip(costs.verify, costs.verify[1:]))
+    assert costs.drafter > 0 and costs.step_ms > 0
+    assert all(round(c, 2) == c for c in costs.verify)
+    stored = list((tmp_path / "costs").glob("*.json"))
+    assert len(stored) == 1
+    import d3d.costs
+
+    d3d.costs._measured.clear()  # a new process: read from disk, not measured again
+    monkeypatch.setattr(d3d.costs, "measure", lambda *args: pytest.fail("measured twice"))
+    assert forward_costs(target, drafter, max_drafts=15) == costs
+    other = Drafter.from_target(target, [0, 1], draft_vocab=torch.arange(8))
+    monkeypatch.undo()
+    monkeypatch.setenv("D3D_CACHE", str(tmp_path))
+    forward_costs(target, other, max_drafts=15)  # another drafter shape: measured on its own
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2

@@ -44,9 +44,10 @@ import d3d.engine
 from conftest import make_decoder, perturb_drafter, tiny_config
 from d3d.async_engine import AsyncConfig, async_generate
 from d3d.config import GenerationConfig, SamplingConfig
+from d3d.costs import forward_costs
 from d3d.drafter import Drafter
 from d3d.engine import reference_generate, speculative_generate
-from d3d.gate import SpeculationGate, drafter_cost
+from d3d.gate import SpeculationGate
 from d3d.lookup import LookupConfig, lookup_drafts
 from d3d.sampling import probabilities
 from d3d.verify import Verdict
@@ -358,7 +359,8 @@ def speculative_law(target, drafter: Drafter, bug: str | None, lookup: LookupCon
 
     gate = None
     if adaptive:
-        gate = SpeculationGate({"lookup": 0.0, "drafter": drafter_cost(target, drafter)})
+        costs = forward_costs(target, drafter, drafter.block_size - 1)  # the engine's own gate
+        gate = SpeculationGate({"lookup": 0.0, "drafter": costs.drafter}, costs.verify)
     first = target_probs(PROMPT)  # the prefill's plain draw
     for token in support(first):
         step(PROMPT + [token], float(first[token]), gate)

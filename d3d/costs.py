@@ -1,0 +1,147 @@
+"""What verifying and drafting cost on this machine, measured once: the speculation gate's cost model.
+
+The gate (`d3d.gate`) weighs the tokens a draft is expected to commit against what it costs: a
+verification of k drafts is one (k + 1)-row target forward, a drafter proposal one block pass.
+Both are measured here in one-token target steps, by timing the real forwards the engine runs
+(`engine.score_block`, `Drafter.draft`) after a short context, interleaved, best of a few
+repeats; then made non-decreasing in k and rounded to 0.01. The result is stored per machine,
+kernel build, thread count, dtype and model shapes under `$D3D_CACHE/costs`, so the gate's
+choices — and with them the random draws at T > 0 — are a function of the tokens alone once a
+machine is measured: the same seed gives the same output. A fixed formula could not do that job:
+after the row-exact kernels made a one-token step 30% cheaper, a 16-token verification went
+from 2.1 to 3.1 steps on the same machine.
+
+This module times forwards; it decides nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from d3d.drafter import Drafter
+from d3d.exactness import machine_key
+from d3d.loading import cache_root
+from d3d.models import Decoder
+
+CONTEXT = 128  # tokens before the timed forwards
+ROUNDS, REPEATS = 5, 3  # interleaved rounds; forwards per timing (each timing is one repeat's mean)
+
+
+@dataclass(frozen=True)
+class ForwardCosts:
+    """Costs in one-token target steps, as the gate reads them."""
+
+    verify: tuple[float, ...]  # verify[k]: verifying k drafts (a (k+1)-row forward); verify[0] = 1
+    drafter: float  # one drafter block pass (0.0 without a drafter)
+    step_ms: float  # the one-token step they are measured in, when measured
+    seconds: float = 0.0  # how long the measurement took
+
+    def verify_cost(self, num_drafts: int) -> float:
+        return self.verify[min(num_drafts, len(self.verify) - 1)]
+
+
+@torch.no_grad()
+def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int = 0) -> ForwardCosts:
+    """Time verifications of 0 … max_drafts drafts and one drafter pass against a one-token step."""
+    from d3d.engine import score_block  # the engine imports this module
+
+    started = time.perf_counter()
+    limit = target.config.max_position_embeddings
+    max_drafts = min(max_drafts, limit - 2)
+    context = max(1, min(CONTEXT, limit - max_drafts - 1))
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.config.vocab_size, (context + max_drafts + 1,), generator=generator)
+    device = target.device
+    cache = target.new_cache(context + max_drafts + 1)
+    target(tokens[None, :context].to(device), cache=cache)
+    cache.commit()
+    blocks = [tokens[None, context:context + rows].to(device) for rows in range(1, max_drafts + 2)]
+
+    def timed(function) -> float:
+        function()  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        for _ in range(REPEATS):
+            function()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - began) / REPEATS * 1000
+
+    def verify(block):
+        def run():
+            score_block(target, cache, block)
+            cache.commit(0)
+        return run
+
+    draft = None
+    if drafter is not None:
+        drafter_cache = drafter.new_cache(context + 1)
+        history = tokens[:context + 1].tolist()
+        drafter.draft(drafter_cache, history[:-1])  # the cache then holds all but the last two tokens
+
+        def draft():  # as after a round: one newly committed token to feed, then the block
+            drafter_cache.crop(len(history) - 2)
+            drafter.draft(drafter_cache, history)
+
+    best = [float("inf")] * len(blocks)
+    best_draft = float("inf")
+    for _ in range(ROUNDS):  # interleaved: a slow moment on a shared machine hits every row count alike
+        for rows, block in enumerate(blocks):
+            best[rows] = min(best[rows], timed(verify(block)))
+        if draft is not None:
+            best_draft = min(best_draft, timed(draft))
+    step = best[0]
+    verify_costs, highest = [], 1.0
+    for ms in best:
+        highest = max(highest, round(ms / step, 2))  # a bigger verification never costs less
+        verify_costs.append(highest)
+    verify_costs[0] = 1.0
+    drafter_steps = round(best_draft / step, 2) if draft is not None else 0.0
+    return ForwardCosts(tuple(verify_costs), drafter_steps, round(step, 3), round(time.perf_counter() - started, 2))
+
+
+def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int) -> Path:
+    drafter_shape = None
+    if drafter is not None:
+        drafter_shape = [drafter.config.model.to_dict(), drafter.block_size, drafter.config.draft_vocab_size,
+                         drafter.config.block_attention, drafter.config.denoising_steps, str(drafter.decoder.dtype)]
+    key = json.dumps([machine_key(target), drafter_shape, max_drafts, CONTEXT], sort_keys=True)
+    return cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+_measured: dict[Path, ForwardCosts] = {}
+
+
+def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: int = 15,
+                  remeasure: bool = False) -> ForwardCosts:
+    """The costs for this machine and these models: from memory, from disk, or measured and stored."""
+    path = _cache_file(target, drafter, max_drafts)
+    if not remeasure:
+        if path in _measured:
+            return _measured[path]
+        try:
+            data = json.loads(path.read_text())
+            costs = ForwardCosts(tuple(data["verify"]), data["drafter"], data["step_ms"], data["seconds"])
+            _measured[path] = costs
+            return costs
+        except (OSError, ValueError, TypeError, KeyError):
+            pass
+    if target.config.num_layers > 4:  # a real model: a few seconds, worth a word
+        print("d3d: measuring this machine's verification and drafting costs for the speculation gate "
+              "(once; stored under $D3D_CACHE/costs)", file=sys.stderr)
+    costs = measure(target, drafter, max_drafts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(json.dumps(asdict(costs), indent=2))
+    os.replace(staging, path)  # atomic: a concurrent reader never sees half a file
+    _measured[path] = costs
+    return costs
