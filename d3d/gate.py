@@ -6,8 +6,9 @@ where α_j is the chance that draft j is accepted once drafts 1..j-1 were. A pla
 token for cost 1. The gate keeps moving averages of α_j per source, measured on this request, and
 each step proposes the k that maximises tokens ÷ cost — or nothing, when no k beats plain
 decoding. A weak drafter then drafts only its first, likely tokens, and lookup drafts that keep
-missing fall back to plain decoding instead of slowing the request. Every `explore_every` steps a
-source drafts in full again so the averages follow the text.
+missing fall back to plain decoding instead of slowing the request. A source that does not pay
+is tried again with a couple of drafts after `explore_every` steps, then after twice as many each
+time the try fails, so the averages follow the text without a full block's cost (~3 steps) per try.
 
 Costs are measured on the running machine (`d3d.costs`): verifying k drafts costs verify[k]
 one-token steps, a drafter proposal its measured block pass; both stored once per machine, so the
@@ -25,10 +26,13 @@ from dataclasses import dataclass, field
 class SpeculationGate:
     draft_costs: dict[str, float]  # drafting cost of each source ("lookup", "drafter") in one-token steps
     verify_costs: Sequence[float]  # [k]: verifying k drafts, in one-token steps ([0] = 1: a plain step)
-    explore_every: int = 8  # steps after which a source drafts in full once more
+    explore_every: int = 8  # steps before a source that does not pay is tried again …
+    max_explore_every: int = 64  # … an interval that doubles after every try that still does not pay
+    explore_drafts: int = 2  # drafts a try proposes: enough to see the source recover, for ~1.2 steps
     weight: float = 0.25  # moving-average weight of the newest observation
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # per source: α_1, α_2, …
     last_used: dict[str, int] = field(default_factory=dict)  # step index each source last drafted
+    intervals: dict[str, int] = field(default_factory=dict)  # per source: steps between tries
     step: int = 0
 
     def expected_tokens(self, source: str, num_drafts: int) -> float:
@@ -40,11 +44,8 @@ class SpeculationGate:
             total += reach
         return total
 
-    def num_drafts(self, source: str, max_drafts: int) -> int:
-        """How many drafts to propose from `source` now (0: a plain step pays better)."""
-        due = self.step - self.last_used.get(source, -self.explore_every) >= self.explore_every
-        if due or not self.acceptance.get(source):
-            return max_drafts
+    def best_drafts(self, source: str, max_drafts: int) -> int:
+        """The k ≤ max_drafts that maximises expected tokens ÷ cost; 0 when a plain step pays better."""
         best, best_rate = 0, 1.0  # plain decoding: one token per unit cost
         for k in range(1, max_drafts + 1):
             cost = self.verify_costs[min(k, len(self.verify_costs) - 1)] + self.draft_costs[source]
@@ -52,6 +53,17 @@ class SpeculationGate:
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
+
+    def num_drafts(self, source: str, max_drafts: int) -> int:
+        """How many drafts to propose from `source` now (0: a plain step pays better)."""
+        if not self.acceptance.get(source):
+            return max_drafts  # never seen on this request: a full block shows every position
+        best = self.best_drafts(source, max_drafts)
+        if best:
+            return best
+        interval = self.intervals.get(source, self.explore_every)
+        due = self.step - self.last_used.get(source, -interval) >= interval
+        return min(self.explore_drafts, max_drafts) if due else 0
 
     def record(self, source: str, num_drafted: int, num_accepted: int) -> None:
         """After a verification: drafts 1..num_accepted were accepted, the next one (if any) rejected."""
@@ -64,4 +76,8 @@ class SpeculationGate:
                 else:
                     alphas.append(accepted if i == 0 else 0.5 * (alphas[i - 1] + accepted))
             self.last_used[source] = self.step
+            # a source that pays is tried again soon once it stops; one that keeps failing, less often
+            pays = self.best_drafts(source, len(self.verify_costs) - 1) > 0
+            interval = self.intervals.get(source, self.explore_every)
+            self.intervals[source] = self.explore_every if pays else min(2 * interval, self.max_explore_every)
         self.step += 1

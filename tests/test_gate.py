@@ -43,26 +43,30 @@ def test_a_weak_drafter_proposes_only_its_likely_drafts():
 
 
 def test_a_useless_source_falls_back_to_plain_steps_and_is_explored():
-    """Drafts that are never accepted: zero drafts, except a full try every `explore_every` steps."""
-    gate = SpeculationGate({"lookup": 0.0}, linear(0.1), explore_every=4)
+    """Drafts that are never accepted: zero drafts, except a two-draft try after 4 steps, then after
+    8, 16, … as tries keep failing."""
+    gate = SpeculationGate({"lookup": 0.0}, linear(0.1), explore_every=4, max_explore_every=16)
     gate.record("lookup", 15, 0)
-    decisions = []
-    for _ in range(8):
+    tries = []
+    for step in range(1, 60):
         k = gate.num_drafts("lookup", 15)
-        decisions.append(k)
+        if k:
+            tries.append((step, k))
         gate.record("lookup" if k else "none", k, 0)
-    assert decisions == [0, 0, 0, 15, 0, 0, 0, 15]
+    assert tries == [(8, 2), (24, 2), (40, 2), (56, 2)]  # intervals 8, 16, then capped at 16
 
 
 def test_acceptance_averages_follow_recent_steps():
-    """After misses α1 falls and drafting stops; after full accepts it recovers."""
+    """After misses α1 falls and drafting stops; after accepted tries it resumes, and a source in
+    use keeps the short try interval."""
     gate = SpeculationGate({"lookup": 0.0}, linear(0.1), explore_every=100, weight=0.5)
     for _ in range(6):
         gate.record("lookup", 15, 0)
     assert gate.num_drafts("lookup", 15) == 0
     for _ in range(3):
-        gate.record("lookup", 15, 15)
-    assert gate.num_drafts("lookup", 15) == 15
+        gate.record("lookup", 2, 2)
+    assert gate.num_drafts("lookup", 15) > 2
+    assert gate.intervals["lookup"] == 100
 
 
 def test_the_gate_reads_measured_costs_where_they_bend():
