@@ -4,6 +4,7 @@
     d3d chat                       an interactive multi-turn chat
     d3d serve                      an OpenAI-compatible HTTP API (d3d.server)
     d3d data / train / curves      the drafter's training data, training run and τ curves (d3d.train)
+    d3d scaling                    held-out τ against training tokens over runs: a log-linear fit (d3d.train.scaling)
     d3d prune                      acceptance-driven layer pruning of a drafter (d3d.prune)
     d3d bench                      every method on the same prompts, interleaved, identity-checked (d3d.bench)
     d3d doctor                     this machine: kernels, the row-invariance check, what exactness costs
@@ -160,7 +161,9 @@ def data(args: argparse.Namespace) -> int:
                         shard_size=args.shard_size, batch_size=args.batch_size, seed=args.seed)
     torch.set_num_threads(args.threads) if args.threads else None
     target = load_target(args.target, DTYPES[args.dtype])
-    manifest = generate_data(target, args.out, config)
+    if args.distill_top_k < 0:
+        raise ConfigError("--distill-top-k must be >= 0")
+    manifest = generate_data(target, args.out, config, distill_top_k=args.distill_top_k)
     print(json.dumps({k: manifest[k] for k in ("num_prompts", "shards_done", "num_shards", "response_tokens")}))
     return 0
 
@@ -177,7 +180,8 @@ def train(args: argparse.Namespace) -> int:
                          block_attention=args.block_attention, labels=args.labels, steps=args.steps,
                          batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, lambda_ar=args.lambda_ar,
-                         gamma=args.gamma, mask_ratio=args.mask_ratio, anchors=args.anchors,
+                         gamma=args.gamma, distill=args.distill, ce_weight=args.ce_weight,
+                         mask_ratio=args.mask_ratio, anchors=args.anchors,
                          max_length=args.max_length, eval_every=args.eval_every, save_every=args.save_every,
                          draft_vocab_size=args.draft_vocab_size, max_sequences=args.max_sequences, seed=args.seed)
     target = load_target(args.target, torch.float32)  # fp32 master weights; compute autocasts to bf16
@@ -297,6 +301,26 @@ def curves(args: argparse.Namespace) -> int:
     return 0
 
 
+def scaling(args: argparse.Namespace) -> int:
+    """Fit held-out τ against training tokens over runs; print the fit and the tokens it predicts."""
+    import math
+
+    from d3d.train.scaling import fit, plot, read_points
+
+    points = read_points(args.runs, args.all_points)
+    result = fit(points)
+    targets = [float(t) for t in args.targets.split(",")]
+    if args.png:
+        plot(points, result, args.png, targets)
+    for point in points:
+        print(json.dumps({"run": point.run, "tokens": point.tokens, "tau": point.tau}))
+    predictions = {f"{t:g}": (round(result.tokens_for(t)) if math.isfinite(result.tokens_for(t)) else None)
+                   for t in targets}
+    print(json.dumps({"fit": f"tau = {result.intercept:.4f} + {result.slope:.4f} * ln(tokens)", "r2": round(result.r2, 4),
+                      "points": result.points, "tokens_for_tau": predictions}))
+    return 0
+
+
 def serve_command(args: argparse.Namespace) -> int:
     """Serve the OpenAI-compatible HTTP API (d3d.server) until interrupted."""
     try:
@@ -359,7 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder (re-run the same command to resume)")
     p.add_argument("--target", default="default")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--sources", default="sharegpt,stdlib", help="comma-separated: sharegpt, stdlib, JSONL paths")
+    p.add_argument("--sources", default="sharegpt,stdlib",
+                   help="comma-separated: sharegpt, sharegpt-turn2 (second turns), stdlib, math (templated word "
+                        "problems), JSONL paths")
     p.add_argument("--max-prompts", type=int, default=0, help="0 = all")
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -367,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--distill-top-k", type=int, default=0,
+                   help="also record the target's top-K next-token distributions for `d3d train --distill` "
+                        "(shards made without them get them by one teacher-forced pass); 0 = off")
     p.set_defaults(handler=data)
 
     p = commands.add_parser("train", help="train a D3D drafter on the target's responses (resumable)")
@@ -386,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--lambda-ar", type=float, default=1.0)
     p.add_argument("--gamma", type=float, default=0.0, help="L_diff decay exp(-(k-1)/γ) by draft position; 0 = off")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="weight of KL to the target's distributions (needs `d3d data --distill-top-k`); 0 = off")
+    p.add_argument("--ce-weight", type=float, default=1.0,
+                   help="weight of cross-entropy to the target's tokens (e.g. 0.1 beside --distill 1)")
     p.add_argument("--mask-ratio", default="random", choices=["all", "random"])
     p.add_argument("--anchors", type=int, default=8, help="noisy blocks per sequence")
     p.add_argument("--max-length", type=int, default=512)
@@ -443,6 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", help="run folders (each with log.jsonl)")
     p.add_argument("--out", required=True, help="PNG path")
     p.set_defaults(handler=curves)
+
+    p = commands.add_parser("scaling", help="fit held-out τ against training tokens over runs (log-linear)")
+    p.add_argument("runs", nargs="+", help="`d3d train` run folders, e.g. the same recipe at several --steps")
+    p.add_argument("--all-points", action="store_true",
+                   help="fit every evaluation of every run, not only each run's final one")
+    p.add_argument("--targets", default="2,3,5", help="τ values to predict the training tokens for")
+    p.add_argument("--png", default="", help="draw the points and the fit here")
+    p.set_defaults(handler=scaling)
 
     p = commands.add_parser("chat", help="interactive multi-turn chat")
     add_model_arguments(p)

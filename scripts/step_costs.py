@@ -1,6 +1,6 @@
 """Time the target's one-token step and a 17-token verification forward, and check they agree bit for bit.
 
-Usage: python scripts/step_costs.py [--dtype bfloat16|float32] [--context 256] [--repeats 15]
+Usage: python scripts/step_costs.py [--dtype bfloat16|float32] [--context 256] [--repeats 15] [--threads N]
 Prints one JSON line. Works on any d3d checkout (PYTHONPATH=OTHER_CHECKOUT to time another
 version on the same machine), so before/after figures come from the same script.
 """
@@ -31,7 +31,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     decoder = load_target(dtype=getattr(torch, args.dtype)).decoder
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, decoder.config.vocab_size, (1, args.context), generator=generator)

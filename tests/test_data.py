@@ -18,7 +18,7 @@ from d3d.config import ConfigError, GenerationConfig
 from d3d.engine import reference_generate
 from d3d.loading import Target
 from d3d.train.data import (DataConfig, collect_prompts, generate_batch, generate_data, read_shards,
-                            sharegpt_prompts, stdlib_prompts)
+                            math_prompts, sharegpt_prompts, sharegpt_second_turns, stdlib_prompts)
 
 BOS, EOS, USER = 0, 1, 2
 
@@ -145,7 +145,7 @@ def test_generate_batch_matches_reference_with_left_padding(decoder):
     """Prompts of lengths 2 … 30 in one left-padded batch: each row is the AR reference's greedy output."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 64, (n,), generator=generator).tolist() for n in (7, 2, 30, 13, 5)]
-    responses = generate_batch(decoder, prompts, 10, [])
+    responses = [g.response_ids for g in generate_batch(decoder, prompts, 10, [])]
     assert responses == [greedy(decoder, p, 10, []) for p in prompts]
     assert all(len(r) == 10 for r in responses)
 
@@ -157,7 +157,7 @@ def test_generate_batch_stops_rows_at_eos(decoder):
     free = [greedy(decoder, p, 8, []) for p in prompts]
     eos = [free[0][3], free[4][4]]  # two EOS ids, first produced mid-way through rows 0 and 4
     expected = [greedy(decoder, p, 8, eos) for p in prompts]
-    assert generate_batch(decoder, prompts, 8, eos) == expected
+    assert [g.response_ids for g in generate_batch(decoder, prompts, 8, eos)] == expected
     assert 2 <= len(expected[0]) <= 4 and expected[0][-1] in eos
     assert any(len(r) == 8 and not set(r) & set(eos) for r in expected)  # some rows never stop early
 
@@ -165,7 +165,7 @@ def test_generate_batch_stops_rows_at_eos(decoder):
 def test_generate_batch_mixed_eos_and_length_rows(decoder, eos_token, source_file):
     """On the data prompts, one batch holds rows ending at EOS and rows reaching the length cap."""
     prompts = [p["prompt_ids"] for p in collect_prompts(DataConfig(sources=[source_file]), CharTokenizer())]
-    responses = generate_batch(decoder, prompts, 6, [eos_token])
+    responses = [g.response_ids for g in generate_batch(decoder, prompts, 6, [eos_token])]
     assert responses == [greedy(decoder, p, 6, [eos_token]) for p in prompts]
     assert any(r[-1] == eos_token and len(r) < 6 for r in responses)
     assert any(len(r) == 6 for r in responses)
@@ -174,7 +174,7 @@ def test_generate_batch_mixed_eos_and_length_rows(decoder, eos_token, source_fil
 
 def test_generate_batch_single_row_and_no_eos_list(decoder):
     """A batch of one and an empty EOS list (never stops early) also match the reference."""
-    assert generate_batch(decoder, [[5, 6, 7]], 5, []) == [greedy(decoder, [5, 6, 7], 5, [])]
+    assert generate_batch(decoder, [[5, 6, 7]], 5, [])[0].response_ids == greedy(decoder, [5, 6, 7], 5, [])
 
 
 def test_generate_batch_builds_tensors_on_the_decoder_device(decoder):
@@ -329,16 +329,53 @@ def test_sharegpt_prompts():
     prompts = list(sharegpt_prompts())
     assert len(prompts) > 10000
     assert len({i for i, _ in prompts}) == len(prompts)
-    assert all(i.startswith("sharegpt/") and text and text == text.strip() for i, text in prompts[:500])
+    for prompt_id, messages in prompts[:500]:
+        assert prompt_id.startswith("sharegpt/") and len(messages) == 1 and messages[0]["role"] == "user"
+        assert messages[0]["content"] and messages[0]["content"] == messages[0]["content"].strip()
+
+
+def test_sharegpt_second_turns():
+    """Second human turns come after the recorded first exchange: user, assistant, user."""
+    prompts = list(itertools.islice(sharegpt_second_turns(), 2000))
+    assert len(prompts) == 2000
+    for prompt_id, messages in prompts[:300]:
+        assert prompt_id.startswith("sharegpt-turn2/")
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"] and all(m["content"] for m in messages)
+
+
+def test_math_prompts_are_seeded_word_problems():
+    """Templated word problems: the same seed gives the same problems, thousands of distinct ones."""
+    first = list(math_prompts(3000))
+    assert first == list(math_prompts(3000)) and first != list(math_prompts(3000, seed=1))
+    texts = [messages[0]["content"] for _, messages in first]
+    assert len(set(texts)) > 2900
+    assert all(text.endswith("Explain your reasoning step by step.") and any(c.isdigit() for c in text)
+               for text in texts)
 
 
 def test_stdlib_prompts():
     """The standard library yields > 1000 code requests naming a documented function."""
     prompts = list(itertools.islice(stdlib_prompts(), 1001))
     assert len(prompts) == 1001
-    for prompt_id, text in prompts[:200]:
+    for prompt_id, messages in prompts[:200]:
         assert prompt_id.startswith("stdlib/") and ".py:" in prompt_id
+        text = messages[0]["content"]
         assert text.startswith("Write a Python function `") and "that does the following:\n" in text
+
+
+def test_multi_turn_prompts_keep_their_turns(target, tmp_path):
+    """A JSONL prompt given as messages keeps every turn; one sharing a turn with a benchmark is dropped."""
+    source = tmp_path / "chats.jsonl"
+    rows = [{"id": "chat/0", "messages": [{"role": "user", "content": "hi there, who are you"},
+                                          {"role": "assistant", "content": "a helper"},
+                                          {"role": "user", "content": "then help me count to ten"}]},
+            {"id": "chat/1", "messages": [{"role": "user", "content": MTBENCH_TURN},
+                                          {"role": "assistant", "content": "ok"},
+                                          {"role": "user", "content": "and now shorter"}]}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = collect_prompts(DataConfig(sources=[str(source)]), CharTokenizer())
+    assert [p["id"] for p in prompts] == ["chat/0"]
+    assert prompts[0]["messages"] == rows[0]["messages"]
 
 
 def test_prompts_with_unicode_line_separators_survive_resume(target, tmp_path):

@@ -44,7 +44,7 @@ def data_dir(tmp_path_factory):
     (folder / "shards").mkdir()
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 64) for _ in range(rng.randint(6, 11))] for _ in range(NUM_RECORDS)]
-    responses = generate_batch(tiny_train_target().decoder, prompts, 20, [])
+    responses = [g.response_ids for g in generate_batch(tiny_train_target().decoder, prompts, 20, [])]
     for shard in range(2):
         lines = [json.dumps({"id": f"r{i}", "prompt_ids": prompts[i], "response_ids": responses[i]}) + "\n"
                  for i in range(shard * 12, (shard + 1) * 12)]

@@ -8,7 +8,9 @@ tokens or other blocks. Labels are shifted by default: block row i predicts x_{a
 k = i+1); unshifted, row i predicts its own token x_{a+i} (draft k = i; the anchor's row has no
 label). Draft k is weighted by exp(-(k-1)/γ). Clean rows predict the next token (the auxiliary AR loss) on the
 response only. With `mask_ratio="random"`, a random share of a block's masks is replaced by the
-true tokens (denoising from partial blocks); "all" matches one-step drafting.
+true tokens (denoising from partial blocks); "all" matches one-step drafting. With the target's
+distributions (`d3d.train.distill`), every labelled row also points at the distribution its label
+was drawn from, for the distillation loss.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Literal
 import torch
 
 from d3d.config import BlockAttention, LabelShift
+from d3d.train.distill import TopK
 
 IGNORE = -100
 MaskRatio = Literal["all", "random"]
@@ -34,13 +37,16 @@ class PackedExample:
     labels: torch.Tensor  # (T,) next-token targets, IGNORE where none
     weights: torch.Tensor  # (T,) loss weight per row
     is_block: torch.Tensor  # (T,) bool: row belongs to a noisy block (L_diff) or not (L_AR)
+    teacher: TopK | None = None  # the target's distribution per response token (distillation)
+    teacher_rows: torch.Tensor | None = None  # (T,) the row of `teacher` for each row's label, -1 where none
 
 
 def pack_example(tokens: list[int], response_start: int, anchors: list[int], block_size: int, mask_token_id: int,
                  block_attention: BlockAttention = "anchor_causal", gamma: float = 0.0,
                  mask_ratio: MaskRatio = "all", rng: random.Random | None = None,
-                 labels_shift: LabelShift = "shifted") -> PackedExample:
-    """Pack one sequence with noisy blocks at `anchors` (indices into `tokens`)."""
+                 labels_shift: LabelShift = "shifted", teacher: TopK | None = None) -> PackedExample:
+    """Pack one sequence with noisy blocks at `anchors` (indices into `tokens`); with `teacher` (one
+    row per response token), each labelled row also points at the distribution its label came from."""
     length = len(tokens)
     num_blocks = len(anchors)
     total = length + num_blocks * block_size
@@ -94,7 +100,18 @@ def pack_example(tokens: list[int], response_start: int, anchors: list[int], blo
             weights[first + slot] = 0.0
             labels[first + slot] = IGNORE
         is_block[rows] = True
-    return PackedExample(ids, positions, mask, labels, weights, is_block)
+    teacher_rows = None
+    if teacher is not None:
+        assert len(teacher) == length - response_start, f"{len(teacher)} teacher rows for {length - response_start} tokens"
+        # a label is token x_i; the teacher row that predicted it is i - response_start
+        source = torch.full((total,), -1, dtype=torch.long)
+        source[start:length - 1] = torch.arange(start + 1, length)
+        for j, anchor in enumerate(anchors):
+            first = length + j * block_size + first_row
+            count = min(block_size - first_row, length - anchor - 1)
+            source[first:first + count] = torch.arange(anchor + 1, anchor + 1 + count)
+        teacher_rows = torch.where((labels != IGNORE) & (source >= response_start), source - response_start, -1)
+    return PackedExample(ids, positions, mask, labels, weights, is_block, teacher, teacher_rows)
 
 
 def sample_anchors(length: int, response_start: int, count: int, rng: random.Random) -> list[int]:
@@ -122,4 +139,13 @@ def collate(examples: list[PackedExample]) -> dict[str, torch.Tensor]:
         out["labels"][row, :n] = e.labels
         out["weights"][row, :n] = e.weights
         out["is_block"][row, :n] = e.is_block
+    if all(e.teacher is not None for e in examples):  # every example's teacher rows, stacked
+        out["teacher_rows"] = torch.full((batch, longest), -1, dtype=torch.long)
+        offset = 0
+        for row, e in enumerate(examples):
+            n = e.input_ids.shape[0]
+            out["teacher_rows"][row, :n] = torch.where(e.teacher_rows >= 0, e.teacher_rows + offset, -1)
+            offset += len(e.teacher)
+        out["teacher_ids"] = torch.cat([e.teacher.ids for e in examples]).long()  # (N, k)
+        out["teacher_logprobs"] = torch.cat([e.teacher.logprobs for e in examples]).float()  # (N, k)
     return out

