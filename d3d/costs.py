@@ -3,8 +3,9 @@
 The gate (`d3d.gate`) weighs the tokens a draft is expected to commit against what it costs: a
 verification of k drafts is one (k + 1)-row target forward, a drafter proposal one block pass.
 Both are measured here in one-token target steps, by timing the real forwards the engine runs
-(`engine.score_block`, `Drafter.draft`) after a short context, interleaved, best of a few
-repeats; then made non-decreasing in k and rounded to 0.01. The result is stored per machine,
+(`engine.score_block`, `Drafter.draft`) after a short context: each round times every row count
+back to back, and each cost is the median over rounds of its ratio to that round's one-token step;
+then made non-decreasing in k and rounded to 0.01. The result is stored per machine,
 kernel build, thread count, dtype and model shapes under `$D3D_CACHE/costs`, so the gate's
 choices — and with them the random draws at T > 0 — are a function of the tokens alone once a
 machine is measured: the same seed gives the same output. A fixed formula could not do that job:
@@ -23,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -32,7 +34,7 @@ from d3d.loading import cache_root
 from d3d.models import Decoder
 
 CONTEXT = 128  # tokens before the timed forwards
-ROUNDS, REPEATS = 5, 3  # interleaved rounds; forwards per timing (each timing is one repeat's mean)
+ROUNDS, REPEATS = 7, 3  # rounds over every row count; forwards per timing (their mean)
 
 
 @dataclass(frozen=True)
@@ -92,21 +94,26 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
             drafter_cache.crop(len(history) - 2)
             drafter.draft(drafter_cache, history)
 
-    best = [float("inf")] * len(blocks)
-    best_draft = float("inf")
-    for _ in range(ROUNDS):  # interleaved: a slow moment on a shared machine hits every row count alike
-        for rows, block in enumerate(blocks):
-            best[rows] = min(best[rows], timed(verify(block)))
+    # Each round times every row count (and the drafter) back to back and divides by its own
+    # one-token step; the median over rounds of those ratios shrugs off a busy moment on a shared
+    # machine, which would shift absolute times of different row counts by different amounts.
+    ratios: list[list[float]] = [[] for _ in blocks]
+    drafter_ratios, steps_ms = [], []
+    for _ in range(ROUNDS):
+        times = [timed(verify(block)) for block in blocks]
+        steps_ms.append(times[0])
+        for rows, ms in enumerate(times):
+            ratios[rows].append(ms / times[0])
         if draft is not None:
-            best_draft = min(best_draft, timed(draft))
-    step = best[0]
+            drafter_ratios.append(timed(draft) / times[0])
     verify_costs, highest = [], 1.0
-    for ms in best:
-        highest = max(highest, round(ms / step, 2))  # a bigger verification never costs less
+    for measured in ratios:
+        highest = max(highest, round(median(measured), 2))  # a bigger verification never costs less
         verify_costs.append(highest)
     verify_costs[0] = 1.0
-    drafter_steps = round(best_draft / step, 2) if draft is not None else 0.0
-    return ForwardCosts(tuple(verify_costs), drafter_steps, round(step, 3), round(time.perf_counter() - started, 2))
+    drafter_steps = round(median(drafter_ratios), 2) if draft is not None else 0.0
+    return ForwardCosts(tuple(verify_costs), drafter_steps, round(median(steps_ms), 3),
+                        round(time.perf_counter() - started, 2))
 
 
 def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int) -> Path:
