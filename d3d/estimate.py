@@ -5,7 +5,9 @@ packed pass (clean context + all-mask blocks, the layout of `d3d.train.batch`). 
 verification the target would accept the drafts while they equal its own next tokens — which,
 for target-generated text, are the labels. So per block the accepted prefix is the number of
 leading rows whose argmax equals the label, and τ = 1 + that (bonus token included), averaged over
-blocks. Used for training curves and to rank layers when pruning.
+blocks. With the target's distributions (`d3d.train.distill`) it also estimates τ at T = 1, where
+a draft is accepted with probability 1 − TV(p, q). Used for training curves and to rank layers
+when pruning.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from d3d.drafter import Drafter
 from d3d.train.batch import IGNORE, collate, pack_example, sample_anchors
+from d3d.train.distill import TopK
 
 
 @dataclass
@@ -24,6 +27,7 @@ class TauEstimate:
     tau: float  # mean 1 + accepted drafts per block (bonus token included)
     acceptance_rate: list[float]  # [i]: P(draft i+1 accepted | drafts 1..i accepted)
     num_blocks: int
+    tau_t1: float | None = None  # at temperature 1, from the target's distributions (a lower bound)
 
 
 def accepted_prefix(predictions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -32,21 +36,34 @@ def accepted_prefix(predictions: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return match.int().cumprod(dim=-1).sum(-1)
 
 
+def sampled_acceptance(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """(N, V) drafter logits and the target's top-k (N, k) → (N,) Σ_v min(p_v, q_v) over the top-k:
+    the chance a draft sampled at T = 1 is accepted (1 − TV(p, q)), less the unknown tail's share."""
+    q = torch.softmax(logits.float(), dim=-1).gather(-1, teacher_ids.long())
+    return torch.minimum(teacher_logprobs.exp(), q).sum(-1)
+
+
 @torch.no_grad()
 def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]], anchors_per_sequence: int = 8,
-                       seed: int = 0, batch_size: int = 4) -> TauEstimate:
-    """τ of `drafter` on (tokens, response_start) sequences at seeded anchors."""
+                       seed: int = 0, batch_size: int = 4, teachers: list[TopK] | None = None) -> TauEstimate:
+    """τ of `drafter` on (tokens, response_start) sequences at seeded anchors; with the target's
+    distributions over the responses (`teachers`, one per sequence), also τ at T = 1: per block
+    1 + Σ_k Π_{i≤k} α_i with α_i = Σ_v min(p_v, q_v) for draft i (a lower bound: p's tail beyond
+    its top-k is left out)."""
     rng = random.Random(seed)
     size, mask_id = drafter.block_size, drafter.config.mask_token_id
     accepted_all: list[torch.Tensor] = []
+    sampled_all: list[torch.Tensor] = []  # expected accepted drafts per block at T = 1
     for start in range(0, len(sequences), batch_size):
         examples, block_counts = [], []
-        for tokens, response_start in sequences[start:start + batch_size]:
+        for index, (tokens, response_start) in enumerate(sequences[start:start + batch_size], start):
             anchors = sample_anchors(len(tokens), response_start, anchors_per_sequence, rng)
             if not anchors:
                 continue
+            teacher = teachers[index] if teachers is not None else None
             examples.append(pack_example(tokens, response_start, anchors, size, mask_id,
-                                         drafter.config.block_attention, labels_shift=drafter.config.labels))
+                                         drafter.config.block_attention, labels_shift=drafter.config.labels,
+                                         teacher=teacher))
             block_counts.append(len(anchors))
         if not examples:
             continue
@@ -60,6 +77,14 @@ def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]],
             predictions = logits.argmax(-1).view(count, size)[:, drafter.draft_rows]  # rows verified as drafts
             labels = example.labels.to(device)[block_rows].view(count, size)[:, drafter.draft_rows]
             accepted_all.append(accepted_prefix(predictions, labels))
+            if example.teacher is not None:
+                sources = example.teacher_rows.to(device)[block_rows].view(count, size)[:, drafter.draft_rows]
+                known = sources >= 0
+                alpha = sampled_acceptance(logits.view(count, size, -1)[:, drafter.draft_rows][known],
+                                           example.teacher.ids.to(device)[sources[known]],
+                                           example.teacher.logprobs.to(device)[sources[known]])
+                alphas = torch.zeros(sources.shape, device=device).masked_scatter(known, alpha)
+                sampled_all.append(alphas.cumprod(-1).sum(-1))  # a draft past the response: α = 0
     if not accepted_all:
         return TauEstimate(1.0, [], 0)
     accepted = torch.cat(accepted_all)
@@ -67,4 +92,5 @@ def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]],
     for i in range(size - 1):
         reached = (accepted >= i).sum().item()
         rates.append((accepted >= i + 1).sum().item() / reached if reached else 0.0)
-    return TauEstimate(1.0 + accepted.float().mean().item(), rates, accepted.numel())
+    tau_t1 = 1.0 + torch.cat(sampled_all).mean().item() if sampled_all else None
+    return TauEstimate(1.0 + accepted.float().mean().item(), rates, accepted.numel(), tau_t1)

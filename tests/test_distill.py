@@ -155,3 +155,30 @@ def test_training_with_distillation(target, source_file, tmp_path):
         drafter_loss(trainer.drafter, batch, 1.0, distill=1.0)
     with pytest.raises(ConfigError):
         TrainConfig(layers=[0], distill=0.0, ce_weight=0.0)
+
+
+def test_sampled_acceptance_is_the_overlap_of_the_two_distributions():
+    """Σ_v min(p_v, q_v) over the target's top-k: the T = 1 acceptance, a lower bound from the top-k."""
+    from d3d.estimate import sampled_acceptance
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    top = keep_top(logits, 2)
+    assert sampled_acceptance(logits, top.ids, top.logprobs).item() == pytest.approx(top.logprobs.exp().sum().item())
+    q_logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    q = torch.softmax(q_logits, -1)[0]
+    p = torch.softmax(logits, -1)[0]
+    expected = min(p[0], q[0]) + min(p[1], q[1])
+    assert sampled_acceptance(q_logits, top.ids, top.logprobs).item() == pytest.approx(expected.item())
+
+
+def test_training_evaluates_tau_at_t1_when_the_data_has_distributions(target, source_file, tmp_path):
+    data_dir = tmp_path / "data"
+    generate_data(target, data_dir, DataConfig(sources=[source_file], shard_size=5, batch_size=5, max_new_tokens=16),
+                  progress=False, distill_top_k=K)
+    fp32 = Target(make_decoder(tiny_config("llama", tie_word_embeddings=False), seed=1), CharTokenizer(), "tiny-random", [])
+    train = TrainConfig(layers=[0], block_size=4, steps=2, batch_size=2, held_out=5, eval_every=0, save_every=2,
+                        autocast=False)
+    trainer = Trainer(fp32, data_dir, tmp_path / "run", train)  # hard labels: no teachers in the batches
+    assert trainer.train_teachers is None and trainer.held_teachers is not None
+    evaluation = trainer.evaluate()
+    assert 1.0 <= evaluation["tau_t1"] <= 4.0 and 1.0 <= evaluation["tau"] <= 4.0

@@ -29,7 +29,11 @@ def plot_curves(log_path: str | Path, png_path: str | Path) -> bool:
         left.legend()
     if taus:
         steps, values = zip(*taus)
-        right.plot(steps, values, marker="o")
+        right.plot(steps, values, marker="o", label="greedy")
+        sampled = [(r["step"], r["tau_t1"]) for r in records if "tau_t1" in r]
+        if sampled:
+            right.plot(*zip(*sampled), marker="s", label="T = 1 (lower bound)")
+            right.legend()
         right.set_xlabel("step")
         right.set_ylabel("teacher-forced τ (bonus included)")
     figure.suptitle(Path(log_path).parent.name)

@@ -114,6 +114,12 @@ def check_top_k(data_dir: str | Path, k: int) -> None:
             raise ConfigError(f"{path.parent} holds top-{width} distributions; rerun with --distill-top-k {width}")
 
 
+def available(data_dir: str | Path) -> bool:
+    """Whether every finished shard of `data_dir` has its distributions."""
+    shards = list((Path(data_dir) / "shards").glob("shard-*.jsonl"))
+    return bool(shards) and all(path_for(shard).is_file() for shard in shards)
+
+
 def read_all(data_dir: str | Path) -> Iterator[TopK]:
     """Every finished shard's distributions, record by record, in the order of `read_shards`."""
     for shard in sorted((Path(data_dir) / "shards").glob("shard-*.jsonl")):

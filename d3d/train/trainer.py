@@ -181,7 +181,9 @@ class Trainer:
         self.config, self.target = config, target
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        teachers: list[TopK] | None = [] if config.distill > 0 else None
+        # the target's distributions: for the loss with `distill`, and for τ at T = 1 whenever the data has them
+        has_teachers = config.distill > 0 or distill.available(data_dir)
+        teachers: list[TopK] | None = [] if has_teachers else None
         sequences = load_sequences(data_dir, config.max_length, teachers)
         if config.max_sequences:
             sequences = sequences[:config.max_sequences]
@@ -191,7 +193,9 @@ class Trainer:
         sequences = [sequences[i] for i in order]
         held = min(config.held_out, len(sequences) // 10)
         self.held_out, self.train_set = sequences[:held], sequences[held:]
-        self.train_teachers = [teachers[i] for i in order][held:] if teachers is not None else None
+        shuffled = [teachers[i] for i in order] if teachers is not None else None
+        self.held_teachers = shuffled[:held] if shuffled is not None else None
+        self.train_teachers = shuffled[held:] if shuffled is not None and config.distill > 0 else None
         torch.manual_seed(config.seed)
         if config.init_from:
             self.drafter = Drafter.from_pretrained(config.init_from, target.decoder, target.fingerprint)
@@ -318,9 +322,12 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         self.drafter.eval()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.autocast):
-            estimate = teacher_forced_tau(self.drafter, self.held_out, seed=12345)
+            estimate = teacher_forced_tau(self.drafter, self.held_out, seed=12345, teachers=self.held_teachers)
         self.drafter.train()
-        return {"tau": round(estimate.tau, 4), "acceptance_rate": [round(r, 4) for r in estimate.acceptance_rate]}
+        result = {"tau": round(estimate.tau, 4), "acceptance_rate": [round(r, 4) for r in estimate.acceptance_rate]}
+        if estimate.tau_t1 is not None:
+            result["tau_t1"] = round(estimate.tau_t1, 4)
+        return result
 
     def log(self, record: dict[str, Any]) -> None:
         with open(self.out / "log.jsonl", "a") as handle:
