@@ -2,8 +2,8 @@
 
 The gate (`d3d.gate`) weighs the tokens a draft is expected to commit against what it costs: a
 verification of k drafts is one (k + 1)-row target forward, a drafter proposal one block pass.
-Both are measured here in one-token target steps, by timing the real forwards the engine runs
-(`engine.score_block`, `Drafter.draft`) after a short context: each round times every row count
+Both are measured here in one-token target steps, for every k, by timing the real forwards the
+engine runs (`engine.score_block`, `Drafter.draft` over the rows k drafts need) after a short context: each round times every row count
 back to back, and each cost is the median over rounds of its ratio to that round's one-token step;
 then made non-decreasing in k and rounded to 0.01. The result is stored per machine,
 kernel build, thread count, dtype and model shapes under `$D3D_CACHE/costs`, so the gate's
@@ -42,7 +42,7 @@ class ForwardCosts:
     """Costs in one-token target steps, as the gate reads them."""
 
     verify: tuple[float, ...]  # verify[k]: verifying k drafts (a (k+1)-row forward); verify[0] = 1
-    drafter: float  # one drafter block pass (0.0 without a drafter)
+    drafter: tuple[float, ...]  # drafter[k]: drafting k drafts (a pass over their rows); all 0.0 without a drafter
     step_ms: float  # the one-token step they are measured in, when measured
     seconds: float = 0.0  # how long the measurement took
 
@@ -90,30 +90,37 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
         history = tokens[:context + 1].tolist()
         drafter.draft(drafter_cache, history[:-1])  # the cache then holds all but the last two tokens
 
-        def draft():  # as after a round: one newly committed token to feed, then the block
-            drafter_cache.crop(len(history) - 2)
-            drafter.draft(drafter_cache, history)
+        def draft(num_drafts: int):
+            def run():  # as after a round: one newly committed token to feed, then the block
+                drafter_cache.crop(len(history) - 2)
+                drafter.draft(drafter_cache, history, num_drafts)
+            return run
 
     # Each round times every row count (and the drafter) back to back and divides by its own
     # one-token step; the median over rounds of those ratios shrugs off a busy moment on a shared
     # machine, which would shift absolute times of different row counts by different amounts.
     ratios: list[list[float]] = [[] for _ in blocks]
-    drafter_ratios, steps_ms = [], []
+    drafter_ratios: list[list[float]] = [[] for _ in blocks]
+    steps_ms = []
     for _ in range(ROUNDS):
         times = [timed(verify(block)) for block in blocks]
         steps_ms.append(times[0])
         for rows, ms in enumerate(times):
             ratios[rows].append(ms / times[0])
-        if draft is not None:
-            drafter_ratios.append(timed(draft) / times[0])
-    verify_costs, highest = [], 1.0
-    for measured in ratios:
-        highest = max(highest, round(median(measured), 2))  # a bigger verification never costs less
-        verify_costs.append(highest)
-    verify_costs[0] = 1.0
-    drafter_steps = round(median(drafter_ratios), 2) if draft is not None else 0.0
-    return ForwardCosts(tuple(verify_costs), drafter_steps, round(median(steps_ms), 3),
-                        round(time.perf_counter() - started, 2))
+            if draft is not None and rows:
+                drafter_ratios[rows].append(timed(draft(rows)) / times[0])
+    return ForwardCosts(non_decreasing(ratios, first=1.0), non_decreasing(drafter_ratios, first=0.0),
+                        round(median(steps_ms), 3), round(time.perf_counter() - started, 2))
+
+
+def non_decreasing(ratios: list[list[float]], first: float) -> tuple[float, ...]:
+    """Median of each k's ratios, rounded to 0.01, never below the one before (more rows never cost
+    less); [0] = `first`. All zeros when nothing was measured (no drafter)."""
+    costs, highest = [first], first
+    for measured in ratios[1:]:
+        highest = max(highest, round(median(measured), 2)) if measured else 0.0
+        costs.append(highest)
+    return tuple(costs)
 
 
 def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int) -> Path:
@@ -137,7 +144,7 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
             return _measured[path]
         try:
             data = json.loads(path.read_text())
-            costs = ForwardCosts(tuple(data["verify"]), data["drafter"], data["step_ms"], data["seconds"])
+            costs = ForwardCosts(tuple(data["verify"]), tuple(data["drafter"]), data["step_ms"], data["seconds"])
             _measured[path] = costs
             return costs
         except (OSError, ValueError, TypeError, KeyError):

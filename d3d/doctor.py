@@ -112,7 +112,9 @@ def format_report(machine: dict, results: dict[str, list[PathCost]]) -> str:
         if key.startswith("gate_costs_"):
             verify = costs["verify"]
             shown = ", ".join(f"{k}: {verify[k]:.2f}" for k in (1, 2, 4, 8, len(verify) - 1) if k < len(verify))
-            drafter = f"; a drafter pass {costs['drafter']:.2f}" if costs["drafter"] else ""
+            drafting = costs["drafter"]
+            drafter = (f"; drafting them {', '.join(f'{k}: {drafting[k]:.2f}' for k in (1, 2, 4, 8, len(drafting) - 1) if k < len(drafting))}"
+                       if any(drafting) else "")
             lines.append(f"gate costs     {key.removeprefix('gate_costs_')}, in one-token steps of "
                          f"{costs['step_ms']:.1f} ms — verifying k drafts {shown}{drafter} "
                          "(measured once, $D3D_CACHE/costs; --recalibrate to redo)")

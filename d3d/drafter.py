@@ -209,17 +209,24 @@ class Drafter(nn.Module):
         return self.logits(hidden[0, len(clean):])
 
     @torch.no_grad()
-    def draft(self, cache: KVCache, tokens: list[int]) -> torch.Tensor:
+    def draft(self, cache: KVCache, tokens: list[int], num_drafts: int | None = None) -> torch.Tensor:
         """Block logits after the committed `tokens`, row i predicting position len(tokens)+i: (B, V)
         with shifted labels (the last row guesses the bonus after a full block), (B-1, V) unshifted.
 
         The cache holds a prefix of `tokens` (everything but the anchor at most); the missing
         clean tokens are fed in the same pass as the block. With more than one denoising step,
         each further pass re-feeds the most confident drafts in place of their masks.
+
+        With `num_drafts` (one denoising step), the block holds only the rows those drafts need —
+        the anchor and the first masks — so the pass costs about its rows, and the first
+        `num_drafts` rows come back. In a causal block they are the full block's rows exactly; in an
+        anchor-causal or bidirectional one the anchor's row is, the masks see fewer masks.
         """
         if not cache.length < len(tokens):
             raise ValueError("the drafter cache must not hold the anchor (the last committed token)")
         mask_id, size = self.config.mask_token_id, self.block_size
+        if num_drafts is not None and self.config.denoising_steps == 1:
+            size = max(1, min(size, num_drafts + self.draft_rows.start))  # shifted: row i drafts i+1
         anchor = tokens[-1]
         logits = self.block_pass(cache, tokens[cache.length:-1], [anchor] + [mask_id] * (size - 1))
         steps = self.config.denoising_steps

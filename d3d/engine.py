@@ -189,7 +189,7 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
     gate = None
     if adaptive:
         costs = forward_costs(target, drafter, block_size - 1)
-        gate = SpeculationGate({"lookup": 0.0, "drafter": costs.drafter}, costs.verify)
+        gate = SpeculationGate({"lookup": [0.0], "drafter": costs.drafter}, costs.verify)
     if drafter is not None and drafter.config.target_vocab_size != target.config.vocab_size:
         raise ValueError("the drafter was made for another vocabulary")
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
@@ -212,7 +212,7 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
                 draft_probs = None if config.sampling.greedy else one_hot(draft_tokens, vocab_size)
         wanted = num_drafts if gate is None else gate.num_drafts("drafter", num_drafts)
         if wanted > 0 and source == "none" and drafter is not None:
-            block_logits = drafter.draft(drafter_cache, sequence.tokens)[:wanted]
+            block_logits = drafter.draft(drafter_cache, sequence.tokens, wanted)[:wanted]
             draft_tokens, draft_probs = propose(block_logits, config.sampling, generator)
             source = "drafter"
         drafted = time.perf_counter()

@@ -11,7 +11,7 @@ is tried again with a couple of drafts after `explore_every` steps, then after t
 time the try fails, so the averages follow the text without a full block's cost (~3 steps) per try.
 
 Costs are measured on the running machine (`d3d.costs`): verifying k drafts costs verify[k]
-one-token steps, a drafter proposal its measured block pass; both stored once per machine, so the
+one-token steps, drafting them from the drafter its pass over the rows they need; both stored once per machine, so the
 gate's choices — and so the random draws at T > 0 — are a function of the tokens alone: the same
 seed gives the same output. Output is lossless either way.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpeculationGate:
-    draft_costs: dict[str, float]  # drafting cost of each source ("lookup", "drafter") in one-token steps
+    draft_costs: dict[str, Sequence[float]]  # per source ("lookup", "drafter"): [k] = drafting k, in one-token steps
     verify_costs: Sequence[float]  # [k]: verifying k drafts, in one-token steps ([0] = 1: a plain step)
     explore_every: int = 8  # steps before a source that does not pay is tried again …
     max_explore_every: int = 64  # … an interval that doubles after every try that still does not pay
@@ -48,7 +48,8 @@ class SpeculationGate:
         """The k ≤ max_drafts that maximises expected tokens ÷ cost; 0 when a plain step pays better."""
         best, best_rate = 0, 1.0  # plain decoding: one token per unit cost
         for k in range(1, max_drafts + 1):
-            cost = self.verify_costs[min(k, len(self.verify_costs) - 1)] + self.draft_costs[source]
+            drafting = self.draft_costs[source]
+            cost = self.verify_costs[min(k, len(self.verify_costs) - 1)] + drafting[min(k, len(drafting) - 1)]
             rate = self.expected_tokens(source, k) / cost
             if rate > best_rate:
                 best, best_rate = k, rate

@@ -62,10 +62,10 @@ def no_workers() -> bool:
 class HistoryMixin:
     """Tracks the token at every drafter-cache slot, so packed branches know their full context."""
 
-    def draft(self, cache, tokens):
+    def draft(self, cache, tokens, num_drafts=None):
         self.history = list(tokens)
         self.sync_drafts = getattr(self, "sync_drafts", 0) + 1
-        return super().draft(cache, tokens)
+        return super().draft(cache, tokens, num_drafts)
 
     @torch.no_grad()
     def packed_draft(self, cache, trunk, branches, anchor_slot, with_trunk=False):

@@ -46,6 +46,25 @@ def test_all_layer_drafter_row0_is_the_targets_next_token(target, mode):
         torch.testing.assert_close(logits[0], next_token_logits(target, tokens), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["causal", "anchor_causal"])
+@torch.no_grad()
+def test_drafting_only_the_rows_the_drafts_need(target, mode):
+    """`num_drafts=k` runs the anchor and the first masks only and returns k rows: in a causal block
+    the full block's first k rows bit for bit; anchor-causal, the anchor's row bit for bit (the
+    masks see fewer masks). The cache ends as after a full pass."""
+    drafter = Drafter.from_target(target, [0, 1], block_size=8, block_attention=mode)
+    perturb(drafter)
+    full = drafter.draft(drafter.new_cache(64), TOKENS)
+    for k in (1, 3, 7):
+        cache = drafter.new_cache(64)
+        short = drafter.draft(cache, TOKENS, num_drafts=k)
+        assert short.shape == (k, 64) and cache.length == len(TOKENS) - 1
+        if mode == "causal":
+            assert torch.equal(short, full[:k])
+        else:
+            assert torch.equal(short[0], full[0])
+
+
 def test_bidirectional_anchor_sees_the_masks(target):
     """Contrast: with bidirectional block attention row 0 is no longer the plain next-token prediction."""
     drafter = Drafter.from_target(target, [0, 1], block_size=4, block_attention="bidirectional")

@@ -20,19 +20,19 @@ def linear(per_draft: float, drafts: int = 15) -> list[float]:
 
 def test_an_unknown_source_drafts_in_full():
     """Before any observation a source proposes every draft it may."""
-    assert SpeculationGate({"lookup": 0.0}, linear(0.1)).num_drafts("lookup", 15) == 15
+    assert SpeculationGate({"lookup": [0.0]}, linear(0.1)).num_drafts("lookup", 15) == 15
 
 
 def test_expected_tokens_from_acceptance():
     """1 + α1 + α1·α2 + …; unreached positions borrow the last α."""
-    gate = SpeculationGate({"drafter": 0.1}, linear(0.1), acceptance={"drafter": [0.5, 0.5]})
+    gate = SpeculationGate({"drafter": [0.1]}, linear(0.1), acceptance={"drafter": [0.5, 0.5]})
     assert gate.expected_tokens("drafter", 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
 
 
 def test_a_weak_drafter_proposes_only_its_likely_drafts():
     """α = (0.6, 0.1, …), drafting cost 0.1, 0.028 steps per verified draft: two drafts pay best,
     all fifteen pay less."""
-    gate = SpeculationGate({"drafter": 0.1}, linear(0.028), explore_every=100,
+    gate = SpeculationGate({"drafter": [0.1]}, linear(0.028), explore_every=100,
                            acceptance={"drafter": [0.6, 0.1]}, last_used={"drafter": 0})
     def rate(k):
         return gate.expected_tokens("drafter", k) / (1 + 0.028 * k + 0.1)
@@ -45,7 +45,7 @@ def test_a_weak_drafter_proposes_only_its_likely_drafts():
 def test_a_useless_source_falls_back_to_plain_steps_and_is_explored():
     """Drafts that are never accepted: zero drafts, except a two-draft try after 4 steps, then after
     8, 16, … as tries keep failing."""
-    gate = SpeculationGate({"lookup": 0.0}, linear(0.1), explore_every=4, max_explore_every=16)
+    gate = SpeculationGate({"lookup": [0.0]}, linear(0.1), explore_every=4, max_explore_every=16)
     gate.record("lookup", 15, 0)
     tries = []
     for step in range(1, 60):
@@ -59,7 +59,7 @@ def test_a_useless_source_falls_back_to_plain_steps_and_is_explored():
 def test_acceptance_averages_follow_recent_steps():
     """After misses α1 falls and drafting stops; after accepted tries it resumes, and a source in
     use keeps the short try interval."""
-    gate = SpeculationGate({"lookup": 0.0}, linear(0.1), explore_every=100, weight=0.5)
+    gate = SpeculationGate({"lookup": [0.0]}, linear(0.1), explore_every=100, weight=0.5)
     for _ in range(6):
         gate.record("lookup", 15, 0)
     assert gate.num_drafts("lookup", 15) == 0
@@ -69,10 +69,21 @@ def test_acceptance_averages_follow_recent_steps():
     assert gate.intervals["lookup"] == 100
 
 
+def test_cheap_short_drafts_make_a_weak_drafter_pay():
+    """α = (0.4, 0.2): with a full-block pass per proposal (0.45 steps) no k beats plain steps; with a
+    pass over the rows k drafts need (0.1 + 0.02·(k-1)), two drafts do (1.48 tokens for 1.16 steps)."""
+    acceptance = {"drafter": [0.4, 0.2]}
+    full = SpeculationGate({"drafter": [0.0] + [0.45] * 15}, linear(0.02), explore_every=100,
+                           acceptance=dict(acceptance), last_used={"drafter": 0})
+    rows = SpeculationGate({"drafter": [0.0] + [0.1 + 0.02 * k for k in range(15)]}, linear(0.02), explore_every=100,
+                           acceptance=dict(acceptance), last_used={"drafter": 0})
+    assert full.num_drafts("drafter", 15) == 0 and rows.num_drafts("drafter", 15) == 2
+
+
 def test_the_gate_reads_measured_costs_where_they_bend():
     """Costs that jump past 8 drafts (a second tile of rows): the gate stops where the jump starts."""
     costs = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4] + [2.2] * 7
-    gate = SpeculationGate({"lookup": 0.0}, costs, explore_every=100,
+    gate = SpeculationGate({"lookup": [0.0]}, costs, explore_every=100,
                            acceptance={"lookup": [0.9] * 15}, last_used={"lookup": 0})
     assert gate.num_drafts("lookup", 15) == 8
 
@@ -85,9 +96,10 @@ def test_forward_costs_are_measured_once_and_stored(tmp_path, monkeypatch):
     target = make_decoder(tiny_config(), seed=0)
     drafter = Drafter.from_target(target, [0], draft_vocab=torch.arange(8))
     costs = forward_costs(target, drafter, max_drafts=15)
-    assert len(costs.verify) == 16 and costs.verify[0] == 1.0
-    assert all(a <= b for a, b in zip(costs.verify, costs.verify[1:]))
-    assert costs.drafter > 0 and costs.step_ms > 0
+    assert len(costs.verify) == len(costs.drafter) == 16 and costs.verify[0] == 1.0 and costs.drafter[0] == 0.0
+    for table in (costs.verify, costs.drafter):
+        assert all(a <= b for a, b in zip(table, table[1:]))
+    assert costs.drafter[1] > 0 and costs.step_ms > 0
     assert all(round(c, 2) == c for c in costs.verify)
     stored = list((tmp_path / "costs").glob("*.json"))
     assert len(stored) == 1

@@ -328,7 +328,7 @@ def speculative_law(target, drafter: Drafter, bug: str | None, lookup: LookupCon
         if found:
             drawn = told = d3d.engine.one_hot(torch.tensor(found), vocab_size).double()
         else:
-            logits = drafter.draft(drafter.new_cache(end), tokens)[:wanted]
+            logits = drafter.draft(drafter.new_cache(end), tokens, wanted)[:wanted]  # as the engine drafts
             drawn = probabilities(logits, config).double()
             told = (logits.double() / config.temperature).softmax(-1) if bug == "unfiltered_q" else drawn
 
@@ -360,7 +360,7 @@ def speculative_law(target, drafter: Drafter, bug: str | None, lookup: LookupCon
     gate = None
     if adaptive:
         costs = forward_costs(target, drafter, drafter.block_size - 1)  # the engine's own gate
-        gate = SpeculationGate({"lookup": 0.0, "drafter": costs.drafter}, costs.verify)
+        gate = SpeculationGate({"lookup": [0.0], "drafter": costs.drafter}, costs.verify)
     first = target_probs(PROMPT)  # the prefill's plain draw
     for token in support(first):
         step(PROMPT + [token], float(first[token]), gate)
