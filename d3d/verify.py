@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from d3d.sampling import sample
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -51,12 +53,12 @@ def verify_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targe
     # Accept when u < p/q, written as u*q < p so that q = 0 never divides (such a draft is never drawn).
     rejected = (uniform * q_draft >= p_draft).nonzero()
     if not rejected.numel():
-        bonus = torch.multinomial(target_probs[num_drafts], 1, generator=generator)
+        bonus = sample(target_probs[num_drafts], generator)
         return Verdict(num_drafts, int(bonus))
     k = int(rejected[0, 0])
     residual = (target_probs[k] - draft_probs[k]).clamp_min(0)
     total = residual.sum()
     # p == q up to rounding leaves no residual mass; p itself is then the exact recovery distribution.
     residual = residual / total if total > 1e-12 else target_probs[k]
-    recovered = torch.multinomial(residual, 1, generator=generator)
+    recovered = sample(residual, generator)
     return Verdict(k, int(recovered))

@@ -277,13 +277,13 @@ SPY_ENGINES = {**ENGINES, "async": lambda target, drafter, config: async_generat
 @pytest.mark.parametrize("bug", [None, "unfiltered_q"])
 @pytest.mark.parametrize("name", SPY_ENGINES)
 def test_verification_gets_the_q_each_draft_was_drawn_from(pair, name, bug, monkeypatch):
-    """30 seeded 12-token generations per engine: q at verification is exactly the drafting law
+    """40 seeded 12-token generations per engine: q at verification is exactly the drafting law
     (the unfiltered-q bug is seen at every drafter verification)."""
     if bug:
         BUGS[bug](monkeypatch)
     spy = DraftSpy(monkeypatch)
     target, drafter = pair
-    for seed in range(30):
+    for seed in range(40):
         list(SPY_ENGINES[name](target, drafter, GenerationConfig(max_new_tokens=12, sampling=sampling(seed))))
     assert spy.checked["drafter"] > 30
     if name == "lookup":
