@@ -251,7 +251,7 @@ class Decoder(nn.Module):
                              attention.k_norm.weight if attention.k_norm is not None else None,
                              attention.o_proj.weight, attention.o_proj.bias, layer.post_attention_layernorm.weight,
                              mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias))
-            self._layer_table = (layers, kernels.layer_table(rows))
+            self._layer_table = (layers, LayerTable.build(kernels, rows))
         return self._layer_table[1]
 
     def hidden_states(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,

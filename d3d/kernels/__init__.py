@@ -1,6 +1,9 @@
 """The decoder's arithmetic: row-exact C kernels for inference, PyTorch ops for training.
 
-Two implementations of one small interface — `linear`, `attention`, `rms_norm`, `silu_mul`:
+Two implementations of one small interface — `linear`, `attention`, `rms_norm`, `silu_mul`,
+`rope_store` — and, in the row-exact kernels only, `forward`: a whole cached decoder forward in one
+C call (each stage the body of the per-op kernel, so the same bits), over a `LayerTable` of the
+layers' weight pointers:
 
 - `RowExactKernels` (CPU inference): `rowexact.c`, compiled once per machine with the local C
   compiler and cached under `$D3D_CACHE/kernels`. A row's result is a fixed sequence of IEEE
@@ -10,7 +13,7 @@ Two implementations of one small interface — `linear`, `attention`, `rms_norm`
   their rounding may change with the row count, so exactness then rests on the self-check in
   `d3d.exactness`.
 
-This module computes; it knows nothing about layers, caches or tokens.
+This module computes; it is handed the layers as a table of weights and knows nothing of tokens.
 """
 
 from __future__ import annotations
@@ -207,10 +210,6 @@ class RowExactKernels:
                _ptr(residual), out.data_ptr(), x2.shape[0], weight.shape[0], width, torch.get_num_threads())
         return out
 
-    def layer_table(self, layers: list[tuple[torch.Tensor | None, ...]]) -> "LayerTable | None":
-        """The pointer table `forward` reads, or None where this build cannot run these layers fused."""
-        return LayerTable.build(self, layers)
-
     def forward(self, table: "LayerTable", shape: "DecoderShape", x: torch.Tensor, rope: torch.Tensor,
                 positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
                 final_norm: torch.Tensor) -> torch.Tensor:
@@ -373,6 +372,8 @@ class LayerTable:
 
     @classmethod
     def build(cls, kernels: "RowExactKernels", layers: list[tuple[torch.Tensor | None, ...]]) -> "LayerTable | None":
+        """The table for these layers (one tuple of LAYER_SLOTS tensors each), or None where this
+        build cannot run them in one call."""
         tensors, keep, pointers, packed_flags = [], [], [], set()
         for row in layers:
             assert len(row) == len(LAYER_SLOTS)
