@@ -34,6 +34,7 @@ from d3d.loading import cache_root
 from d3d.models import Decoder
 
 CONTEXT = 128  # tokens before the timed forwards
+MEASUREMENT = 2  # bump when what is timed changes (e.g. the drafter's head kernel), to measure afresh
 ROUNDS, REPEATS = 7, 3  # rounds over every row count; forwards per timing (their mean)
 
 
@@ -128,7 +129,7 @@ def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int) -> Pa
     if drafter is not None:
         drafter_shape = [drafter.config.model.to_dict(), drafter.block_size, drafter.config.draft_vocab_size,
                          drafter.config.block_attention, drafter.config.denoising_steps, str(drafter.decoder.dtype)]
-    key = json.dumps([machine_key(target), drafter_shape, max_drafts, CONTEXT], sort_keys=True)
+    key = json.dumps([machine_key(target), drafter_shape, max_drafts, CONTEXT, MEASUREMENT], sort_keys=True)
     return cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 

@@ -74,7 +74,8 @@ class Drafter(nn.Module):
             return self.decoder.logits(hidden)
         if not self.config.shared_embeddings:  # the head itself trains: gather it fresh
             return torch.nn.functional.linear(hidden, self._gather_head())
-        return torch.nn.functional.linear(hidden, self.draft_head)
+        # the decoder's kernels: packed and ~3x faster than F.linear for a few rows on CPU
+        return self.decoder.kernels_for(hidden).linear(hidden, self.draft_head, None)
 
     def to_draft_ids(self, tokens: torch.Tensor, missing: int = -100) -> torch.Tensor:
         """Vocabulary ids → indices into the draft vocabulary (`missing` where outside it)."""
