@@ -3,14 +3,15 @@
 The gate (`d3d.gate`) weighs the tokens a draft is expected to commit against what it costs: a
 verification of k drafts is one (k + 1)-row target forward, a drafter proposal one block pass.
 Both are measured here in one-token target steps, for every k, by timing the real forwards the
-engine runs (`engine.score_block`, `Drafter.draft` over the rows k drafts need) after a short context: each round times every row count
-back to back, and each cost is the median over rounds of its ratio to that round's one-token step;
-then made non-decreasing in k and rounded to 0.01. The result is stored per machine,
-kernel build, thread count, dtype and model shapes under `$D3D_CACHE/costs`, so the gate's
-choices — and with them the random draws at T > 0 — are a function of the tokens alone once a
-machine is measured: the same seed gives the same output. A fixed formula could not do that job:
-after the row-exact kernels made a one-token step 30% cheaper, a 16-token verification went
-from 2.1 to 3.1 steps on the same machine.
+engine runs (`engine.score_block`, `Drafter.draft` over the rows k drafts need) after a short
+context: each round times every row count back to back, and each cost is the median over rounds
+of its ratio to that round's one-token step, then made non-decreasing in k and rounded to 0.01.
+The result is stored per machine, kernel build, thread count, dtype and model shapes under
+`$D3D_CACHE/costs`, so the gate's choices — and with them the random draws at T > 0 — are a
+function of the tokens alone once a machine is measured: the same seed gives the same output. A
+fixed formula could not do that job: every kernel change moves the ratio of a 16-token
+verification to a one-token step (docs/performance.md: 2.2 steps before the one-call forward,
+2.1–2.7 after, on the same machine).
 
 This module times forwards; it decides nothing.
 """
@@ -47,13 +48,11 @@ class ForwardCosts:
     step_ms: float  # the one-token step they are measured in, when measured
     seconds: float = 0.0  # how long the measurement took
 
-    def verify_cost(self, num_drafts: int) -> float:
-        return self.verify[min(num_drafts, len(self.verify) - 1)]
-
 
 @torch.no_grad()
 def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int = 0) -> ForwardCosts:
-    """Time verifications of 0 … max_drafts drafts and one drafter pass against a one-token step."""
+    """Time verifications of 0 … max_drafts drafts and drafter passes for 1 … max_drafts drafts,
+    against a one-token step."""
     from d3d.engine import score_block  # the engine imports this module
 
     started = time.perf_counter()
