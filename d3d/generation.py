@@ -10,7 +10,7 @@ that the engines stay token-only. CLI, server and benchmark all consume this gen
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +37,13 @@ class Chunk:
     step: Step  # the engine step that produced it
     finish_reason: str | None = None  # "eos", "length" or "stop" on the last chunk
     num_tokens: int = 0  # generated tokens the text so far stands for (a stop string's: up to the one completing it)
+    # `text` split by the token that completed each part: (that token's index among the generated
+    # tokens, its text); what a view colouring tokens by where they came from shows.
+    pieces: list[tuple[int, str]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, pieces: list[tuple[int, str]], step: Step, finish_reason: str | None, num_tokens: int) -> "Chunk":
+        return cls("".join(text for _, text in pieces), step, finish_reason, num_tokens, pieces)
 
 
 class Pipeline:
@@ -107,39 +114,96 @@ class Pipeline:
         yield from self.stream_text(self.steps(prompt_ids, config, method), stop or [])
 
     def stream_text(self, steps: Iterator[Step], stop: list[str]) -> Iterator[Chunk]:
-        """Decode steps into text chunks, ending at the first stop string (not included)."""
-        tokenizer = self.target.tokenizer
+        """Decode steps into text chunks, ending at the first stop string (not included).
+
+        Token by token, so a stop string ends the text where one-token decoding would (at the first
+        token whose text holds it) whatever a step's size; each token decodes only a short window
+        (`TextDecoder`), so a step costs the same at the end of a long answer as at its start.
+        """
+        decoder = TextDecoder(self.target.tokenizer)
         stop = [s for s in stop if s]  # an empty stop string would match everywhere
-        tokens: list[int] = []
-        emitted = 0  # characters of the decoded text already yielded
         hold = max((len(s) for s in stop), default=1) - 1  # a stop string may still be forming
+        held = HeldText()  # decoded, not yet yielded: at least the last `hold` characters
+        used = 0  # generated tokens so far
         for step in steps:
-            tokens.extend(step.tokens)
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            search = max(0, emitted - hold)
-            cut, used = first_stop(text, stop, search), len(tokens)
-            if cut is not None:
-                # A step may commit several tokens. End where one-token decoding would: at the first
-                # token whose text holds a stop string, so the output never depends on step sizes.
-                for count in range(len(tokens) - len(step.tokens) + 1, len(tokens)):
-                    shorter = tokenizer.decode(tokens[:count], skip_special_tokens=True)
-                    if (found := first_stop(shorter, stop, search)) is not None:
-                        text, cut, used = shorter, found, count
-                        break
-                yield Chunk(text[emitted:cut], step, "stop", used)
-                steps.close()  # type: ignore[attr-defined]
-                return
+            for i, token in enumerate(step.tokens):
+                piece = decoder.add(token)
+                if step.finish_reason is not None and i == len(step.tokens) - 1:
+                    piece += decoder.flush()  # the end: an incomplete character too, as U+FFFD
+                held.add(used, piece)
+                used += 1
+                start = max(0, len(held.text) - len(piece) - hold)
+                if piece and (cut := first_stop(held.text, stop, start)) is not None:
+                    yield Chunk.of(held.take(cut), step, "stop", used)
+                    steps.close()  # type: ignore[attr-defined]
+                    return
             if step.finish_reason is not None:
-                yield Chunk(text[emitted:], step, step.finish_reason, used)
+                yield Chunk.of(held.take(len(held.text)), step, step.finish_reason, used)
                 return
-            safe = len(text) - hold
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                safe = min(safe, len(text) - 1)
-            if safe > emitted:
-                yield Chunk(text[emitted:safe], step, num_tokens=used)
-                emitted = safe
-            else:
-                yield Chunk("", step, num_tokens=used)
+            yield Chunk.of(held.take(max(0, len(held.text) - hold)), step, None, used)
+
+
+class TextDecoder:
+    """Incremental detokenisation: the text each new token completes.
+
+    Decoding the whole answer again for every token costs O(length) per token, O(length²) per
+    answer. Here a token decodes only the window of tokens since the last text was emitted (its
+    first token starts on a character boundary) and emits what that window's text gained — the
+    scheme of vLLM's incremental detokenizer. Byte-level tokenizers split rare characters over
+    several tokens; the window then decodes to text ending in U+FFFD, held until a later token
+    completes the character, or until `flush` at the end.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.start = 0  # first token of the decoding window
+        self.read = 0  # tokens whose text has been emitted
+        self.emitted = ""  # the text of tokens[start:read]
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        return self.advance(final=False)
+
+    def flush(self) -> str:
+        """What is still held (an incomplete character decodes to U+FFFD)."""
+        return self.advance(final=True)
+
+    def advance(self, final: bool) -> str:
+        text = self.tokenizer.decode(self.tokens[self.start:], skip_special_tokens=True)
+        if len(text) <= len(self.emitted) or (text.endswith("\ufffd") and not final):
+            return ""
+        new = text[len(self.emitted):]
+        # Decoded again, not taken from `new`: some tokenizers drop a window's leading space.
+        self.start, self.read = self.read, len(self.tokens)
+        self.emitted = self.tokenizer.decode(self.tokens[self.start:], skip_special_tokens=True)
+        return new
+
+
+class HeldText:
+    """Decoded text not yet yielded, each piece tagged with the index of the token that completed it."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[int, str]] = []
+        self.text = ""
+
+    def add(self, index: int, piece: str) -> None:
+        if piece:
+            self.pieces.append((index, piece))
+            self.text += piece
+
+    def take(self, length: int) -> list[tuple[int, str]]:
+        """The first `length` characters as pieces (a piece split at the boundary stays in part)."""
+        taken, size = [], 0
+        while self.pieces and size < length:
+            index, piece = self.pieces.pop(0)
+            if size + len(piece) > length:
+                piece, rest = piece[:length - size], piece[length - size:]
+                self.pieces.insert(0, (index, rest))
+            taken.append((index, piece))
+            size += len(piece)
+        self.text = self.text[length:]
+        return taken
 
 
 def first_stop(text: str, stop: list[str], start: int) -> int | None:

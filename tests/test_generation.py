@@ -195,6 +195,50 @@ def test_generated_multibyte_text_is_streamed_whole():
     assert set(tokens) & multibyte, "the fixture model should produce some partial-character tokens"
 
 
+class CountingTokenizer(ByteTokenizer):
+    """A ByteTokenizer that counts the token ids it is asked to decode."""
+
+    decoded = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens)
+
+
+@pytest.mark.parametrize("length", [200, 2000])
+def test_streaming_decodes_each_token_a_bounded_number_of_times(length):
+    """Incremental: decoding work per token does not grow with the answer's length (re-decoding the
+    whole answer every step would decode length²/2 ids), and the text is still decode(tokens)."""
+    tokenizer = CountingTokenizer()
+    pipeline = tiny_pipeline()
+    pipeline.target.tokenizer = tokenizer
+    pieces = [b"he", b"\xe2", b"\x82\xac", b" ", b"\xf0\x9f", b"\x98", b"\x80", b"llo", b"!"]
+    ids = [tokenizer.pieces[pieces[i % len(pieces)]] for i in range(length)]
+    steps = [ids[i:i + 3] for i in range(0, length, 3)]
+    chunks = list(pipeline.stream_text(synthetic_steps(steps), []))
+    assert "".join(c.text for c in chunks) == ByteTokenizer().decode(ids)
+    assert tokenizer.decoded < 8 * length
+
+
+def test_pieces_split_each_chunk_by_the_token_that_completed_it():
+    """Chunk.pieces join to the chunk's text; each names the generated token (by index) whose text
+    completed it: a character split over tokens belongs to its last token, text held back for a
+    stop string comes with a later chunk under its own token's index."""
+    tokenizer = ByteTokenizer()
+    pieces = [b"he", b"\xe2", b"\x82\xac", b" ", b"S", b"T", b"x", b"S", b"T", b"OP", b"!"]
+    steps = [[tokenizer.pieces[p] for p in pieces[i:i + 2]] for i in range(0, len(pieces), 2)]
+    chunks = list(tiny_pipeline().stream_text(synthetic_steps(steps), ["STOP"]))
+    for chunk in chunks:
+        assert "".join(text for _, text in chunk.pieces) == chunk.text
+    by_token: dict[int, str] = {}
+    for chunk in chunks:
+        for index, text in chunk.pieces:  # a piece may be split between two chunks
+            by_token[index] = by_token.get(index, "") + text
+    assert by_token == {0: "he", 2: "€", 3: " ", 4: "S", 5: "T", 6: "x"}
+    assert chunks[2].pieces == [(0, "e"), (2, "€")]  # "e" was held: it might have begun "STOP"
+    assert "".join(c.text for c in chunks) == "he€ STx" and chunks[-1].finish_reason == "stop"
+
+
 # -- stop strings -----------------------------------------------------------------------------
 
 def stop_run(pieces: list[bytes], stop: list[str], finish_reason: str = "length"):
@@ -449,6 +493,22 @@ def test_untrained_drafter_on_real_target_matches_ar():
     assert tokens_of(speculative) == tokens_of(ar)
     assert "".join(c.text for c in speculative) == "".join(c.text for c in ar)
     assert speculative[-1].step.stats.steps_by_source.get("drafter", 0) > 0
+
+
+@pytest.mark.slow
+def test_incremental_text_with_the_real_tokenizer():
+    """SmolLM2's byte-level BPE splits an emoji and CJK characters over tokens: streamed one token
+    per step, the chunks still join to decode(all tokens) and none holds half a character."""
+    from d3d.loading import load_target
+
+    tokenizer = load_target(None, torch.float32).tokenizer
+    text = "Hello , world! café 😀 don't . ok 日本語 — ∑ x² 🚀🚀"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some tokens hold part of a character
+    pipeline = Pipeline(Target(None, tokenizer, "smollm2", []))
+    chunks = list(pipeline.stream_text(synthetic_steps([[i] for i in ids]), []))
+    assert "".join(c.text for c in chunks) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in c.text for c in chunks)
 
 
 @pytest.mark.slow
