@@ -27,7 +27,8 @@ device, a CUDA stream with idle SMs, or many cores.
 
 Lossless in every case: the target verifies every draft, and at T > 0 each draft is drawn from a
 distribution fixed before its verification, which is all rejection sampling needs. The engine
-reuses `d3d.engine`'s `Sequence`, `prefill`, `propose` and `verify_block`; only the drafting
+reuses `d3d.engine`'s `Sequence`, `prefill` and `verify_block` and drafts through a
+`d3d.sources.DrafterSource` (its block logits, vocabulary check and name); only the drafting
 schedule differs from `speculative_generate`. It is not a batch engine and uses no context lookup.
 """
 
@@ -45,9 +46,10 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig, _JsonMixin
 from d3d.drafter import Drafter
-from d3d.engine import Sequence, Step, prefill, propose, verify_block
+from d3d.engine import Sequence, Step, prefill, verify_block
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities
+from d3d.sources import DrafterSource, check_vocabulary, drafts_from_logits
 from d3d.timeline import Span
 
 Branch = tuple[int, int]  # (num_accepted k, bonus guess b)
@@ -258,8 +260,8 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     async_config = async_config or AsyncConfig()
     if drafter is None:
         raise ConfigError("asynchronous drafting needs a drafter")
-    if drafter.config.target_vocab_size != target.config.vocab_size:
-        raise ValueError("the drafter was made for another vocabulary")
+    source = DrafterSource(drafter)
+    check_vocabulary([source], target)
     if drafter.config.denoising_steps != 1:
         raise ConfigError("asynchronous drafting runs one denoising step per block; "
                           f"this drafter is configured for {drafter.config.denoising_steps}")
@@ -273,29 +275,31 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
 
     block_size, budget = drafter.block_size, async_config.max_branches
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
-    generator = make_generator(sampling)
+    generator = make_generator(sampling, target.device)
     step, target_cache = prefill(target, sequence, sampling, generator)
     yield step
     if sequence.finish_reason is not None:
         return
     stats = sequence.stats
     # Room for the committed tokens, a trunk and every branch block of one packed forward.
-    drafter_cache = drafter.new_cache(sequence.max_length + budget * block_size)
+    source.start(sequence.max_length + budget * block_size, target.device)
+    drafter_cache = source.cache
     worker = DraftWorker(drafter, async_config.concurrent, async_config.drafter_threads)
     # Give the worker its own cores: the main thread keeps what the worker does not take (two
     # OpenMP teams oversubscribing 2 cores run many times slower than one thread each).
     main_threads = torch.get_num_threads()
     if async_config.concurrent and async_config.drafter_threads and target.device.type == "cpu":
         torch.set_num_threads(max(1, main_threads - async_config.drafter_threads))
+    no_drafts = torch.empty(0, dtype=torch.long, device=target.device)
     try:
         block_logits: torch.Tensor | None = None  # (B, V) drafted for the block after tokens[-1]
         while sequence.finish_reason is None:
             num_drafts = min(block_size - 1, sequence.room - 1)  # the bonus token always needs a slot
             started = time.perf_counter()
             if num_drafts > 0 and block_logits is None:
-                block_logits = drafter.draft(drafter_cache, sequence.tokens)
-            draft_tokens, draft_probs = (propose(block_logits[:num_drafts], sampling, generator)
-                                         if num_drafts > 0 else (torch.empty(0, dtype=torch.long), None))
+                block_logits = source.block_logits(sequence.tokens)
+            draft_tokens, draft_probs = (drafts_from_logits(block_logits[:num_drafts], sampling, generator)
+                                         if num_drafts > 0 else (no_drafts, None))
             # k accepted commits k+1 tokens; a branch is useful only if two slots remain to draft into.
             max_k = min(num_drafts, sequence.room - 3)
             packed = None
@@ -337,7 +341,7 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
                                                async_config.miss_policy)
             new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
             step = sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted,
-                                   "drafter" if num_drafts > 0 else "none")
+                                   source.name if num_drafts > 0 else "none")
             if num_drafts > 0 and sequence.finish_reason is None and sequence.room >= 2:
                 stats.record_branch(verdict.num_accepted, hit)  # a next block is needed: was it ready?
             yield step

@@ -2,7 +2,8 @@
 
 `reference_generate` is plain autoregressive decoding over the native decoder and cache — the
 definition every fast path is checked against, token for token. `speculative_generate` drafts a
-block with the D3D drafter, verifies it with one target forward, and commits the accepted drafts
+block — from context lookup or the D3D drafter, or from any drafting sources (`d3d.sources`) with
+`generate_from_sources` — verifies it with one target forward, and commits the accepted drafts
 plus the target's bonus token. Both yield one `Step` per target forward and keep a running
 `SpecStats`. The engines know nothing about text: ids in, ids out (see `d3d.generation`).
 
@@ -25,14 +26,14 @@ from d3d.costs import forward_costs
 from d3d.drafter import Drafter
 from d3d.exactness import verify_mode
 from d3d.gate import SpeculationGate
-from d3d.lookup import LookupConfig, lookup_drafts
+from d3d.lookup import LookupConfig
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities, sample
+from d3d.sources import DraftSource, check_vocabulary, default_sources
 from d3d.stats import SpecStats
 from d3d.verify import Verdict, verify_greedy, verify_sampling
 
 FinishReason = Literal["eos", "length"]
-DraftSource = Literal["none", "lookup", "drafter"]
 
 
 class PromptError(ValueError):
@@ -46,7 +47,7 @@ class Step:
     tokens: list[int]  # tokens committed by this step (truncated at EOS / length)
     num_drafted: int  # drafts the target verified (0 for AR steps and the prefill)
     num_accepted: int  # drafts it accepted
-    source: DraftSource  # where the drafts came from
+    source: str  # the drafting source's name (d3d.sources): "lookup", "drafter", …; "none" for plain steps
     finish_reason: FinishReason | None  # set on the last step
     stats: SpecStats = field(repr=False)  # running totals of the whole generation
 
@@ -74,7 +75,7 @@ class Sequence:
         return self.max_length - len(self.tokens)
 
     def commit(self, tokens: list[int], num_drafted: int, num_accepted: int,
-               source: DraftSource = "none") -> Step:
+               source: str = "none") -> Step:
         kept = tokens[:self.room]
         for i, token in enumerate(kept):
             if token in self.eos:
@@ -114,7 +115,7 @@ def prefill(target: Decoder, sequence: Sequence, sampling: SamplingConfig,
 def reference_generate(target: Decoder, prompt_ids: list[int], config: GenerationConfig) -> Iterator[Step]:
     """Plain autoregressive decoding: one target forward per token."""
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
-    generator = make_generator(config.sampling)
+    generator = make_generator(config.sampling, target.device)
     step, cache = prefill(target, sequence, config.sampling, generator)
     yield step
     while sequence.finish_reason is None:
@@ -125,15 +126,6 @@ def reference_generate(target: Decoder, prompt_ids: list[int], config: Generatio
         token = pick(logits, config.sampling, generator)
         sequence.stats.verify_seconds += time.perf_counter() - started
         yield sequence.commit([token], 0, 0)
-
-
-def propose(block_logits: torch.Tensor, sampling: SamplingConfig,
-            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Drafts from (K, V) drafter logits → draft_tokens (K,) and, when sampling, draft_probs (K, V)."""
-    if sampling.greedy:
-        return block_logits.argmax(-1), None
-    draft_probs = probabilities(block_logits, sampling)
-    return sample(draft_probs, generator), draft_probs
 
 
 def score_block(target: Decoder, cache: KVCache, ids: torch.Tensor) -> torch.Tensor:
@@ -162,15 +154,15 @@ def verify_block(target: Decoder, cache: KVCache, anchor: int, draft_tokens: tor
     if sampling.greedy:
         verdict = verify_greedy(draft_tokens, target_logits.argmax(-1))
     else:
-        if draft_probs is None:  # no drafts: a plain sampling step
-            draft_probs = target_logits.new_zeros(0, target_logits.shape[-1])
+        if draft_probs is None:  # deterministic drafts (none: a plain sampling step): q is a point mass
+            draft_probs = one_hot(draft_tokens, target_logits.shape[-1])
         verdict = verify_sampling(draft_tokens, draft_probs, probabilities(target_logits, sampling), generator)
     cache.commit(verdict.num_accepted + 1)
     return verdict
 
 
 def one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(K,) → (K, V): the draft distribution of deterministic drafts (context lookup)."""
+    """(K,) → (K, V): the draft distribution of deterministic drafts (context lookup, a greedy source)."""
     return torch.nn.functional.one_hot(tokens, vocab_size).float()
 
 
@@ -185,36 +177,42 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
     `adaptive`, a `SpeculationGate` picks how many drafts each source proposes (none when
     plain decoding is expected to pay better).
     """
-    block_size = drafter.block_size if drafter is not None else 16
+    yield from generate_from_sources(target, default_sources(drafter, lookup), prompt_ids, config, adaptive)
+
+
+@torch.no_grad()
+def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_ids: list[int],
+                          config: GenerationConfig, adaptive: bool = False) -> Iterator[Step]:
+    """`speculative_generate` over any drafting sources, asked in order: the first that proposes
+    drafts the step (see `d3d.sources`); a step none drafts is a plain AR step."""
+    check_vocabulary(sources, target)
     gate = None
-    if adaptive:
-        costs = forward_costs(target, drafter, block_size - 1)
-        gate = SpeculationGate({"lookup": [0.0], "drafter": costs.drafter}, costs.verify)
-    if drafter is not None and drafter.config.target_vocab_size != target.config.vocab_size:
-        raise ValueError("the drafter was made for another vocabulary")
+    if adaptive and sources:
+        max_drafts = max(source.max_drafts for source in sources)
+        gate = SpeculationGate({source.name: source.draft_costs(target) for source in sources},
+                               forward_costs(target, None, max_drafts).verify)
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
-    generator = make_generator(config.sampling)
+    generator = make_generator(config.sampling, target.device)
     step, target_cache = prefill(target, sequence, config.sampling, generator)
     yield step
-    drafter_cache = drafter.new_cache(sequence.max_length) if drafter is not None else None
-    vocab_size = target.config.vocab_size
+    for source in sources:
+        source.start(sequence.max_length, target.device)
+    no_drafts = torch.empty(0, dtype=torch.long, device=target.device)
     while sequence.finish_reason is None:
-        # Never draft past the length limit: the bonus token always needs one slot.
-        num_drafts = min(block_size - 1, sequence.room - 1)
         started = time.perf_counter()
-        source: DraftSource = "none"
-        draft_tokens, draft_probs = torch.empty(0, dtype=torch.long), None
-        wanted = num_drafts if gate is None else gate.num_drafts("lookup", num_drafts)
-        if wanted > 0 and lookup is not None:
-            found = lookup_drafts(sequence.tokens, wanted, lookup)
-            if found:
-                source, draft_tokens = "lookup", torch.tensor(found)
-                draft_probs = None if config.sampling.greedy else one_hot(draft_tokens, vocab_size)
-        wanted = num_drafts if gate is None else gate.num_drafts("drafter", num_drafts)
-        if wanted > 0 and source == "none" and drafter is not None:
-            block_logits = drafter.draft(drafter_cache, sequence.tokens, wanted)[:wanted]
-            draft_tokens, draft_probs = propose(block_logits, config.sampling, generator)
-            source = "drafter"
+        name, proposal = "none", None
+        for source in sources:
+            # Never draft past the length limit: the bonus token always needs one slot.
+            wanted = min(source.max_drafts, sequence.room - 1)
+            if gate is not None:
+                wanted = gate.num_drafts(source.name, wanted)
+            if wanted > 0:
+                proposal = source.propose(sequence.tokens, wanted, config.sampling, generator)
+                if proposal is not None:
+                    name = source.name
+                    break
+        draft_tokens, draft_probs = (no_drafts, None) if proposal is None else (proposal.draft_tokens,
+                                                                               proposal.draft_probs)
         drafted = time.perf_counter()
         verdict = verify_block(target, target_cache, sequence.tokens[-1], draft_tokens, draft_probs,
                                config.sampling, generator)
@@ -222,6 +220,6 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
         sequence.stats.draft_seconds += drafted - started
         sequence.stats.verify_seconds += finished - drafted
         if gate is not None:
-            gate.record(source, len(draft_tokens), verdict.num_accepted)
+            gate.record(name, len(draft_tokens), verdict.num_accepted)
         new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
-        yield sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted, source)
+        yield sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted, name)

@@ -45,8 +45,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return tokens.reshape(probs.shape[:-1])
 
 
-def make_generator(sampling: SamplingConfig) -> torch.Generator:
-    generator = torch.Generator()
+def make_generator(sampling: SamplingConfig, device: torch.device | str = "cpu") -> torch.Generator:
+    """The request's generator, on the device its random numbers are drawn on (a CPU generator
+    draws the same numbers as before for a given seed; a CUDA one draws its own)."""
+    generator = torch.Generator(device)
     if sampling.seed is not None:
         generator.manual_seed(sampling.seed)
     else:

@@ -46,10 +46,10 @@ def verify_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targe
     assert draft_probs.shape[0] == num_drafts and target_probs.shape[0] == num_drafts + 1, \
         f"shapes: draft_tokens {tuple(draft_tokens.shape)}, draft_probs {tuple(draft_probs.shape)}, " \
         f"target_probs {tuple(target_probs.shape)}"
-    rows = torch.arange(num_drafts)
+    rows = torch.arange(num_drafts, device=draft_tokens.device)
     p_draft = target_probs[rows, draft_tokens]
     q_draft = draft_probs[rows, draft_tokens]
-    uniform = torch.rand(num_drafts, generator=generator)
+    uniform = torch.rand(num_drafts, generator=generator, device=draft_probs.device)  # on the generator's device
     # Accept when u < p/q, written as u*q < p so that q = 0 never divides (such a draft is never drawn).
     rejected = (uniform * q_draft >= p_draft).nonzero()
     if not rejected.numel():

@@ -41,6 +41,7 @@ import torch
 
 import d3d.async_engine
 import d3d.engine
+import d3d.sources
 from conftest import make_decoder, perturb_drafter, tiny_config
 from d3d.async_engine import AsyncConfig, async_generate
 from d3d.config import GenerationConfig, SamplingConfig
@@ -151,13 +152,13 @@ ENGINES = {
 
 def report_unfiltered_q(monkeypatch) -> None:
     """Bug: drafts drawn from the filtered q, verification told the unfiltered softmax."""
-    real = d3d.engine.propose
+    real = d3d.sources.drafts_from_logits
 
-    def propose(block_logits, sampling, generator):
+    def drafts_from_logits(block_logits, sampling, generator):
         draft_tokens, _ = real(block_logits, sampling, generator)
         return draft_tokens, (block_logits.float() / sampling.temperature).softmax(-1)
-    monkeypatch.setattr(d3d.engine, "propose", propose)
-    monkeypatch.setattr(d3d.async_engine, "propose", propose)
+    monkeypatch.setattr(d3d.sources, "drafts_from_logits", drafts_from_logits)
+    monkeypatch.setattr(d3d.async_engine, "drafts_from_logits", drafts_from_logits)
 
 
 def recover_from_p(monkeypatch) -> None:
@@ -249,6 +250,7 @@ class DraftSpy:
             self.drawn = None
             return real_verify(draft_tokens, draft_probs, target_probs, generator)
         monkeypatch.setattr(d3d.engine, "sample", sample)
+        monkeypatch.setattr(d3d.sources, "sample", sample)  # where the drafting sources draw
         monkeypatch.setattr(d3d.engine, "verify_sampling", verify_sampling)
 
     def inspect(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor) -> None:
@@ -360,7 +362,8 @@ def speculative_law(target, drafter: Drafter, bug: str | None, lookup: LookupCon
     gate = None
     if adaptive:
         costs = forward_costs(target, drafter, drafter.block_size - 1)  # the engine's own gate
-        gate = SpeculationGate({"lookup": [0.0], "drafter": costs.drafter}, costs.verify)
+        verify = forward_costs(target, None, drafter.block_size - 1).verify  # the target's alone
+        gate = SpeculationGate({"lookup": [0.0], "drafter": costs.drafter}, verify)
     first = target_probs(PROMPT)  # the prefill's plain draw
     for token in support(first):
         step(PROMPT + [token], float(first[token]), gate)

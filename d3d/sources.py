@@ -1,0 +1,148 @@
+"""Drafting sources: where a speculative step's drafts come from, behind one small interface.
+
+A source proposes up to k drafts after the committed tokens: draft_tokens (K,) on the target's
+device and draft_probs (K, V), the distribution each draft was drawn from — or None when the drafts
+are a deterministic function of the tokens (context lookup; any source under greedy decoding),
+whose q is a point mass that verification builds itself (`engine.verify_block`). A source also
+names itself (the gate's key and `Step.source`), says what drafting k costs in one-token target
+steps measured on this machine (`d3d.costs`), and which vocabulary it drafts from, checked once
+against the target's (`check_vocabulary`).
+
+Sources today: context lookup, the D3D drafter, and the acceptance-controlled simulation
+(`d3d.simulate`: a D3D drafter whose drafts are replaced, proposed through `DrafterSource`). The
+sync engine asks its sources in order and the first that proposes drafts the step; the async engine
+drafts with one D3D drafter. A source holds per-generation state (the drafter's KV cache), reset by
+`start`: one set of sources serves one generation at a time.
+
+This module proposes drafts; it verifies nothing and runs no loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from d3d.cache import KVCache
+from d3d.config import SamplingConfig
+from d3d.costs import forward_costs
+from d3d.drafter import Drafter
+from d3d.lookup import LookupConfig, lookup_drafts
+from d3d.models import Decoder
+from d3d.sampling import probabilities, sample
+
+LOOKUP_MAX_DRAFTS = 15  # lookup alone: a block of 16, the D3D drafter's; beside a drafter, its block
+
+
+@dataclass(frozen=True)
+class Proposal:
+    draft_tokens: torch.Tensor  # (K,) on the target's device
+    draft_probs: torch.Tensor | None  # (K, V) the drafts were drawn from; None: deterministic drafts
+
+
+class DraftSource(Protocol):
+    name: str  # the gate's key and Step.source
+    max_drafts: int  # the most drafts one proposal holds
+    vocab_size: int | None  # the token ids it drafts (None: the context's own tokens, any vocabulary)
+
+    def draft_costs(self, target: Decoder) -> Sequence[float]:
+        """[k]: drafting k drafts, in one-token steps of `target`, measured on this machine."""
+        ...
+
+    def start(self, max_length: int, device: torch.device) -> None:
+        """Get ready for a generation of at most `max_length` tokens on `device` (the target's)."""
+        ...
+
+    def propose(self, tokens: list[int], num_drafts: int, sampling: SamplingConfig,
+                generator: torch.Generator) -> Proposal | None:
+        """Up to `num_drafts` drafts after the committed `tokens`; None when it has none to offer."""
+        ...
+
+
+def drafts_from_logits(block_logits: torch.Tensor, sampling: SamplingConfig,
+                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts from (K, V) drafter logits → draft_tokens (K,) and, when sampling, draft_probs (K, V)."""
+    if sampling.greedy:
+        return block_logits.argmax(-1), None
+    draft_probs = probabilities(block_logits, sampling)
+    return sample(draft_probs, generator), draft_probs
+
+
+class LookupSource:
+    """Context lookup (`d3d.lookup`): free, deterministic drafts where the context holds a match."""
+
+    name = "lookup"
+    vocab_size = None
+
+    def __init__(self, config: LookupConfig, max_drafts: int = LOOKUP_MAX_DRAFTS) -> None:
+        self.config = config
+        self.max_drafts = max_drafts
+        self.device = torch.device("cpu")
+
+    def draft_costs(self, target: Decoder) -> Sequence[float]:
+        # A search over token ids, no model call: microseconds beside a step of milliseconds.
+        return [0.0]
+
+    def start(self, max_length: int, device: torch.device) -> None:
+        self.device = device
+
+    def propose(self, tokens: list[int], num_drafts: int, sampling: SamplingConfig,
+                generator: torch.Generator) -> Proposal | None:
+        found = lookup_drafts(tokens, num_drafts, self.config)
+        return Proposal(torch.tensor(found, device=self.device), None) if found else None
+
+
+class DrafterSource:
+    """A D3D drafter: one block pass over the rows the wanted drafts need, argmax or sampled.
+
+    `costs_of`: the drafter whose measured costs the gate weighs, when they are not this one's own
+    (the simulation runs a real drafter's forward and is charged that drafter's cost).
+    """
+
+    def __init__(self, drafter: Drafter, name: str = "drafter", costs_of: Drafter | None = None) -> None:
+        self.drafter = drafter
+        self.name = name
+        self.costs_of = costs_of or drafter
+        self.max_drafts = drafter.block_size - 1
+        self.vocab_size = drafter.config.target_vocab_size
+        self.cache: KVCache | None = None
+
+    def draft_costs(self, target: Decoder) -> Sequence[float]:
+        return forward_costs(target, self.costs_of, self.max_drafts).drafter
+
+    def start(self, max_length: int, device: torch.device) -> None:
+        self.cache = self.drafter.new_cache(max_length)
+
+    def block_logits(self, tokens: list[int], num_drafts: int | None = None) -> torch.Tensor:
+        """The drafter's block logits after `tokens` (`Drafter.draft`): (B, V), or the rows
+        `num_drafts` drafts need; the async engine plans its branches from them."""
+        assert self.cache is not None, "start() the source before drafting"
+        return self.drafter.draft(self.cache, tokens, num_drafts)
+
+    def propose(self, tokens: list[int], num_drafts: int, sampling: SamplingConfig,
+                generator: torch.Generator) -> Proposal | None:
+        block_logits = self.block_logits(tokens, num_drafts)[:num_drafts]  # (K, V)
+        return Proposal(*drafts_from_logits(block_logits, sampling, generator))
+
+
+def check_vocabulary(sources: Sequence[DraftSource], target: Decoder) -> None:
+    """Refuse a source whose drafts are ids of another vocabulary than the target's."""
+    for source in sources:
+        if source.vocab_size is not None and source.vocab_size != target.config.vocab_size:
+            raise ValueError(f"drafting source {source.name!r} was made for another vocabulary "
+                             f"({source.vocab_size} tokens; the target has {target.config.vocab_size})")
+
+
+def default_sources(drafter: Drafter | None, lookup: LookupConfig | None) -> list[DraftSource]:
+    """Lookup where the context matches (when `lookup` is set), else the drafter (when there is one).
+
+    Beside a drafter, lookup drafts as far as the drafter's block, so every verification has a
+    size the drafter's measured costs cover."""
+    sources: list[DraftSource] = []
+    if lookup is not None:
+        sources.append(LookupSource(lookup, drafter.block_size - 1 if drafter is not None else LOOKUP_MAX_DRAFTS))
+    if drafter is not None:
+        sources.append(DrafterSource(drafter))
+    return sources
