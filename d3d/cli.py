@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 
 from d3d.bench.datasets import DatasetError
 from d3d.config import ConfigError, SamplingConfig
+from d3d.devices import resolve_device
 from d3d.engine import PromptError
 from d3d.generation import METHODS, Chunk, Method, Pipeline, resolve_drafter
 from d3d.loading import LoadError
@@ -79,11 +81,17 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
     except ValueError:
         raise ConfigError(f"--drafter-layers takes comma-separated layer indices, got {args.drafter_layers!r}") from None
     drafter = None if args.drafter == "none" else args.drafter
-    pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers)
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers)
+    else:  # weights are read on the CPU; the drafter is built on the target's device
+        target = Pipeline.load(args.target, None, DTYPES[args.dtype]).target
+        target.decoder.to(device)
+        pipeline = Pipeline(target, *resolve_drafter(target, drafter, args.target, layers))
     d = pipeline.drafter
     where = pipeline.drafter_source if d is None else (
         f"{d.config.model.num_layers}-layer drafter, block {d.block_size}, {pipeline.drafter_source}")
-    print(f"# target: {pipeline.target.name} ({args.dtype}); drafter: {where}; "
+    print(f"# target: {pipeline.target.name} ({args.dtype}, {device}); drafter: {where}; "
           f"loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return pipeline
 
@@ -214,6 +222,8 @@ def bench(args: argparse.Namespace) -> int:
     if args.quick:
         config.num_prompts = 2 if config.num_prompts is None else min(config.num_prompts, 2)
         config.max_new_tokens = min(config.max_new_tokens, 48)
+    if args.simulate_tau:
+        return simulate_tau(args, config)
     check_methods(config.methods)  # unknown names, llama.cpp not built: say so before loading anything
     pipeline = load_pipeline(args)
     challengers = {}
@@ -239,6 +249,51 @@ def bench(args: argparse.Namespace) -> int:
                "speedup": {n: result["table"]["all"][n]["all"]["speedup"] for n in result["descriptions"]},
                "tau": {n: result["table"]["all"][n]["all"]["tau"] for n in result["descriptions"]}}
     print(json.dumps(summary))
+    if not result["identical"]:
+        print("d3d: error: " + "; ".join(result["mismatches"][:5]), file=sys.stderr)
+        return 1
+    return 0
+
+
+def simulate_tau(args: argparse.Namespace, config) -> int:
+    """`d3d bench --simulate-tau`: speedup against a set τ, sync and async, with the simulated
+    drafter (d3d.simulate) charged the loaded drafter's cost; exits 1 if an output differs from AR."""
+    from d3d.bench.datasets import load_dataset, sample_prompts
+    from d3d.bench.harness import machine, prompt_turns
+    from d3d.bench.sweep import markdown, plot, run_sweep
+
+    try:
+        taus = [float(x) for x in args.simulate_tau.split(",") if x]
+    except ValueError:
+        raise ConfigError(f"--simulate-tau takes comma-separated τ values, got {args.simulate_tau!r}") from None
+    if args.temperature != 0:
+        raise ConfigError("--simulate-tau sets τ under greedy decoding: leave --temperature at 0")
+    pipeline = load_pipeline(args)
+    if pipeline.drafter is None:
+        raise ConfigError("--simulate-tau charges a real drafter's cost: give --drafter default, untrained or PATH")
+    generation = pipeline.generation_config(config.max_new_tokens)
+    prompts = [prompt_turns(pipeline, prompt, generation)[0] for name in config.datasets
+               for prompt in sample_prompts(load_dataset(name), config.num_prompts, config.seed)]
+    result = run_sweep(pipeline.target.decoder, pipeline.drafter, prompts, taus, config.max_new_tokens,
+                       pipeline.async_config, generation.eos_token_ids, config.seed,
+                       progress=lambda line: print(f"# {line}", file=sys.stderr))
+    command = "d3d " + " ".join(sys.argv[1:]) if argv_is_cli() else "d3d bench --simulate-tau ..."
+    result.update(machine=machine(), target=pipeline.target.name, drafter=pipeline.drafter_source,
+                  device=str(pipeline.target.decoder.device), command=command,
+                  dtype=str(pipeline.target.decoder.dtype).removeprefix("torch."))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"tau-sweep-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    report = markdown(result)
+    if args.report:
+        image = plot(result, Path(args.report).with_suffix(".png"),
+                     f"simulated drafter, {result['machine']['cpu']}, {result['dtype']}")
+        Path(args.report).write_text(f"# d3d bench --simulate-tau\n\n`{command}`\n\n{report}\n"
+                                     f"![speedup against τ]({Path(image).name})\n")
+    print(report, file=sys.stderr)
+    print(json.dumps({"result": str(path), "identical": result["identical"],
+                      "speedup": {m: [row[m]["speedup"] for row in result["rows"]] for m in ("sync", "async")},
+                      "tau": taus}))
     if not result["identical"]:
         print("d3d: error: " + "; ".join(result["mismatches"][:5]), file=sys.stderr)
         return 1
@@ -324,11 +379,14 @@ def scaling(args: argparse.Namespace) -> int:
 def serve_command(args: argparse.Namespace) -> int:
     """Serve the OpenAI-compatible HTTP API (d3d.server) until interrupted."""
     try:
-        from d3d.server import default_model_name, serve
+        from d3d.server import API_KEY_VARIABLE, Limits, default_model_name, serve
     except ImportError as error:
         raise ConfigError(f"d3d serve needs the serve extra: pip install 'd3d-decoding[serve]' ({error})") from None
+    limits = Limits(max_queue=args.max_queue, deadline=args.deadline or None, max_body_bytes=args.max_body_bytes,
+                    api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                    shutdown_grace=args.shutdown_grace)
     pipeline = load_pipeline(args)
-    serve(pipeline, args.host, args.port, args.model_name or default_model_name(args.target), args.method)
+    serve(pipeline, args.host, args.port, args.model_name or default_model_name(args.target), args.method, limits)
     return 0
 
 
@@ -349,6 +407,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-layers", default=None,
                         help="with an untrained drafter: comma-separated target layers to copy (default: all)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -450,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-drafter", action="append", default=[], metavar="LABEL=PATH",
                    help="also run each drafting method with this drafter, as METHOD@LABEL, interleaved (repeatable)")
+    p.add_argument("--simulate-tau", default="", metavar="TAUS",
+                   help="instead of --methods: sync and async speedup at these τ values (e.g. 1.5,2,3,4,6,8) with "
+                        "the simulated drafter (d3d.simulate), charged the drafter's own cost; greedy only")
     add_model_arguments(p)
     p.set_defaults(handler=bench)
 
@@ -497,6 +559,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoding method of every request (same choices as `d3d generate --method`)")
     p.add_argument("--model-name", default=None,
                    help="model id in responses and /v1/models (default: the target's name); requests may name any")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait while one generates; more get 429 with Retry-After (0: none wait)")
+    p.add_argument("--deadline", type=float, default=600.0,
+                   help="seconds a request may take from arrival to its last token, queue included (0: no deadline)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and the page at / "
+                        "(default: $D3D_API_KEY; none when unset)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on Ctrl-C or SIGTERM, seconds the running generation may take to finish")
     add_model_arguments(p)
     p.set_defaults(handler=serve_command)
 

@@ -29,6 +29,7 @@ from statistics import median
 
 import torch
 
+from d3d.devices import synchronize
 from d3d.drafter import Drafter
 from d3d.exactness import machine_key
 from d3d.loading import cache_root
@@ -69,13 +70,11 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
 
     def timed(function) -> float:
         function()  # warm-up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         began = time.perf_counter()
         for _ in range(REPEATS):
             function()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         return (time.perf_counter() - began) / REPEATS * 1000
 
     def verify(block):
