@@ -1,194 +1,107 @@
-"""OpenAI-compatible HTTP API over a `Pipeline`: chat and text completions, streamed or not.
+"""OpenAI-compatible HTTP API over a `Pipeline`: chat and text completions, streamed or not, with a
+live acceptance view at `/` and Prometheus metrics at `/metrics`.
 
 Each request becomes one `Pipeline` generation — the same chunk generator the CLI and the benchmark
 consume — so the text is exactly what `Pipeline.generate` gives for the same parameters, and at
 temperature 0 exactly what plain autoregressive decoding gives. Responses and errors follow
 OpenAI's shapes; a `d3d` object adds the decoding statistics (τ = tokens per verification step,
-bonus token included).
+bonus token included), and a request's opt-in `d3d` field (`d3d.openai_schema.Extension`) picks
+another method or streams per-step facts: which tokens were accepted drafts, from which source.
 
-What it is not: a batching server. The engines decode one sequence at a time, so generations run
-one after another under a lock and requests wait their turn. Parameters that would change the
-sampled distribution (penalties, logit_bias) or that the engines cannot give (n > 1, logprobs)
-are refused with a 400, never silently ignored.
+Limits (`Limits`): one generation at a time with a bounded queue (full → 429, `d3d.scheduler`), a
+deadline per request, a body size limit and an optional API key (`d3d.guard`); a client that hangs
+up cancels its queued or running generation; shutdown lets the running generation finish within a
+grace period and sends the queued ones away.
+
+What it is not: a batching server. The engines decode one sequence at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
-import queue
+import signal
 import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio.to_thread
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from d3d.config import ConfigError
 from d3d.engine import PromptError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
+from d3d.guard import BodyTooLarge, Guard
+from d3d.metrics import CONTENT_TYPE, ServerMetrics
+from d3d.openai_schema import ApiError, ChatRequest, CompletionRequest, Job, chat_job, completion_job
+from d3d.scheduler import DeadlineExceeded, MainThread, QueueFull, Scheduler, Unavailable, WorkerThreads
 from d3d.stats import SpecStats
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours → OpenAI's
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p")  # what a ConfigError from sampling names first
-ONE_SEQUENCE = "the engine decodes one sequence at a time"
-CHANGES_DISTRIBUTION = "it changes the distribution that lossless decoding reproduces exactly"
-
-# Parameters refused unless left at their defaults: (field, is it asked for?, why not).
-REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("n", lambda v: v not in (None, 1), f"only n = 1 is supported: {ONE_SEQUENCE}"),
-    ("best_of", lambda v: v not in (None, 1), f"only best_of = 1 is supported: {ONE_SEQUENCE}"),
-    ("logprobs", bool, "logprobs are not supported by this server"),
-    ("top_logprobs", bool, "logprobs are not supported by this server"),
-    ("presence_penalty", bool, f"penalties are not supported: {CHANGES_DISTRIBUTION}"),
-    ("frequency_penalty", bool, f"penalties are not supported: {CHANGES_DISTRIBUTION}"),
-    ("logit_bias", bool, f"logit_bias is not supported: {CHANGES_DISTRIBUTION}"),
-    ("echo", bool, "echo is not supported"),
-    ("suffix", bool, "suffix (insertion) is not supported"),
-    ("tools", bool, "tool calling is not supported"),
-    ("response_format", lambda v: bool(v) and v.get("type") != "text", "only the text response format is supported"),
-)
-
-
-# -- requests -----------------------------------------------------------------------------------
-
-class StreamOptions(BaseModel):
-    include_usage: bool | None = False  # a last chunk with the usage and no choices
-
-
-class SamplingRequest(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored; null means the default."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None  # any name is accepted: the server serves one model
-    max_tokens: int | None = None  # None: until EOS, a stop string or the end of the context
-    temperature: float | None = None  # None: 1.0, OpenAI's default (0 = greedy)
-    top_p: float | None = None  # None: 1.0 (off)
-    top_k: int | None = None  # extension; None or 0: off
-    seed: int | None = None  # makes sampling at temperature > 0 reproducible
-    stop: str | list[str] | None = None  # stop strings, not included in the text
-    stream: bool | None = False  # Server-Sent Events in OpenAI's chunk format
-    stream_options: StreamOptions | None = None
-    # Refused unless left at their defaults (see REFUSED):
-    n: int | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: str
-    text: str | None = None
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: str
-    content: str | list[ContentPart] | None = None
-
-
-class ChatRequest(SamplingRequest):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins over it
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-
-class CompletionRequest(SamplingRequest):
-    prompt: str | list[str]  # a raw prompt (no chat template); a list must hold exactly one
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-class ApiError(Exception):
-    """A request the server cannot serve: an OpenAI-shaped error response."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.param, self.code, self.status = message, param, code, status
+VIEW = Path(__file__).parent / "view.html"
+API_KEY_VARIABLE = "D3D_API_KEY"
+CLIENT_GONE = 499  # nginx's "client closed request": the status counted for a request whose client left
 
 
 @dataclass
-class Job:
-    """One request in the pipeline's terms."""
+class Limits:
+    """What one server accepts, and for how long."""
 
-    chat: bool  # chat completion (messages through the chat template) or raw text completion
-    prompt: str | list[dict[str, str]]
-    max_new_tokens: int | None  # None: until the context is full
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-    stop: list[str]
-    stream: bool
-    include_usage: bool
+    max_queue: int = 64  # requests that may wait while one generates; one more gets a 429
+    deadline: float | None = 600.0  # seconds from arrival to the last token, queue included; None: none
+    max_body_bytes: int = 1 << 20  # a larger request body gets a 413
+    api_key: str | None = None  # when set, every route but /health and the page at / needs it as a Bearer token
+    shutdown_grace: float = 30.0  # on shutdown, seconds the running generation may take to finish
 
-
-def make_job(request: SamplingRequest, chat: bool, prompt: str | list[dict[str, str]],
-             max_tokens: int | None) -> Job:
-    for name, asked, why in REFUSED:
-        if asked(getattr(request, name, None)):
-            raise ApiError(f"{name}: {why}", param=name, code="unsupported_parameter")
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    options = request.stream_options
-    return Job(chat, prompt, max_tokens, 1.0 if request.temperature is None else request.temperature,
-               request.top_k or 0, 1.0 if request.top_p is None else request.top_p, request.seed, stop,
-               bool(request.stream), bool(options and options.include_usage))
-
-
-def chat_job(request: ChatRequest) -> Job:
-    messages = []
-    for i, message in enumerate(request.messages):
-        content = message.content
-        if isinstance(content, list):
-            others = [part.type for part in content if part.type != "text"]
-            if others:
-                raise ApiError(f"messages[{i}].content: only text parts are supported, got {others[0]!r}",
-                               param=f"messages.{i}.content")
-            content = "\n".join(part.text or "" for part in content)
-        messages.append({"role": message.role, "content": content or ""})
-    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    return make_job(request, True, messages, max_tokens)
-
-
-def completion_job(request: CompletionRequest) -> Job:
-    prompt = request.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise ApiError(f"prompt: send one prompt per request ({ONE_SEQUENCE})", param="prompt")
-        prompt = prompt[0]
-    return make_job(request, False, prompt, request.max_tokens)
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ConfigError(f"max_queue must be at least 0, got {self.max_queue}")
+        if self.deadline is not None and not self.deadline > 0:
+            raise ConfigError(f"the deadline must be positive seconds (or none), got {self.deadline}")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"max_body_bytes must be at least 1, got {self.max_body_bytes}")
+        if self.shutdown_grace < 0:
+            raise ConfigError(f"shutdown_grace must be at least 0, got {self.shutdown_grace}")
 
 
 # -- generation ---------------------------------------------------------------------------------
 
 @dataclass
 class Generation:
-    """A started generation: it holds the server's lock until `Server.end`."""
+    """A started generation: it holds the scheduler's slot until `Server.end`."""
 
     prompt_ids: list[int]
     first: Chunk  # taken before answering, so that bad input is a 400 and not a broken stream
     chunks: Iterator[Chunk]  # the rest
+    method: Method
+    deadline: float = float("inf")  # time.monotonic() after which it stops
+    origins: list[str] = field(default_factory=list)  # [i]: "lookup" / "drafter" (an accepted draft) or "target"
+    last: Chunk | None = None  # the latest chunk served
+    stopped: str | None = None  # why it ended early: "deadline", "shutdown", "error"
     ended: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finish_reason is not None
+
+
+class Stopped(Exception):
+    """A generation ended by its deadline or by the server's shutdown (`code`: the error's code)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def start_generation(pipeline: Pipeline, job: Job, method: Method) -> Generation:
@@ -205,14 +118,14 @@ def start_generation(pipeline: Pipeline, job: Job, method: Method) -> Generation
         prompt_ids = pipeline.encode(job.prompt, chat=job.chat)
     except Exception as error:  # a chat template or tokenizer refusing this input is the input's fault
         raise ApiError(f"{param} cannot be encoded: {error}", param=param) from None
-    chunks = pipeline.stream_text(pipeline.steps(prompt_ids, config, method), job.stop)
     try:
+        chunks = pipeline.stream_text(pipeline.steps(prompt_ids, config, method), job.stop)
         first = next(chunks)
     except PromptError as error:
         raise ApiError(str(error), param=param) from None
     except ConfigError as error:
-        raise ApiError(str(error)) from None
-    return Generation(prompt_ids, first, chunks)
+        raise ApiError(str(error), param="d3d" if job.method else None) from None
+    return Generation(prompt_ids, first, chunks, method)
 
 
 def extension(method: Method, stats: SpecStats) -> dict[str, Any]:
@@ -222,100 +135,115 @@ def extension(method: Method, stats: SpecStats) -> dict[str, Any]:
             "tokens_per_second": round(stats.tokens_per_second, 2), "wall_seconds": round(stats.wall_seconds, 3)}
 
 
-class WorkerThreads:
-    """Blocking engine calls in anyio's worker threads: the default of `create_app`."""
-
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # A cancelled request still waits for the worker thread (anyio does not abandon it),
-        # so the engine is never left running when the lock is released.
-        return await anyio.to_thread.run_sync(fn, *args)
-
-    def close(self, chunks: Iterator[Chunk]) -> None:
-        chunks.close()  # type: ignore[attr-defined]
-
-
-class MainThread:
-    """Blocking engine calls on the one thread that runs `work()` — the main thread under `serve`.
-
-    On this CPU torch runs at one thread's speed when called from any other thread (measured: the
-    same generation at 14.8 tok/s in a worker thread, 20.5 in the main thread), so `serve` keeps
-    the engine on the main thread and runs the HTTP event loop beside it. Calls run one after
-    another in submission order, so closing a generation (queued too) never races a step of it.
-    """
-
-    def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def settle(ok: bool, value: Any) -> None:
-            if not future.done():
-                future.set_result(value) if ok else future.set_exception(value)
-
-        def job() -> None:
-            try:
-                outcome = (True, fn(*args))
-            except Exception as error:  # handed to the request, which answers with it
-                outcome = (False, error)
-            except BaseException as error:  # Ctrl-C during a generation stops the server, not one request
-                loop.call_soon_threadsafe(settle, False, error)
-                raise
-            loop.call_soon_threadsafe(settle, *outcome)
-
-        self.jobs.put(job)
-        return await future
-
-    def close(self, chunks: Iterator[Chunk]) -> None:
-        self.jobs.put(chunks.close)  # type: ignore[attr-defined]
-
-    def work(self, done: threading.Event) -> None:
-        """Run submitted calls until `done` is set."""
-        while not done.is_set():
-            try:
-                job = self.jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            job()
+def step_facts(generation: Generation, chunk: Chunk) -> dict[str, Any]:
+    """The `d3d_step` object: the chunk's text split by token origin, and the running statistics."""
+    step, stats = chunk.step, chunk.step.stats
+    return {"pieces": [[text, generation.origins[index]] for index, text in chunk.pieces],
+            "source": step.source, "drafted": step.num_drafted, "accepted": step.num_accepted,
+            "tokens": stats.new_tokens, "steps": stats.steps, "tau": round(stats.tau, 3),
+            "tokens_per_second": round(stats.tokens_per_second, 2),
+            "acceptance_rate": [round(rate, 3) for rate in stats.acceptance_rate]}
 
 
 class Server:
-    """The pipeline behind a lock: one generation at a time, engine calls through `runner`."""
+    """The pipeline behind the scheduler: one generation at a time, engine calls through `runner`."""
 
-    def __init__(self, pipeline: Pipeline, model_name: str, method: Method,
-                 runner: WorkerThreads | MainThread) -> None:
+    def __init__(self, pipeline: Pipeline, model_name: str, method: Method, runner: WorkerThreads | MainThread,
+                 limits: Limits, metrics: ServerMetrics) -> None:
         self.pipeline = pipeline
         self.runner = runner
         self.model_name = model_name
         self.method = method
-        self.lock = asyncio.Lock()  # FIFO: waiting requests are served in arrival order
+        self.limits = limits
+        self.metrics = metrics
+        self.scheduler = Scheduler(limits.max_queue)
+        self.cutoff = float("inf")  # time.monotonic() at which a shutdown stops the running generation
         self.created = int(time.time())
 
-    async def begin(self, job: Job) -> Generation:
-        await self.lock.acquire()
+    async def begin(self, job: Job, arrived: float) -> Generation:
+        """Wait for the slot, then start the generation (its first chunk taken)."""
+        deadline = arrived + self.limits.deadline if self.limits.deadline else float("inf")
         try:
-            return await self.runner.run(start_generation, self.pipeline, job, self.method)
-        except BaseException:
-            self.lock.release()
+            waited = await self.scheduler.acquire(None if deadline == float("inf") else deadline - time.monotonic())
+        except QueueFull as error:
+            raise ApiError(str(error), code="queue_full", status=429,
+                           headers={"Retry-After": str(error.retry_after)}) from None
+        except DeadlineExceeded as error:
+            raise ApiError(str(error), code="deadline_exceeded", status=503) from None
+        except Unavailable as error:
+            raise ApiError(str(error), code="shutting_down", status=503) from None
+        self.metrics.queue_seconds.observe(waited)
+        start = asyncio.ensure_future(self.runner.run(start_generation, self.pipeline, job, job.method or self.method))
+        try:
+            generation = await asyncio.shield(start)
+        except asyncio.CancelledError:  # the client left while the engine started: clean up once it has
+            start.add_done_callback(self.abandon)
             raise
+        except BaseException:
+            self.scheduler.release()
+            raise
+        generation.deadline = deadline
+        self.metrics.first_token.observe(time.monotonic() - arrived)
+        self.observe(generation, generation.first)
+        return generation
+
+    def abandon(self, start: asyncio.Future[Generation]) -> None:
+        if start.cancelled() or start.exception() is not None:
+            self.scheduler.release()
+        else:
+            self.end(start.result())
+
+    def observe(self, generation: Generation, chunk: Chunk) -> None:
+        """Note a chunk's step: its tokens' origins and, past the prefill, the step's metrics."""
+        step = chunk.step
+        drafts = min(step.num_accepted, len(step.tokens))
+        generation.origins += [step.source] * drafts + ["target"] * (len(step.tokens) - drafts)
+        if generation.last is not None:  # the first chunk is the prefill's token: nothing was verified
+            self.metrics.record_step(generation.method, step)
+        generation.last = chunk
+
+    async def next_chunk(self, generation: Generation) -> Chunk | None:
+        """The next chunk (None once the engine ended); `Stopped` past the deadline or the shutdown."""
+        now = time.monotonic()
+        for reason, limit, code, message in (
+                ("deadline", generation.deadline, "deadline_exceeded", "the request's deadline passed"),
+                ("shutdown", self.cutoff, "shutting_down", "the server is shutting down")):
+            if now > limit:
+                generation.stopped = reason
+                raise Stopped(code, f"{message} during its generation")
+        chunk = await self.runner.run(next, generation.chunks, None)
+        if chunk is not None:
+            self.observe(generation, chunk)
+        return chunk
 
     def end(self, generation: Generation) -> None:
-        """Close the engine's generator and release the lock (once; safe to call again)."""
-        if not generation.ended:
-            generation.ended = True
-            self.runner.close(generation.chunks)
-            self.lock.release()
+        """Close the engine's generator, free the slot and record the generation (once)."""
+        if generation.ended:
+            return
+        generation.ended = True
+        self.runner.close(generation.chunks)
+        self.scheduler.release()
+        if generation.last is not None:
+            self.metrics.record_generation(generation.method, generation.last.step.stats)
+        if not generation.finished:
+            self.metrics.cancelled.inc(reason=generation.stopped or "disconnected")
 
-    async def respond(self, job: Job) -> dict[str, Any] | StreamingResponse:
-        generation = await self.begin(job)
+    async def respond(self, job: Job, arrived: float) -> dict[str, Any] | StreamingResponse:
+        generation = await self.begin(job, arrived)
         head = {"id": f"{'chatcmpl' if job.chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion" if job.chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
         if job.stream:
             return EventStream(self.events(job, generation, head), lambda: self.end(generation))
+        chunks = [generation.first]
         try:
-            chunks = [generation.first] + await self.runner.run(list, generation.chunks)
+            while chunks[-1].finish_reason is None and (chunk := await self.next_chunk(generation)) is not None:
+                chunks.append(chunk)
+        except Stopped as stopped:
+            raise ApiError(str(stopped), code=stopped.code, status=503) from None
+        except Exception:
+            generation.stopped = "error"
+            raise
         finally:
             self.end(generation)
         text = "".join(c.text for c in chunks)
@@ -323,44 +251,59 @@ class Server:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if job.chat
                   else {"index": 0, "text": text})
         return {**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}],
-                "usage": self.usage(job, generation, chunks), "d3d": extension(self.method, chunks[-1].step.stats)}
+                "usage": self.usage(generation, chunks), "d3d": extension(generation.method, chunks[-1].step.stats)}
 
     async def events(self, job: Job, generation: Generation, head: dict[str, Any]) -> AsyncIterator[str]:
         """Server-Sent Events: text deltas, a chunk with the finish reason and the `d3d` object,
-        the usage chunk when asked for, then `[DONE]`."""
+        the usage chunk when asked for, then `[DONE]`. With `d3d.steps`, one event per engine step,
+        each with its `d3d_step`. A deadline or shutdown mid-stream ends it with an error event."""
         head = {**head, "object": "chat.completion.chunk" if job.chat else "text_completion"}
         if job.include_usage:
             head["usage"] = None  # OpenAI: null on every chunk but the last
 
-        def event(text: str, finish_reason: str | None = None, first: bool = False, **extra: Any) -> str:
+        def event(chunk: Chunk | None, finish_reason: str | None = None, first: bool = False, **extra: Any) -> str:
+            text = chunk.text if chunk is not None else ""
             if not job.chat:
                 choice = {"index": 0, "text": text}
             else:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta}
             choice.update(logprobs=None, finish_reason=finish_reason)
+            if job.steps and chunk is not None:
+                extra["d3d_step"] = step_facts(generation, chunk)
             return sse({**head, "choices": [choice], **extra})
 
         chunks = [generation.first]
-        if job.chat or generation.first.text:
-            yield event(generation.first.text, first=True)
-        while chunks[-1].finish_reason is None:
-            chunk = await self.runner.run(next, generation.chunks, None)
-            if chunk is None:
-                break
-            chunks.append(chunk)
-            if chunk.text:
-                yield event(chunk.text)
+        if job.chat or job.steps or generation.first.text:
+            yield event(generation.first, first=True)
+        try:
+            while chunks[-1].finish_reason is None and (chunk := await self.next_chunk(generation)) is not None:
+                chunks.append(chunk)
+                if chunk.text or job.steps:
+                    yield event(chunk)
+        except Stopped as stopped:
+            yield sse({"error": {"message": str(stopped), "type": "server_error", "param": None, "code": stopped.code}})
+            yield "data: [DONE]\n\n"
+            return
+        except Exception:
+            generation.stopped = "error"
+            raise
         finish_reason = FINISH_REASONS[chunks[-1].finish_reason or "length"]
-        yield event("", finish_reason, d3d=extension(self.method, chunks[-1].step.stats))
+        yield event(None, finish_reason, d3d=extension(generation.method, chunks[-1].step.stats))
         if job.include_usage:
-            yield sse({**head, "choices": [], "usage": self.usage(job, generation, chunks)})
+            yield sse({**head, "choices": [], "usage": self.usage(generation, chunks)})
         yield "data: [DONE]\n\n"
 
-    def usage(self, job: Job, generation: Generation, chunks: list[Chunk]) -> dict[str, int]:
+    def usage(self, generation: Generation, chunks: list[Chunk]) -> dict[str, int]:
         completion = chunks[-1].num_tokens  # as plain decoding counts them, also when a stop string cut a step
         prompt = len(generation.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def drain(self) -> None:
+        """Shutdown: refuse new requests, send the queued away, give the running one the grace period."""
+        self.scheduler.close()
+        self.cutoff = time.monotonic() + self.limits.shutdown_grace
+        await self.scheduler.idle.wait()
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -385,15 +328,41 @@ class EventStream(StreamingResponse):
             self.on_close()
 
 
+async def until_disconnected(request: Request) -> None:
+    """Return when the client hangs up (the body has been read, so only a disconnect comes next)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def answer(request: Request, work: Any) -> Any:
+    """Await `work` (a coroutine), cancelling it if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:  # cancelled, or failed while it was being cancelled: nobody is listening
+        pass
+    return Response(status_code=CLIENT_GONE)
+
+
 # -- the app ------------------------------------------------------------------------------------
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
+                        headers=headers)
 
 
 async def api_error(request: Request, error: ApiError) -> JSONResponse:
-    return error_response(error.status, error.message, error.param, error.code)
+    return error_response(error.status, error.message, error.param, error.code, error.headers)
 
 
 async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -411,28 +380,52 @@ async def http_error(request: Request, error: HTTPException) -> JSONResponse:
     return error_response(error.status_code, str(error.detail))
 
 
+async def too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
+    return error_response(413, str(error), code="request_too_large")
+
+
 async def server_error(request: Request, error: Exception) -> JSONResponse:
     return error_response(500, f"internal error: {type(error).__name__}")
 
 
 def create_app(pipeline: Pipeline, model_name: str = "d3d", method: Method = "speculative",
-               runner: WorkerThreads | MainThread | None = None) -> FastAPI:
+               runner: WorkerThreads | MainThread | None = None, limits: Limits | None = None) -> FastAPI:
     """The API for one loaded pipeline, serving it as `model_name` with decoding method `method`;
-    engine calls go through `runner` (default: worker threads; `serve` uses the main thread)."""
+    engine calls go through `runner` (default: worker threads; `serve` uses the main thread).
+    The returned app's `state.server` is the `Server` (its `drain()` starts a graceful shutdown)."""
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
     if method in ("drafter", "async") and pipeline.drafter is None:
         raise ConfigError(f"method {method!r} needs a drafter: pass --drafter PATH or --drafter untrained")
-    server = Server(pipeline, model_name, method, runner or WorkerThreads())
-    app = FastAPI(title="d3d", summary="OpenAI-compatible API with lossless speculative decoding")
+    limits = limits or Limits()
+    metrics = ServerMetrics(pipeline.drafter.block_size if pipeline.drafter is not None else 16)
+    server = Server(pipeline, model_name, method, runner or WorkerThreads(), limits, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()  # for `serve`'s signal handler
+        yield
+
+    app = FastAPI(title="d3d", summary="OpenAI-compatible API with lossless speculative decoding", lifespan=lifespan)
+    app.state.server = server
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(BodyTooLarge, too_large)
     app.add_exception_handler(Exception, server_error)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def view() -> HTMLResponse:
+        return HTMLResponse(VIEW.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_text() -> PlainTextResponse:
+        text = metrics.render(server.scheduler.queue_depth, int(server.scheduler.busy))
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -440,13 +433,18 @@ def create_app(pipeline: Pipeline, model_name: str = "d3d", method: Method = "sp
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatRequest):
-        return await server.respond(chat_job(request))
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await answer(request, server.respond(chat_job(body), time.monotonic()))
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return await server.respond(completion_job(request))
+    async def completions(body: CompletionRequest, request: Request):
+        return await answer(request, server.respond(completion_job(body), time.monotonic()))
 
+    endpoints = [route.path for route in app.routes]
+    # Open without the key: /health for probes, and the page at /, which holds no data and asks
+    # the person for the key (a browser cannot send a Bearer header when it loads a page).
+    app.add_middleware(Guard, metrics=metrics, endpoints=endpoints, api_key=limits.api_key,
+                       open_paths=("/health", "/"), max_body_bytes=limits.max_body_bytes)
     return app
 
 
@@ -458,17 +456,32 @@ def default_model_name(target_source: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 def serve(pipeline: Pipeline, host: str = "127.0.0.1", port: int = 8000, model_name: str = "d3d",
-          method: Method = "speculative") -> None:
-    """Serve the API until interrupted: uvicorn in a background thread, the engine on this one."""
+          method: Method = "speculative", limits: Limits | None = None) -> None:
+    """Serve until interrupted: uvicorn in a background thread, the engine on this one.
+
+    The first Ctrl-C (or SIGTERM) shuts down gracefully: no new requests, the queued ones get a
+    503, the running generation gets `limits.shutdown_grace` seconds. A second Ctrl-C stops at once.
+    """
+    limits = limits or Limits()
     runner = MainThread()
-    app = create_app(pipeline, model_name, method, runner)
+    app = create_app(pipeline, model_name, method, runner, limits)
     # One short generation first, so the first request does not pay the kernels' first-call costs.
     for _ in pipeline.generate("Hello.", chat=pipeline.target.tokenizer.chat_template is not None,
                                max_new_tokens=4, temperature=0.0, method=method):
         pass
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port))
-    done = threading.Event()
+    # After the drain, uvicorn waits for open connections to send their last events, no longer than this.
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=limits.shutdown_grace))
+    done, stopping = threading.Event(), threading.Event()
 
     def listen() -> None:
         try:
@@ -476,9 +489,22 @@ def serve(pipeline: Pipeline, host: str = "127.0.0.1", port: int = 8000, model_n
         finally:
             done.set()
 
-    print(f"# serving {model_name} ({method}) at http://{host}:{port}/v1 — one generation at a time",
+    def shut_down(signum: int, frame: Any) -> None:
+        if stopping.is_set() or not hasattr(app.state, "loop"):
+            raise KeyboardInterrupt  # a second signal, or one before the server listens: stop now
+        stopping.set()
+        print("# shutting down: finishing the running generation (Ctrl-C again to stop at once)", file=sys.stderr)
+        draining = asyncio.run_coroutine_threadsafe(app.state.server.drain(), app.state.loop)
+        draining.add_done_callback(lambda _: setattr(server, "should_exit", True))
+
+    if not is_loopback(host) and not limits.api_key:
+        print(f"# WARNING: listening on {host} without an API key: anyone who can reach this port can use it "
+              f"(set --api-key or {API_KEY_VARIABLE})", file=sys.stderr)
+    print(f"# serving {model_name} ({method}) at http://{host}:{port}/v1 — one generation at a time, "
+          f"up to {limits.max_queue} waiting; live view at http://{host}:{port}/, metrics at /metrics",
           file=sys.stderr)
     thread = threading.Thread(target=listen, name="d3d-http", daemon=True)
+    previous = {signum: signal.signal(signum, shut_down) for signum in (signal.SIGINT, signal.SIGTERM)}
     thread.start()
     interrupted = False
     try:
@@ -486,6 +512,8 @@ def serve(pipeline: Pipeline, host: str = "127.0.0.1", port: int = 8000, model_n
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         server.should_exit = True
         thread.join(10)
     if not server.started and not interrupted:

@@ -384,21 +384,27 @@ def test_serve_help_lists_the_options(capsys):
         main(["serve", "--help"])
     assert exited.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--host", "--port", "--method", "--model-name", "--target", "--drafter", "--dtype"):
+    for option in ("--host", "--port", "--method", "--model-name", "--target", "--drafter", "--dtype",
+                   "--max-queue", "--deadline", "--max-body-bytes", "--api-key", "--shutdown-grace"):
         assert option in out
 
 
 def test_serve_wires_its_arguments(monkeypatch, tiny_loading):
-    """The handler loads the pipeline and hands host, port, model name and method to d3d.server.serve."""
+    """The handler loads the pipeline and hands host, port, model name, method and limits to
+    d3d.server.serve; the API key comes from --api-key, else from $D3D_API_KEY."""
     calls = []
     monkeypatch.setattr(d3d_server, "serve", lambda *args: calls.append(args))
+    monkeypatch.setenv("D3D_API_KEY", "from-env")
     assert main(["serve", "--host", "0.0.0.0", "--port", "9001", "--method", "lookup", "--drafter", "none",
-                 "--model-name", "mine"]) == 0
+                 "--model-name", "mine", "--max-queue", "3", "--deadline", "0", "--max-body-bytes", "99",
+                 "--api-key", "k", "--shutdown-grace", "2"]) == 0
     assert main(["serve", "--drafter", "none"]) == 0
     (pipeline, *rest), (_, *defaults) = calls
     assert pipeline.target.name == "tiny-random" and pipeline.drafter is None
-    assert rest == ["0.0.0.0", 9001, "mine", "lookup"]
-    assert defaults == ["127.0.0.1", 8000, "SmolLM2-135M-Instruct", "speculative"]
+    assert rest == ["0.0.0.0", 9001, "mine", "lookup", d3d_server.Limits(3, None, 99, "k", 2.0)]
+    assert defaults == ["127.0.0.1", 8000, "SmolLM2-135M-Instruct", "speculative",
+                        d3d_server.Limits(api_key="from-env")]
+    assert main(["serve", "--drafter", "none", "--max-queue", "-1"]) == 2
 
 
 def free_port() -> int:

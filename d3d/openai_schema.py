@@ -1,0 +1,170 @@
+"""OpenAI request bodies and the `Job` each becomes: what `d3d.server` accepts, refuses and why.
+
+Unknown fields are ignored, as OpenAI's servers do; parameters that would change the sampled
+distribution (penalties, logit_bias) or that one-sequence engines cannot give (n > 1, logprobs) are
+refused with an `ApiError` (HTTP 400), never silently ignored. The `d3d` field is this server's
+opt-in extension: another decoding method for one request, and per-step facts in the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from d3d.generation import Method
+
+ONE_SEQUENCE = "the engine decodes one sequence at a time"
+CHANGES_DISTRIBUTION = "it changes the distribution that lossless decoding reproduces exactly"
+
+# Parameters refused unless left at their defaults: (field, is it asked for?, why not).
+REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("n", lambda v: v not in (None, 1), f"only n = 1 is supported: {ONE_SEQUENCE}"),
+    ("best_of", lambda v: v not in (None, 1), f"only best_of = 1 is supported: {ONE_SEQUENCE}"),
+    ("logprobs", bool, "logprobs are not supported by this server"),
+    ("top_logprobs", bool, "logprobs are not supported by this server"),
+    ("presence_penalty", bool, f"penalties are not supported: {CHANGES_DISTRIBUTION}"),
+    ("frequency_penalty", bool, f"penalties are not supported: {CHANGES_DISTRIBUTION}"),
+    ("logit_bias", bool, f"logit_bias is not supported: {CHANGES_DISTRIBUTION}"),
+    ("echo", bool, "echo is not supported"),
+    ("suffix", bool, "suffix (insertion) is not supported"),
+    ("tools", bool, "tool calling is not supported"),
+    ("response_format", lambda v: bool(v) and v.get("type") != "text", "only the text response format is supported"),
+)
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+class Extension(BaseModel):
+    """The `d3d` request field: this server's extension, off unless asked for."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt option is an error, not silently off
+
+    method: Method | None = None  # this request's decoding method (default: the server's --method)
+    steps: bool = False  # streamed chunks carry `d3d_step`: each step's tokens by origin and running τ
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False  # a last chunk with the usage and no choices
+
+
+class SamplingRequest(BaseModel):
+    """Fields both endpoints share. Unknown fields are ignored; null means the default."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # any name is accepted: the server serves one model
+    max_tokens: int | None = None  # None: until EOS, a stop string or the end of the context
+    temperature: float | None = None  # None: 1.0, OpenAI's default (0 = greedy)
+    top_p: float | None = None  # None: 1.0 (off)
+    top_k: int | None = None  # extension; None or 0: off
+    seed: int | None = None  # makes sampling at temperature > 0 reproducible
+    stop: str | list[str] | None = None  # stop strings, not included in the text
+    stream: bool | None = False  # Server-Sent Events in OpenAI's chunk format
+    stream_options: StreamOptions | None = None
+    d3d: Extension | None = None  # extension (see `Extension`)
+    # Refused unless left at their defaults (see REFUSED):
+    n: int | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins over it
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str]  # a raw prompt (no chat template); a list must hold exactly one
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ApiError(Exception):
+    """A request the server cannot serve: an OpenAI-shaped error response."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+        self.headers = headers or {}
+
+
+@dataclass
+class Job:
+    """One request in the pipeline's terms."""
+
+    chat: bool  # chat completion (messages through the chat template) or raw text completion
+    prompt: str | list[dict[str, str]]
+    max_new_tokens: int | None  # None: until the context is full
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    method: Method | None = None  # None: the server's
+    steps: bool = False  # per-step facts in streamed chunks
+
+
+def make_job(request: SamplingRequest, chat: bool, prompt: str | list[dict[str, str]],
+             max_tokens: int | None) -> Job:
+    for name, asked, why in REFUSED:
+        if asked(getattr(request, name, None)):
+            raise ApiError(f"{name}: {why}", param=name, code="unsupported_parameter")
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    options, extension = request.stream_options, request.d3d or Extension()
+    if extension.steps and not request.stream:
+        raise ApiError("d3d.steps: per-step facts come with streamed responses: set stream to true", param="d3d")
+    return Job(chat, prompt, max_tokens, 1.0 if request.temperature is None else request.temperature,
+               request.top_k or 0, 1.0 if request.top_p is None else request.top_p, request.seed, stop,
+               bool(request.stream), bool(options and options.include_usage), extension.method, extension.steps)
+
+
+def chat_job(request: ChatRequest) -> Job:
+    messages = []
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if isinstance(content, list):
+            others = [part.type for part in content if part.type != "text"]
+            if others:
+                raise ApiError(f"messages[{i}].content: only text parts are supported, got {others[0]!r}",
+                               param=f"messages.{i}.content")
+            content = "\n".join(part.text or "" for part in content)
+        messages.append({"role": message.role, "content": content or ""})
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    return make_job(request, True, messages, max_tokens)
+
+
+def completion_job(request: CompletionRequest) -> Job:
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise ApiError(f"prompt: send one prompt per request ({ONE_SEQUENCE})", param="prompt")
+        prompt = prompt[0]
+    return make_job(request, False, prompt, request.max_tokens)
