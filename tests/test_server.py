@@ -10,6 +10,7 @@ stops its generation and frees the server for the next request.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -307,6 +308,83 @@ def test_unknown_fields_are_ignored_and_any_model_name_is_served(http, pipeline)
     assert response.status_code == 200
     assert response.json()["model"] == MODEL
     assert response.json()["choices"][0]["message"]["content"] == expected(pipeline, MESSAGES, max_new_tokens=8)[0]
+
+
+# -- the d3d extension and the page -----------------------------------------------------------------
+
+def step_events(http, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, response.read()
+        return [json.loads(e) for e in sse_events(response) if e != "[DONE]"]
+
+
+@pytest.mark.parametrize("method", ["lookup", "drafter", "ar"])
+def test_step_facts_colour_every_token_by_its_origin(http, pipeline, method):
+    """With {"d3d": {"steps": true}} every engine step is an event whose pieces join to the streamed
+    text; a piece's origin is the step's draft source for accepted drafts, else "target"; the text
+    is the method's own (and so plain AR's). The chosen method overrides the server's."""
+    body = {"prompt": "hello hello hello hello", "temperature": 0, "max_tokens": 40, "stream": True,
+            "d3d": {"method": method, "steps": True}}
+    events = step_events(http, COMPLETIONS, body)
+    steps = [e["d3d_step"] for e in events if "d3d_step" in e]
+    chunks = list(pipeline.generate("hello hello hello hello", chat=False, max_new_tokens=40, method=method))
+    assert len(steps) == len(chunks)  # one event per engine step, also when its text is held back
+    text = "".join(e["choices"][0]["text"] for e in events)
+    assert text == "".join(c.text for c in chunks) == expected(pipeline, "hello hello hello hello", chat=False,
+                                                               max_new_tokens=40, method="ar")[0]
+    assert "".join(piece for step in steps for piece, _ in step["pieces"]) == text
+    origins = {origin for step in steps for _, origin in step["pieces"]}
+    for step, chunk in zip(steps, chunks):
+        assert (step["source"], step["accepted"], step["drafted"]) == (
+            chunk.step.source, chunk.step.num_accepted, chunk.step.num_drafted)
+    if method == "lookup":
+        assert origins == {"lookup", "target"}  # the repetitive prompt makes lookup drafts land
+    if method == "ar":
+        assert origins == {"target"} and steps[-1]["tau"] == 1.0
+    assert events[-1]["d3d"]["method"] == method
+    assert steps[-1]["tokens"] == 40 and steps[-1]["tau"] == events[-1]["d3d"]["tau"]
+    assert len(steps[-1]["acceptance_rate"]) == (0 if method == "ar" else max(s["drafted"] for s in steps))
+
+
+def test_chat_step_facts_and_the_plain_stream_is_unchanged(http, pipeline):
+    """Chat with steps: the first event carries the role, later ones may have an empty delta; without
+    the extension no event carries d3d_step (the OpenAI wire format is unchanged)."""
+    body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 12, "stream": True}
+    with_steps = step_events(http, CHAT, {**body, "d3d": {"steps": True}})
+    plain = step_events(http, CHAT, body)
+    assert with_steps[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("d3d_step" in e for e in with_steps[:-1]) and not any("d3d_step" in e for e in plain)
+    join = lambda events: "".join(e["choices"][0]["delta"].get("content") or "" for e in events)  # noqa: E731
+    assert join(with_steps) == join(plain) == expected(pipeline, MESSAGES, max_new_tokens=12)[0]
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"prompt": PROMPT, "d3d": {"method": "fastest"}}, "d3d", "speculative"),
+    ({"prompt": PROMPT, "d3d": {"stepz": True}}, "d3d", "stepz"),
+    ({"prompt": PROMPT, "d3d": {"steps": True}}, "d3d", "stream"),
+    ({"prompt": PROMPT, "d3d": "ar"}, "d3d", "d3d"),
+])
+def test_bad_extension_is_a_400(http, body, param, fragment):
+    response = http.post(COMPLETIONS, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param and fragment in response.json()["error"]["message"]
+
+
+def test_a_method_needing_a_missing_drafter_is_a_400():
+    with running(create_app(tiny_pipeline(drafter=False), MODEL, "lookup")) as url:
+        response = httpx.post(f"{url}{COMPLETIONS}", json={"prompt": PROMPT, "d3d": {"method": "drafter"}})
+    assert response.status_code == 400 and "needs a drafter" in response.json()["error"]["message"]
+
+
+def test_the_view_is_one_offline_page(http):
+    """/ serves the live view: an HTML page with its script and style inline, loading nothing else."""
+    response = http.get("/")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+    page = response.text
+    assert 'id="prompt"' in page and 'id="tau"' in page and "steps" in page
+    assert "<script>" in page and "<style>" in page
+    assert not re.search(r"""(src|href)\s*=\s*["'](https?:)?//""", page)  # no CDN, no remote font
+    assert not re.search(r"""fetch\(\s*["']https?:""", page)
 
 
 # -- one generation at a time ---------------------------------------------------------------------
