@@ -139,7 +139,11 @@ def doctor(target_source: str | None, dtypes: list[torch.dtype], drafter_source:
         results[name] = measure_paths(decoder)
         drafter, _ = resolve_drafter(target, drafter_source, target_source, None)
         max_drafts = (drafter.block_size if drafter is not None else 16) - 1  # as the engine asks
-        machine[f"gate_costs_{name}"] = asdict(forward_costs(decoder, drafter, max_drafts, remeasure=recalibrate))
+        # As the engine builds its gate: verifications timed on the target alone, drafting with the drafter.
+        gate = asdict(forward_costs(decoder, None, max_drafts, remeasure=recalibrate))
+        if drafter is not None:
+            gate["drafter"] = forward_costs(decoder, drafter, max_drafts, remeasure=recalibrate).drafter
+        machine[f"gate_costs_{name}"] = gate
     return machine, results
 
 
