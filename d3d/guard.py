@@ -3,7 +3,8 @@
 Plain ASGI rather than a Starlette `BaseHTTPMiddleware`, which would buffer streamed responses and
 hide client disconnects from them. Refusals are OpenAI-shaped JSON errors: 401 for a missing or
 wrong `Authorization: Bearer KEY` (compared in constant time), 413 for a body over the limit
-(declared by Content-Length, or counted as it arrives). Every answered request is counted in
+(declared by Content-Length, or counted as it arrives: the body is read here, then
+handed on). Every answered request is counted in
 `ServerMetrics.requests` by endpoint (a route's path; "other" for paths no route serves, so that
 scanners cannot grow the label set) and status.
 """
@@ -21,13 +22,6 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-
-
-class BodyTooLarge(Exception):
-    """A request body that grew past the limit while it was read (raised by the wrapped `receive`)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the request body is larger than this server's limit of {limit} bytes")
 
 
 async def reply(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
@@ -76,24 +70,46 @@ class Guard:
                 return
             declared = dict(scope["headers"]).get(b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-                await reply(sending, 413, str(BodyTooLarge(self.max_body_bytes)), "request_too_large")
+                await reply(sending, 413, self.too_large, "request_too_large")
                 return
-            await self.app(scope, self.counting(receive), sending)
+            body = await self.read_body(receive)
+            if body is None:
+                await reply(sending, 413, self.too_large, "request_too_large")
+                return
+            await self.app(scope, replay(body, receive), sending)
         finally:
             endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
             self.metrics.requests.inc(endpoint=endpoint, status=status)
 
-    def counting(self, receive: Receive) -> Receive:
-        """`receive` that raises `BodyTooLarge` once the body read so far passes the limit."""
-        size = 0
+    @property
+    def too_large(self) -> str:
+        return f"the request body is larger than this server's limit of {self.max_body_bytes} bytes"
 
-        async def counted() -> Message:
-            nonlocal size
+    async def read_body(self, receive: Receive) -> bytes | None:
+        """The whole body (None past the limit; what came before a disconnect if the client left)."""
+        parts, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                size += len(message.get("body", b""))
-                if size > self.max_body_bytes:
-                    raise BodyTooLarge(self.max_body_bytes)
-            return message
+            if message["type"] != "http.request":
+                return b"".join(parts)
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_body_bytes:
+                return None
+            if not message.get("more_body", False):
+                return b"".join(parts)
 
-        return counted
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` that gives the body already read in one message, then what the client sends next
+    (a disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed

@@ -26,12 +26,13 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,7 +42,7 @@ from starlette.exceptions import HTTPException
 from d3d.config import ConfigError
 from d3d.engine import PromptError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
-from d3d.guard import BodyTooLarge, Guard
+from d3d.guard import Guard
 from d3d.metrics import CONTENT_TYPE, ServerMetrics
 from d3d.openai_schema import ApiError, ChatRequest, CompletionRequest, Job, chat_job, completion_job
 from d3d.scheduler import DeadlineExceeded, MainThread, QueueFull, Scheduler, Unavailable, WorkerThreads
@@ -159,6 +160,7 @@ class Server:
         self.scheduler = Scheduler(limits.max_queue)
         self.cutoff = float("inf")  # time.monotonic() at which a shutdown stops the running generation
         self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving event loop, once started
 
     async def begin(self, job: Job, arrived: float) -> Generation:
         """Wait for the slot, then start the generation (its first chunk taken)."""
@@ -334,22 +336,30 @@ async def until_disconnected(request: Request) -> None:
         pass
 
 
-async def answer(request: Request, work: Any) -> Any:
-    """Await `work` (a coroutine), cancelling it if the client hangs up first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(until_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except BaseException:  # cancelled, or failed while it was being cancelled: nobody is listening
-        pass
-    return Response(status_code=CLIENT_GONE)
+async def answer(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it if the client hangs up first.
+
+    An anyio cancel scope rather than `Task.cancel`: worker-thread calls shield themselves until
+    their thread returns, and only a scope's cancellation is delivered again after that.
+    """
+    outcome: dict[str, Any] = {}
+    async with anyio.create_task_group() as group:
+        async def run() -> None:
+            try:
+                outcome["value"] = await work
+            except Exception as error:  # answered by the app's error handlers, outside the group
+                outcome["error"] = error
+            group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            await until_disconnected(request)
+            group.cancel_scope.cancel()
+
+        group.start_soon(run)
+        group.start_soon(watch)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"] if "value" in outcome else Response(status_code=CLIENT_GONE)
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -380,10 +390,6 @@ async def http_error(request: Request, error: HTTPException) -> JSONResponse:
     return error_response(error.status_code, str(error.detail))
 
 
-async def too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
-    return error_response(413, str(error), code="request_too_large")
-
-
 async def server_error(request: Request, error: Exception) -> JSONResponse:
     return error_response(500, f"internal error: {type(error).__name__}")
 
@@ -403,7 +409,7 @@ def create_app(pipeline: Pipeline, model_name: str = "d3d", method: Method = "sp
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.loop = asyncio.get_running_loop()  # for `serve`'s signal handler
+        server.loop = asyncio.get_running_loop()  # where other threads start `drain()`
         yield
 
     app = FastAPI(title="d3d", summary="OpenAI-compatible API with lossless speculative decoding", lifespan=lifespan)
@@ -411,7 +417,6 @@ def create_app(pipeline: Pipeline, model_name: str = "d3d", method: Method = "sp
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(BodyTooLarge, too_large)
     app.add_exception_handler(Exception, server_error)
 
     @app.get("/", response_class=HTMLResponse)
@@ -490,11 +495,12 @@ def serve(pipeline: Pipeline, host: str = "127.0.0.1", port: int = 8000, model_n
             done.set()
 
     def shut_down(signum: int, frame: Any) -> None:
-        if stopping.is_set() or not hasattr(app.state, "loop"):
+        loop = app.state.server.loop
+        if stopping.is_set() or loop is None:
             raise KeyboardInterrupt  # a second signal, or one before the server listens: stop now
         stopping.set()
         print("# shutting down: finishing the running generation (Ctrl-C again to stop at once)", file=sys.stderr)
-        draining = asyncio.run_coroutine_threadsafe(app.state.server.drain(), app.state.loop)
+        draining = asyncio.run_coroutine_threadsafe(app.state.server.drain(), loop)
         draining.add_done_callback(lambda _: setattr(server, "should_exit", True))
 
     if not is_loopback(host) and not limits.api_key:
