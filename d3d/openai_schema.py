@@ -1,4 +1,5 @@
-"""OpenAI request bodies and the `Job` each becomes: what `d3d.server` accepts, refuses and why.
+"""OpenAI request bodies and the `Job` each becomes — what `d3d.server` accepts, refuses and why —
+and the OpenAI-shaped error responses.
 
 Unknown fields are ignored, as OpenAI's servers do; parameters that would change the sampled
 distribution (penalties, logit_bias) or that one-sequence engines cannot give (n > 1, logprobs) are
@@ -12,7 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from d3d.generation import Method
 
@@ -168,3 +173,35 @@ def completion_job(request: CompletionRequest) -> Job:
             raise ApiError(f"prompt: send one prompt per request ({ONE_SEQUENCE})", param="prompt")
         prompt = prompt[0]
     return make_job(request, False, prompt, request.max_tokens)
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
+                        headers=headers)
+
+
+async def api_error(request: Request, error: ApiError) -> JSONResponse:
+    return error_response(error.status, error.message, error.param, error.code, error.headers)
+
+
+async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 becomes OpenAI's 400, naming the first offending field."""
+    first = error.errors()[0]
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                              code="invalid_json")
+    where = [str(part) for part in first.get("loc", ()) if part != "body"]
+    return error_response(400, f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}",
+                          param=where[0] if where else None)
+
+
+async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+    return error_response(error.status_code, str(error.detail))
+
+
+async def server_error(request: Request, error: Exception) -> JSONResponse:
+    return error_response(500, f"internal error: {type(error).__name__}")

@@ -36,7 +36,7 @@ import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from d3d.config import ConfigError
@@ -44,7 +44,8 @@ from d3d.engine import PromptError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
 from d3d.guard import Guard
 from d3d.metrics import CONTENT_TYPE, ServerMetrics
-from d3d.openai_schema import ApiError, ChatRequest, CompletionRequest, Job, chat_job, completion_job
+from d3d.openai_schema import (ApiError, ChatRequest, CompletionRequest, Job, api_error, chat_job, completion_job,
+                               http_error, invalid_request, server_error)
 from d3d.scheduler import DeadlineExceeded, MainThread, QueueFull, Scheduler, Unavailable, WorkerThreads
 from d3d.stats import SpecStats
 
@@ -363,36 +364,6 @@ async def answer(request: Request, work: Awaitable[Any]) -> Any:
 
 
 # -- the app ------------------------------------------------------------------------------------
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
-                        headers=headers)
-
-
-async def api_error(request: Request, error: ApiError) -> JSONResponse:
-    return error_response(error.status, error.message, error.param, error.code, error.headers)
-
-
-async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
-    """FastAPI's 422 becomes OpenAI's 400, naming the first offending field."""
-    first = error.errors()[0]
-    if first.get("type") == "json_invalid":
-        return error_response(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
-                              code="invalid_json")
-    where = [str(part) for part in first.get("loc", ()) if part != "body"]
-    return error_response(400, f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}",
-                          param=where[0] if where else None)
-
-
-async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-    return error_response(error.status_code, str(error.detail))
-
-
-async def server_error(request: Request, error: Exception) -> JSONResponse:
-    return error_response(500, f"internal error: {type(error).__name__}")
-
 
 def create_app(pipeline: Pipeline, model_name: str = "d3d", method: Method = "speculative",
                runner: WorkerThreads | MainThread | None = None, limits: Limits | None = None) -> FastAPI:
