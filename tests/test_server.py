@@ -536,6 +536,26 @@ def test_serve_runs_the_engine_on_its_own_thread_until_interrupted(monkeypatch, 
     assert stream.rstrip().endswith("data: [DONE]")
 
 
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True),
+                                             ("0.0.0.0", False), ("192.168.1.5", False), ("example.org", False)])
+def test_binding_beyond_loopback_without_a_key_warns(monkeypatch, capsys, host, loopback):
+    """serve() warns before listening on a non-loopback address without an API key, not with one."""
+    class NotListening:  # uvicorn.Server stand-in: returns at once, never started
+        def __init__(self, config):
+            self.started, self.should_exit = False, False
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(d3d_server.uvicorn, "Server", NotListening)
+    pipeline = tiny_pipeline(drafter=False)
+    for key in (None, "k"):
+        with pytest.raises(d3d_server.ConfigError, match="could not serve"):
+            d3d_server.serve(pipeline, host, 1, "tiny", "lookup", d3d_server.Limits(api_key=key))
+        warned = "WARNING" in capsys.readouterr().err
+        assert warned == (key is None and not loopback)
+
+
 def test_serve_refuses_a_method_without_its_drafter(tiny_loading, capsys):
     assert main(["serve", "--method", "drafter", "--drafter", "none"]) == 2
     assert "needs a drafter" in capsys.readouterr().err
