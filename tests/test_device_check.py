@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from d3d.bench.device_check import main
+from d3d.bench.device_check import main, tests_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,3 +39,11 @@ def test_device_check_refuses_cuda_without_a_gpu(tmp_path, capsys):
         pytest.skip("this machine has a GPU")
     assert main(["--device", "cuda", "--size", "tiny", "--out", str(tmp_path)]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_device_check_runs_every_device_test_on_a_gpu():
+    import torch
+
+    cpu, cuda = tests_command(torch.device("cpu")), tests_command(torch.device("cuda"))
+    assert cpu[-2:] == cuda[-2:] == ["tests/test_devices.py", "tests/test_simulate.py"]
+    assert cpu[cpu.index("-k") + 1] == "cpu" and "-k" not in cuda and cuda[3:6] == ["-q", "-p", "no:cacheprovider"]
