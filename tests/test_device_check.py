@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from d3d.bench.device_check import main, tests_command
+from d3d.bench.device_check import main, child_pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +44,6 @@ def test_device_check_refuses_cuda_without_a_gpu(tmp_path, capsys):
 def test_device_check_runs_every_device_test_on_a_gpu():
     import torch
 
-    cpu, cuda = tests_command(torch.device("cpu")), tests_command(torch.device("cuda"))
+    cpu, cuda = child_pytest(torch.device("cpu")), child_pytest(torch.device("cuda"))
     assert cpu[-2:] == cuda[-2:] == ["tests/test_devices.py", "tests/test_simulate.py"]
     assert cpu[cpu.index("-k") + 1] == "cpu" and "-k" not in cuda and cuda[3:6] == ["-q", "-p", "no:cacheprovider"]

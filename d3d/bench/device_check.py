@@ -79,7 +79,7 @@ def random_models(size: str, device: torch.device, dtype: torch.dtype, seed: int
     return hf.to(device), target, drafter
 
 
-def tests_command(device: torch.device) -> list[str]:
+def child_pytest(device: torch.device) -> list[str]:
     """The child pytest: on the CPU only the CPU cases (the suite runs the rest), on a GPU all of them."""
     select = ["-k", "cpu"] if device.type == "cpu" else []
     return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select,
@@ -89,7 +89,7 @@ def tests_command(device: torch.device) -> list[str]:
 def run_tests(device: torch.device, out: Path) -> dict[str, Any]:
     """The device tests in a child pytest; its output's tail goes to tests.txt."""
     root = Path(__file__).resolve().parents[2]
-    command = tests_command(device)
+    command = child_pytest(device)
     started = time.perf_counter()
     done = subprocess.run(command, cwd=root, capture_output=True, text=True)
     text = done.stdout + done.stderr
