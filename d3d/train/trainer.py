@@ -308,7 +308,7 @@ class Trainer:
         totals: dict[str, float] = {"loss": 0.0}
         for _ in range(c.grad_accum):
             batch = self._next_batch()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.autocast):
+            with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=c.autocast):
                 loss, parts = drafter_loss(self.drafter, batch, c.lambda_ar, c.distill, c.ce_weight)
             (loss / c.grad_accum).backward()
             for name, value in {"loss": loss.item(), **parts}.items():
@@ -321,7 +321,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         self.drafter.eval()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.autocast):
+        with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
             estimate = teacher_forced_tau(self.drafter, self.held_out, seed=12345, teachers=self.held_teachers)
         self.drafter.train()
         result = {"tau": round(estimate.tau, 4), "acceptance_rate": [round(r, 4) for r in estimate.acceptance_rate]}
