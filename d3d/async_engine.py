@@ -154,17 +154,23 @@ class DraftWorker:
 
     A thread suffices on CPU: torch kernels release the GIL, and `torch.set_num_threads` is
     thread-local under OpenMP (measured: setting it in the worker leaves the main thread's count
-    unchanged), so the worker gets its own thread budget. On CUDA the worker drafts on its own
-    stream and synchronises it before handing results back.
+    unchanged), so the worker sets its own thread count once when it starts, and the main thread
+    keeps what the worker does not take until `close` gives it back (two OpenMP teams
+    oversubscribing 2 cores run many times slower than one thread each). On CUDA the worker drafts
+    on its own stream and synchronises it before handing results back.
     """
 
     def __init__(self, drafter: Drafter, concurrent: bool, threads: int) -> None:
         self.threads = threads
         self.stream = None
         self.executor: ThreadPoolExecutor | None = None
+        self.main_threads: int | None = None  # the main thread's count before the worker took its share
         if concurrent:
             if drafter.decoder.device.type == "cuda":
                 self.stream = torch.cuda.Stream(drafter.decoder.device)
+            elif threads:
+                self.main_threads = torch.get_num_threads()
+                torch.set_num_threads(max(1, self.main_threads - threads))
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="d3d-drafter", initializer=self._init_thread)
 
     def _init_thread(self) -> None:
@@ -194,10 +200,14 @@ class DraftWorker:
         return future
 
     def close(self) -> None:
-        """Wait for a running job (a torch kernel cannot be interrupted) and end the thread."""
+        """Wait for a running job (a torch kernel cannot be interrupted), end the thread and give
+        the main thread its cores back."""
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
             self.executor = None
+        if self.main_threads is not None:
+            torch.set_num_threads(self.main_threads)
+            self.main_threads = None
 
 
 def drafting_job(drafter: Drafter, cache: KVCache, clean: list[int], draft_tokens: list[int],
@@ -244,6 +254,20 @@ def next_block(result: PackedResult, num_accepted: int, bonus_token: int,
     return None, False
 
 
+def round_spans(started: float, drafted: float, verified: float, waited: float, result: PackedResult | None,
+                concurrent: bool) -> list[Span]:
+    """One round on the timeline: a synchronous draft (if any), the verification, the packed pass
+    (on the drafter's lane when it ran concurrently) and the wait for it (if any)."""
+    spans = [Span("target", "draft", started, drafted)] if drafted - started > 1e-4 else []
+    spans.append(Span("target", "verify", drafted, verified))
+    if result is not None:
+        spans.append(Span("drafter" if concurrent else "target", "packed draft",
+                          result.started, result.started + result.seconds))
+    if waited - verified > 1e-4:
+        spans.append(Span("target", "wait", verified, waited))
+    return spans
+
+
 @torch.no_grad()
 def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], config: GenerationConfig,
                    async_config: AsyncConfig | None = None, planner: Planner | None = None,
@@ -285,11 +309,6 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     source.start(sequence.max_length + budget * block_size, target.device)
     drafter_cache = source.cache
     worker = DraftWorker(drafter, async_config.concurrent, async_config.drafter_threads)
-    # Give the worker its own cores: the main thread keeps what the worker does not take (two
-    # OpenMP teams oversubscribing 2 cores run many times slower than one thread each).
-    main_threads = torch.get_num_threads()
-    if async_config.concurrent and async_config.drafter_threads and target.device.type == "cpu":
-        torch.set_num_threads(max(1, main_threads - async_config.drafter_threads))
     no_drafts = torch.empty(0, dtype=torch.long, device=target.device)
     try:
         block_logits: torch.Tensor | None = None  # (B, V) drafted for the block after tokens[-1]
@@ -323,14 +342,7 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
             stats.draft_seconds += (drafted - started) + (waited - verified)
             stats.verify_seconds += verified - drafted
             if timeline is not None:
-                if drafted - started > 1e-4:
-                    timeline.append(Span("target", "draft", started, drafted))
-                timeline.append(Span("target", "verify", drafted, verified))
-                if result is not None:
-                    timeline.append(Span("drafter" if async_config.concurrent else "target", "packed draft",
-                                         result.started, result.started + result.seconds))
-                if waited - verified > 1e-4:
-                    timeline.append(Span("target", "wait", verified, waited))
+                timeline += round_spans(started, drafted, verified, waited, result, async_config.concurrent)
             block_logits, hit = None, False
             if result is not None:
                 stats.packed_seconds += result.seconds
@@ -347,4 +359,3 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
             yield step
     finally:
         worker.close()
-        torch.set_num_threads(main_threads)

@@ -563,3 +563,23 @@ def test_timeline_records_every_verification_and_drafting_job(concurrent, tmp_pa
     assert all(s.end >= s.start for s in spans)
     assert {s.lane for s in spans if s.kind == "packed draft"} == {"drafter" if concurrent else "target"}
     assert plot_timeline(spans, tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("concurrent, during", [(True, 1), (False, 2)])
+def test_worker_takes_its_threads_from_the_main_thread_and_gives_them_back(setup, concurrent, during):
+    """Concurrent on CPU: the main thread verifies with what the worker does not take (2 − 1) while
+    the generation runs, and has its 2 threads again once it ends; serial: nothing changes."""
+    target, prompt, expected = setup
+    drafter = Drafter.from_target(target, [0], block_size=4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        counts, tokens = [], []
+        for step in async_generate(target, drafter, prompt, greedy(20),
+                                   AsyncConfig(concurrent=concurrent, drafter_threads=1)):
+            counts.append(torch.get_num_threads())
+            tokens += step.tokens
+        assert tokens == expected[:20]
+        assert set(counts[1:]) == {during} and torch.get_num_threads() == 2  # [0]: the prefill, before the worker
+    finally:
+        torch.set_num_threads(before)
