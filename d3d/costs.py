@@ -3,8 +3,9 @@
 The gate (`d3d.gate`) weighs the tokens a draft is expected to commit against what it costs: a
 verification of k drafts is one (k + 1)-row target forward, a drafter proposal one block pass.
 Both are measured here in one-token target steps, for every k, by timing the real forwards the
-engine runs (`engine.score_block`, `Drafter.draft` over the rows k drafts need) after a short
-context: each round times every row count back to back, and each cost is the median over rounds
+engine runs (`engine.score_block`, `Drafter.draft` over the rows k drafts need, or for an AR
+drafter k sequential `Drafter.next_logits` passes, as `sources.ARDrafterSource` runs them) after a
+short context: each round times every row count back to back, and each cost is the median over rounds
 of its ratio to that round's one-token step, then made non-decreasing in k and rounded to 0.01.
 The result is stored per machine, kernel build, thread count, dtype and model shapes under
 `$D3D_CACHE/costs`, so the gate's choices — and with them the random draws at T > 0 — are a
@@ -87,13 +88,22 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
     if drafter is not None:
         drafter_cache = drafter.new_cache(context + 1)
         history = tokens[:context + 1].tolist()
-        drafter.draft(drafter_cache, history[:-1])  # the cache then holds all but the last two tokens
+        if drafter.config.kind == "ar":
+            drafter.next_logits(drafter_cache, history[:-2])
+        else:
+            drafter.draft(drafter_cache, history[:-1])  # the cache then holds all but the last two tokens
 
         def draft(num_drafts: int):
             def run():  # as after a round: one newly committed token to feed, then the block
                 drafter_cache.crop(len(history) - 2)
                 drafter.draft(drafter_cache, history, num_drafts)
-            return run
+
+            def run_ar():  # as after a round: the newly committed token and the anchor, then a pass per draft
+                drafter_cache.crop(len(history) - 2)
+                logits = drafter.next_logits(drafter_cache, history[-2:])
+                for _ in range(num_drafts - 1):
+                    logits = drafter.next_logits(drafter_cache, [int(logits.argmax())])
+            return run_ar if drafter.config.kind == "ar" else run
 
     # Each round times every row count (and the drafter) back to back and divides by its own
     # one-token step; the median over rounds of those ratios shrugs off a busy moment on a shared
@@ -127,6 +137,8 @@ def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int) -> Pa
     if drafter is not None:
         drafter_shape = [drafter.config.model.to_dict(), drafter.block_size, drafter.config.draft_vocab_size,
                          drafter.config.block_attention, drafter.config.denoising_steps, str(drafter.decoder.dtype)]
+        if drafter.config.kind != "d3d":  # appended only for other kinds: D3D drafters keep their stored costs
+            drafter_shape.append(drafter.config.kind)
     key = json.dumps([machine_key(target), drafter_shape, max_drafts, CONTEXT, MEASUREMENT], sort_keys=True)
     return cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 

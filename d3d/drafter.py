@@ -11,6 +11,11 @@ are verified, row B-1 serves the async engine's bonus guesses). With *unshifted*
 diffusion convention) row i predicts its own position p+i, so rows 1 … B-1 are the B-1 drafts and
 the anchor's row predicts nothing. The block's KV is dropped afterwards.
 
+The same class holds the AR-drafter baseline (`DrafterConfig.kind == "ar"`): classic speculative
+decoding's small drafter, of the same depth and initialisation (target layers copied, embedding and
+head shared), run causally over its own KV cache one token at a time (`next_logits`); it has no
+blocks and no MASK embedding, and trains on the next-token loss alone (L_AR of the D3D drafter).
+
 A checkpoint is a folder: `config.json` (DrafterConfig + format tag) and `model.safetensors`.
 Weights shared with the target (embedding, LM head) are not stored; they come from the target.
 """
@@ -26,9 +31,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from d3d.cache import KVCache
-from d3d.config import BlockAttention, ConfigError, DrafterConfig, LabelShift
+from d3d.config import BlockAttention, ConfigError, DrafterConfig, DrafterKind, LabelShift
 from d3d.loading import LoadError, check_finite, check_state, read_safetensors
-from d3d.masks import draft_mask, packed_mask
+from d3d.masks import causal_mask, draft_mask, packed_mask
 from d3d.models import Decoder
 
 FORMAT = "d3d-drafter"
@@ -45,7 +50,9 @@ class Drafter(nn.Module):
             # Shared modules, not copies: the target's embedding and head are stored once.
             self.decoder.embed_tokens = target.embed_tokens
             self.decoder.lm_head = target.lm_head
-        self.mask_embedding = nn.Parameter(target.embed_tokens.weight.detach().float().mean(0).clone())
+        # MASK inputs exist only in D3D blocks; an AR drafter reads committed tokens and its own drafts
+        self.mask_embedding = (nn.Parameter(target.embed_tokens.weight.detach().float().mean(0).clone())
+                               if config.kind == "d3d" else None)
         # A reduced draft vocabulary: the head scores only these ids (the LM head's rows for them),
         # which cuts the head — ~20% of a 135M model's bytes — by the vocabulary ratio.
         size = config.draft_vocab_size
@@ -106,8 +113,13 @@ class Drafter(nn.Module):
     def from_target(cls, target: Decoder, layers: list[int], block_size: int = 16,
                     block_attention: BlockAttention = "anchor_causal", tokenizer_fingerprint: str = "",
                     shared_embeddings: bool = True, draft_vocab: torch.Tensor | None = None,
-                    labels: LabelShift = "shifted") -> "Drafter":
-        """A drafter whose layers are copies of the given target layers (final norm copied too)."""
+                    labels: LabelShift = "shifted", kind: DrafterKind = "d3d") -> "Drafter":
+        """A drafter whose layers are copies of the given target layers (final norm copied too).
+
+        With kind "ar", the AR drafter: `block_attention` and `labels` do not apply (it is causal and
+        predicts the next token); `block_size` - 1 bounds the drafts of one verification."""
+        if kind == "ar":
+            block_attention, labels = "causal", "shifted"
         if not layers or any(not 0 <= i < target.config.num_layers for i in layers):
             raise ConfigError(f"drafter layers {layers} must be non-empty indices of the target's "
                               f"{target.config.num_layers} layers")
@@ -117,7 +129,7 @@ class Drafter(nn.Module):
                                tokenizer_fingerprint=tokenizer_fingerprint,
                                shared_embeddings=shared_embeddings, block_attention=block_attention,
                                draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
-                               labels=labels)
+                               labels=labels, kind=kind)
         drafter = cls(config, target)
         for own, source in zip(drafter.decoder.layers, layers):
             own.load_state_dict(target.layers[source].state_dict())
@@ -194,6 +206,8 @@ class Drafter(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) ids, MASK included → (B, T, hidden)."""
+        if self.mask_embedding is None:  # an AR drafter: token ids only
+            return self.decoder.embed_tokens(ids)
         is_mask = ids == self.config.mask_token_id
         embeds = self.decoder.embed_tokens(ids.masked_fill(is_mask, 0))
         return torch.where(is_mask[..., None], self.mask_embedding.to(embeds.dtype), embeds)
@@ -223,6 +237,7 @@ class Drafter(nn.Module):
         `num_drafts` rows come back. In a causal block they are the full block's rows exactly; in an
         anchor-causal or bidirectional one the anchor's row is, the masks see fewer masks.
         """
+        self.require_kind("d3d", "block drafting")
         if not cache.length < len(tokens):
             raise ValueError("the drafter cache must not hold the anchor (the last committed token)")
         mask_id, size = self.config.mask_token_id, self.block_size
@@ -253,6 +268,7 @@ class Drafter(nn.Module):
         other branches or later drafts. Everything stays pending in `cache`: the caller keeps the
         trunk KV (clean causal input, so valid for any accepted prefix) and drops the branches.
         """
+        self.require_kind("d3d", "packed drafting")
         if self.config.denoising_steps != 1 or self.config.labels != "shifted":
             raise ValueError("packed drafting runs one denoising step with shifted labels; this drafter has "
                              f"{self.config.denoising_steps} steps and {self.config.labels} labels")
@@ -273,6 +289,25 @@ class Drafter(nn.Module):
         trunk_logits = self.logits(hidden[max(0, anchor_slot - start):len(trunk)]) if with_trunk else None
         logits = self.logits(hidden[len(trunk):])  # (N·B, V)
         return trunk_logits, logits.view(len(branches), size, logits.shape[-1])
+
+    @torch.no_grad()
+    def next_logits(self, cache: KVCache, new_tokens: list[int]) -> torch.Tensor:
+        """AR drafting: feed `new_tokens` causally after the cache and keep their KV; returns the
+        logits (V,) of the token that follows them. k drafts are k of these passes."""
+        self.require_kind("ar", "next-token drafting")
+        if not new_tokens:
+            raise ValueError("next_logits needs at least one new token to read the next one from")
+        start, device = cache.length, self.decoder.device
+        ids = torch.tensor([new_tokens], device=device)
+        positions = torch.arange(start, start + len(new_tokens), device=device)[None]
+        mask = causal_mask(len(new_tokens), start, device)[None]
+        hidden = self.decoder.hidden_states(self.embed(ids), positions, cache, mask)
+        cache.commit()
+        return self.logits(hidden[0, -1])
+
+    def require_kind(self, kind: DrafterKind, what: str) -> None:
+        if self.config.kind != kind:
+            raise ValueError(f"{what} needs a drafter of kind {kind!r}; this one is {self.config.kind!r}")
 
 
 def check_compatible(config: DrafterConfig, target: Decoder, tokenizer_fingerprint: str, source: str) -> None:

@@ -8,7 +8,8 @@ names itself (the gate's key and `Step.source`), says what drafting k costs in o
 steps measured on this machine (`d3d.costs`), and which vocabulary it drafts from, checked once
 against the target's (`check_vocabulary`).
 
-Sources today: context lookup, the D3D drafter, and the acceptance-controlled simulation
+Sources today: context lookup, the D3D drafter, the AR drafter (classic speculative decoding's
+baseline: k drafts are k one-token passes) and the acceptance-controlled simulation
 (`d3d.simulate`: a D3D drafter whose drafts are replaced, proposed through `DrafterSource`). The
 sync engine asks its sources in order and the first that proposes drafts the step; the async engine
 drafts with one D3D drafter. A source holds per-generation state (the drafter's KV cache), reset by
@@ -102,6 +103,9 @@ class DrafterSource:
     """
 
     def __init__(self, drafter: Drafter, name: str = "drafter", costs_of: Drafter | None = None) -> None:
+        if drafter.config.kind != "d3d":
+            raise ValueError(f"DrafterSource drafts with a D3D drafter; this one is of kind {drafter.config.kind!r} "
+                             "(use ARDrafterSource)")
         self.drafter = drafter
         self.name = name
         self.costs_of = costs_of or drafter
@@ -127,12 +131,73 @@ class DrafterSource:
         return Proposal(*drafts_from_logits(block_logits, sampling, generator))
 
 
+class ARDrafterSource:
+    """An AR drafter (`Drafter` of kind "ar"): drafts one by one, each a causal pass over its own cache.
+
+    Draft i is the argmax of q_i (greedy) or a sample from it; at T > 0 the proposal carries every
+    q_i, so verification's rejection sampling keeps the target's law. The cache holds committed
+    tokens and the last proposal's drafts; each proposal first crops it to the longest prefix it
+    shares with the committed tokens (rejected drafts go, accepted ones stay). Its drafting cost
+    grows with k: k drafts are k sequential passes.
+    """
+
+    def __init__(self, drafter: Drafter, name: str = "ar_drafter") -> None:
+        if drafter.config.kind != "ar":
+            raise ValueError(f"ARDrafterSource drafts with an AR drafter; this one is of kind {drafter.config.kind!r}")
+        self.drafter = drafter
+        self.name = name
+        self.max_drafts = drafter.block_size - 1
+        self.vocab_size = drafter.config.target_vocab_size
+        self.cache: KVCache | None = None
+        self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
+
+    def draft_costs(self, target: Decoder) -> Sequence[float]:
+        return forward_costs(target, self.drafter, self.max_drafts).drafter
+
+    def start(self, max_length: int, device: torch.device) -> None:
+        self.cache = self.drafter.new_cache(max_length)
+        self.cached = []
+
+    def propose(self, tokens: list[int], num_drafts: int, sampling: SamplingConfig,
+                generator: torch.Generator) -> Proposal | None:
+        assert self.cache is not None, "start() the source before drafting"
+        if num_drafts < 1:
+            raise ValueError(f"propose at least one draft, not {num_drafts}")
+        kept = common_prefix(self.cached, tokens[:-1])  # the last committed token is always fed: its row drafts
+        self.cache.crop(kept)
+        del self.cached[kept:]
+        new, draft_tokens, draft_probs = tokens[kept:], [], []
+        for i in range(num_drafts):
+            logits = self.drafter.next_logits(self.cache, new)  # (V,)
+            self.cached += new
+            token, probs = drafts_from_logits(logits[None], sampling, generator)  # (1,), (1, V) | None
+            draft_tokens.append(token)
+            draft_probs.append(probs)
+            new = [int(token)]  # the last draft is not fed: nothing reads its row
+        return Proposal(torch.cat(draft_tokens), None if sampling.greedy else torch.cat(draft_probs))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length
+
+
 def check_vocabulary(sources: Sequence[DraftSource], target: Decoder) -> None:
     """Refuse a source whose drafts are ids of another vocabulary than the target's."""
     for source in sources:
         if source.vocab_size is not None and source.vocab_size != target.config.vocab_size:
             raise ValueError(f"drafting source {source.name!r} was made for another vocabulary "
                              f"({source.vocab_size} tokens; the target has {target.config.vocab_size})")
+
+
+def drafter_source(drafter: Drafter) -> DraftSource:
+    """The source that drafts with `drafter`, by its kind: a D3D block pass, or AR passes one by one."""
+    return ARDrafterSource(drafter) if drafter.config.kind == "ar" else DrafterSource(drafter)
 
 
 def default_sources(drafter: Drafter | None, lookup: LookupConfig | None) -> list[DraftSource]:
@@ -144,5 +209,5 @@ def default_sources(drafter: Drafter | None, lookup: LookupConfig | None) -> lis
     if lookup is not None:
         sources.append(LookupSource(lookup, drafter.block_size - 1 if drafter is not None else LOOKUP_MAX_DRAFTS))
     if drafter is not None:
-        sources.append(DrafterSource(drafter))
+        sources.append(drafter_source(drafter))
     return sources
