@@ -26,7 +26,7 @@ from d3d.bench.datasets import DatasetError
 from d3d.config import ConfigError, SamplingConfig
 from d3d.devices import resolve_device
 from d3d.engine import PromptError
-from d3d.generation import METHODS, Chunk, Method, Pipeline, resolve_drafter
+from d3d.generation import METHODS, Chunk, Method, Pipeline, load_ar_drafter, resolve_drafter
 from d3d.loading import LoadError
 
 DEFAULT_BENCH_DATASETS = "humaneval,mtbench,math500"
@@ -83,11 +83,12 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
     drafter = None if args.drafter == "none" else args.drafter
     device = resolve_device(args.device)
     if device.type == "cpu":
-        pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers)
-    else:  # weights are read on the CPU; the drafter is built on the target's device
+        pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers, args.ar_drafter)
+    else:  # weights are read on the CPU; the drafters are built on the target's device
         target = Pipeline.load(args.target, None, DTYPES[args.dtype]).target
         target.decoder.to(device)
-        pipeline = Pipeline(target, *resolve_drafter(target, drafter, args.target, layers))
+        pipeline = Pipeline(target, *resolve_drafter(target, drafter, args.target, layers),
+                            ar_drafter=load_ar_drafter(target, args.ar_drafter))
     d = pipeline.drafter
     where = pipeline.drafter_source if d is None else (
         f"{d.config.model.num_layers}-layer drafter, block {d.block_size}, {pipeline.drafter_source}")
@@ -184,7 +185,7 @@ def train(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = TrainConfig(layers=[int(x) for x in args.layers.split(",")] if args.layers else [],
-                         init_from=args.init_from, block_size=args.block_size,
+                         drafter_kind=args.drafter_kind, init_from=args.init_from, block_size=args.block_size,
                          block_attention=args.block_attention, labels=args.labels, steps=args.steps,
                          batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, lambda_ar=args.lambda_ar,
@@ -406,6 +407,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafter checkpoint folder, 'default', 'untrained' or 'none' (plain AR)")
     parser.add_argument("--drafter-layers", default=None,
                         help="with an untrained drafter: comma-separated target layers to copy (default: all)")
+    parser.add_argument("--ar-drafter", default="",
+                        help="an AR drafter checkpoint (`d3d train --drafter-kind ar`) for --method ar_drafter")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
 
@@ -433,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="speculative", choices=METHODS,
                    help="speculative: context lookup where it matches, the drafter elsewhere (default); "
                         "drafter / lookup: one source alone; async: the drafter, drafting ahead during "
-                        "verification; ar: plain decoding")
+                        "verification; ar: plain decoding; ar_drafter: the AR-drafter baseline (--ar-drafter)")
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.set_defaults(handler=generate)
@@ -457,12 +460,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(shards made without them get them by one teacher-forced pass); 0 = off")
     p.set_defaults(handler=data)
 
-    p = commands.add_parser("train", help="train a D3D drafter on the target's responses (resumable)")
+    p = commands.add_parser("train", help="train a D3D (or AR baseline) drafter on the target's responses (resumable)")
     p.add_argument("--data", required=True, help="a `d3d data` output folder")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, drafter/, log.jsonl, curves.png")
     p.add_argument("--target", default="default")
     p.add_argument("--layers", default="0,1,2,3", help="comma-separated target layers to start from")
     p.add_argument("--init-from", default="", help="start from this drafter checkpoint instead")
+    p.add_argument("--drafter-kind", default="d3d", choices=["d3d", "ar"],
+                   help="d3d: the block-diffusion drafter; ar: the AR-drafter baseline (next-token loss only, "
+                        "KL too with --distill; --block-size then bounds its drafts per verification)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--block-attention", default="anchor_causal", choices=["anchor_causal", "bidirectional", "causal"])
     p.add_argument("--labels", default="shifted", choices=["shifted", "unshifted"],

@@ -5,7 +5,10 @@ packed pass (clean context + all-mask blocks, the layout of `d3d.train.batch`). 
 verification the target would accept the drafts while they equal its own next tokens — which,
 for target-generated text, are the labels. So per block the accepted prefix is the number of
 leading rows whose argmax equals the label, and τ = 1 + that (bonus token included), averaged over
-blocks. With the target's distributions (`d3d.train.distill`) it also estimates τ at T = 1, where
+blocks. An AR drafter (kind "ar") reads one causal pass over the clean sequence instead: its row
+a+i predicts x_{a+i+1} from the true prefix, which under greedy verification is the prefix it
+would have drafted from while its drafts were accepted — so the same count is its τ at k = B-1.
+With the target's distributions (`d3d.train.distill`) it also estimates τ at T = 1, where
 a draft is accepted with probability 1 − TV(p, q). Used for training curves and to rank layers
 when pruning.
 """
@@ -55,13 +58,15 @@ def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]],
     accepted_all: list[torch.Tensor] = []
     sampled_all: list[torch.Tensor] = []  # expected accepted drafts per block at T = 1
     for start in range(0, len(sequences), batch_size):
-        examples, block_counts = [], []
+        examples, block_counts, anchors_of = [], [], []
         for index, (tokens, response_start) in enumerate(sequences[start:start + batch_size], start):
             anchors = sample_anchors(len(tokens), response_start, anchors_per_sequence, rng)
             if not anchors:
                 continue
             teacher = teachers[index] if teachers is not None else None
-            examples.append(pack_example(tokens, response_start, anchors, size, mask_id,
+            anchors_of.append(anchors)
+            blocks = [] if drafter.config.kind == "ar" else anchors  # an AR drafter reads the clean rows alone
+            examples.append(pack_example(tokens, response_start, blocks, size, mask_id,
                                          drafter.config.block_attention, labels_shift=drafter.config.labels,
                                          teacher=teacher))
             block_counts.append(len(anchors))
@@ -72,15 +77,22 @@ def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]],
         embeds = drafter.embed(batch["input_ids"])
         hidden = drafter.decoder.hidden_states(embeds, batch["positions"], None, batch["mask"])
         for row, (example, count) in enumerate(zip(examples, block_counts)):
-            block_rows = example.is_block.nonzero()[:, 0].to(device)
-            logits = drafter.logits(hidden[row, block_rows])  # (count·B, V)
-            predictions = logits.argmax(-1).view(count, size)[:, drafter.draft_rows]  # rows verified as drafts
-            labels = example.labels.to(device)[block_rows].view(count, size)[:, drafter.draft_rows]
+            if drafter.config.kind == "ar":  # draft i of the block at anchor a: clean row a+i
+                length = example.input_ids.shape[0]  # clean rows only
+                rows = (torch.tensor(anchors_of[row])[:, None] + torch.arange(size - 1)).clamp_max(length - 1)
+                rows = rows.to(device)  # (count, B-1); past the end: the last row, whose label is IGNORE
+                logits = drafter.logits(hidden[row, :length])[rows]  # (count, B-1, V)
+            else:
+                block_rows = example.is_block.nonzero()[:, 0].to(device)
+                rows = block_rows.view(count, size)[:, drafter.draft_rows]  # rows verified as drafts
+                logits = drafter.logits(hidden[row, block_rows]).view(count, size, -1)[:, drafter.draft_rows]
+            predictions = logits.argmax(-1)
+            labels = example.labels.to(device)[rows]
             accepted_all.append(accepted_prefix(predictions, labels))
             if example.teacher is not None:
-                sources = example.teacher_rows.to(device)[block_rows].view(count, size)[:, drafter.draft_rows]
+                sources = example.teacher_rows.to(device)[rows]
                 known = sources >= 0
-                alpha = sampled_acceptance(logits.view(count, size, -1)[:, drafter.draft_rows][known],
+                alpha = sampled_acceptance(logits[known],
                                            example.teacher.ids.to(device)[sources[known]],
                                            example.teacher.logprobs.to(device)[sources[known]])
                 alphas = torch.zeros(sources.shape, device=device).masked_scatter(known, alpha)

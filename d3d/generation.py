@@ -19,15 +19,17 @@ import torch
 from d3d.async_engine import AsyncConfig, async_generate
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
-from d3d.engine import Step, reference_generate, speculative_generate
+from d3d.engine import Step, generate_from_sources, reference_generate, speculative_generate
 from d3d.loading import Target, load_target
 from d3d.lookup import LookupConfig
+from d3d.sources import ARDrafterSource
 
 # "speculative": lookup where the context matches, the drafter elsewhere; "drafter" / "lookup":
 # one source alone; "async": the drafter, drafting the next block during verification
-# (d3d.async_engine); "ar": the plain autoregressive reference.
-Method = Literal["speculative", "drafter", "lookup", "async", "ar"]
-METHODS: tuple[str, ...] = ("speculative", "drafter", "lookup", "async", "ar")
+# (d3d.async_engine); "ar": the plain autoregressive reference; "ar_drafter": classic speculative
+# decoding with the AR drafter (`ar_drafter`, one pass per draft), k chosen by the gate.
+Method = Literal["speculative", "drafter", "lookup", "async", "ar", "ar_drafter"]
+METHODS: tuple[str, ...] = ("speculative", "drafter", "lookup", "async", "ar", "ar_drafter")
 DEFAULT_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
 
 
@@ -48,9 +50,11 @@ class Chunk:
 
 class Pipeline:
     def __init__(self, target: Target, drafter: Drafter | None = None, drafter_source: str = "",
-                 lookup: LookupConfig | None = None, async_config: AsyncConfig | None = None) -> None:
+                 lookup: LookupConfig | None = None, async_config: AsyncConfig | None = None,
+                 ar_drafter: Drafter | None = None) -> None:
         self.target = target
         self.drafter = drafter
+        self.ar_drafter = ar_drafter  # method "ar_drafter" only: the AR-drafter baseline
         self.lookup = lookup or LookupConfig()
         self.adaptive = True  # gate speculation by its measured rate (see d3d.gate)
         self.async_config = async_config or AsyncConfig()  # method "async" only
@@ -59,15 +63,18 @@ class Pipeline:
 
     @classmethod
     def load(cls, target: str | None = None, drafter: str | Path | None = "default",
-             dtype: torch.dtype = torch.bfloat16, drafter_layers: list[int] | None = None) -> "Pipeline":
+             dtype: torch.dtype = torch.bfloat16, drafter_layers: list[int] | None = None,
+             ar_drafter: str | Path | None = None) -> "Pipeline":
         """Load a target and a drafter.
 
         `drafter`: a checkpoint folder; "default" for the shipped drafter when the target is the
         embedded default (context lookup alone when none is shipped); "untrained" for a drafter
         copied from `drafter_layers` of the target (all layers when None); None for no drafter.
+        `ar_drafter`: an AR drafter checkpoint folder, for method "ar_drafter" (None: none).
         """
         loaded = load_target(target, dtype)
-        return cls(loaded, *resolve_drafter(loaded, drafter, target, drafter_layers))
+        return cls(loaded, *resolve_drafter(loaded, drafter, target, drafter_layers),
+                   ar_drafter=load_ar_drafter(loaded, ar_drafter))
 
     def encode(self, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
         tokenizer = self.target.tokenizer
@@ -94,6 +101,13 @@ class Pipeline:
             raise ConfigError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
         if method == "ar":
             return reference_generate(decoder, prompt_ids, config)
+        if method == "ar_drafter":
+            if self.ar_drafter is None:
+                raise ConfigError("method 'ar_drafter' needs an AR drafter: pass --ar-drafter PATH "
+                                  "(trained by `d3d train --drafter-kind ar`)")
+            # gated like the product default: the baseline's k is chosen by the same gate as D3D's
+            return generate_from_sources(decoder, [ARDrafterSource(self.ar_drafter)], prompt_ids, config,
+                                         self.adaptive)
         if method in ("drafter", "async") and self.drafter is None:
             raise ConfigError(f"method {method!r} needs a drafter: pass --drafter PATH or --drafter untrained")
         if method == "async":
@@ -209,6 +223,17 @@ class HeldText:
 def first_stop(text: str, stop: list[str], start: int) -> int | None:
     """Where the earliest stop string in `text[start:]` begins (None: none there)."""
     return min((i for i in (text.find(s, start) for s in stop) if i >= 0), default=None)
+
+
+def load_ar_drafter(target: Target, folder: str | Path | None) -> Drafter | None:
+    """The AR drafter checkpoint at `folder` for `target` (None when no folder is given)."""
+    if not folder:
+        return None
+    drafter = Drafter.from_pretrained(folder, target.decoder, target.fingerprint)
+    if drafter.config.kind != "ar":
+        raise ConfigError(f"{folder} holds a drafter of kind {drafter.config.kind!r}, not an AR drafter "
+                          "(pass it as --drafter)")
+    return drafter
 
 
 def resolve_drafter(target: Target, drafter: str | Path | None, target_source: str | None,

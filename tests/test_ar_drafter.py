@@ -10,20 +10,31 @@ unfiltered q).
 from __future__ import annotations
 
 import json
+import math
+import random
+from collections import Counter
 
 import pytest
 import torch
 
 from conftest import make_decoder, perturb_drafter, tiny_config
+from d3d.cli import main
 from d3d.async_engine import async_generate
 from d3d.config import ConfigError, DrafterConfig, GenerationConfig, SamplingConfig
 from d3d.costs import forward_costs
 from d3d.drafter import Drafter
 from d3d.engine import generate_from_sources, reference_generate, speculative_generate
+from d3d.estimate import teacher_forced_tau
 from d3d.loading import LoadError
 from d3d.masks import causal_mask
 from d3d.sources import ARDrafterSource, DrafterSource, default_sources
+from d3d.train.batch import sample_anchors
+from d3d.train.trainer import Trainer
+from test_bench import bench_argv, break_method, tiny_default  # noqa: F401 (tiny_default: a fixture)
+from test_estimate import greedy_sequences
+from test_generation import tiny_target
 from test_lossless import ALPHA, DRAFT_VOCAB, NEW_TOKENS, PROMPT, exact_law, p_value, report_unfiltered_q, sampling
+from test_trainer import config, data_dir, tiny_train_target  # noqa: F401 (data_dir: the same tiny data fixture)
 
 RUNS = 800  # as test_lossless
 
@@ -197,8 +208,6 @@ def sample_ar(ar_pair, adaptive: bool):
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_sampled_output_follows_the_target_law(ar_pair, adaptive):
-    from collections import Counter
-
     target, _ = ar_pair
     law = exact_law(target, PROMPT, NEW_TOKENS, sampling())
     counts, judged = sample_ar(ar_pair, adaptive)
@@ -209,9 +218,78 @@ def test_sampled_output_follows_the_target_law(ar_pair, adaptive):
 
 
 def test_the_check_catches_an_unfiltered_q(ar_pair, monkeypatch):
-    from collections import Counter
-
     report_unfiltered_q(monkeypatch)
     target, _ = ar_pair
     counts, _ = sample_ar(ar_pair, adaptive=False)
     assert p_value(Counter(counts), exact_law(target, PROMPT, NEW_TOKENS, sampling())) < ALPHA
+
+
+# -- training ------------------------------------------------------------------------------------
+
+def test_teacher_forced_tau_is_the_greedy_drafts_accepted(target):
+    """The estimator's AR path: per anchor, the leading run of the drafter's own greedy chain that
+    matches the target's response — what greedy verification of B-1 drafts would accept."""
+    drafter = make_ar(target, block_size=4, scale=0.0)  # the target's layer 0: a decent guesser
+    sequences = greedy_sequences(target)
+    estimate = teacher_forced_tau(drafter, sequences, anchors_per_sequence=12, seed=11, batch_size=2)
+    rng, accepted = random.Random(11), []
+    for tokens, response_start in sequences:
+        for anchor in sample_anchors(len(tokens), response_start, 12, rng):
+            drafts, truth = uncached_drafts(drafter, tokens[:anchor + 1], 3), tokens[anchor + 1:anchor + 4]
+            count = 0
+            while count < len(truth) and drafts[count] == truth[count]:
+                count += 1
+            accepted.append(count)
+    assert estimate.num_blocks == len(accepted) and len(set(accepted)) > 1
+    assert estimate.tau == pytest.approx(1 + sum(accepted) / len(accepted), abs=1e-6)
+
+
+def test_training_an_ar_drafter(data_dir, tmp_path):
+    """The same trainer, next-token loss only: the loss falls, the drafter it writes is an AR drafter,
+    and a D3D checkpoint is refused as its starting point."""
+    trainer = Trainer(tiny_train_target(), data_dir, tmp_path / "run",
+                      config(steps=20, warmup=1, batch_size=4, drafter_kind="ar"))
+    assert trainer.drafter.config.kind == "ar" and "mask_embedding" not in trainer.parameters
+    records = [trainer.train_step() for _ in range(20)]
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(x) for x in losses) and all(r["diff"] == 0.0 and r["ar"] == r["loss"] for r in records)
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+    trainer.save()
+    assert Drafter.from_pretrained(tmp_path / "run" / "checkpoint" / "drafter", trainer.target.decoder).config.kind == "ar"
+    Drafter.from_target(trainer.target.decoder, [0], block_size=4).save_pretrained(tmp_path / "d3d")
+    with pytest.raises(ConfigError, match="kind 'd3d'; this run trains one of kind 'ar'"):
+        Trainer(tiny_train_target(), data_dir, tmp_path / "other", config(drafter_kind="ar", init_from=str(tmp_path / "d3d")))
+
+
+
+# -- bench and CLI -------------------------------------------------------------------------------
+
+def test_bench_method_ar_drafter_is_identity_checked(capsys, tiny_default, tmp_path, monkeypatch):
+    """`d3d bench --methods ar,ar_drafter --ar-drafter PATH`: identical to AR, τ reported; a broken
+    ar_drafter is caught by the same identity check; without --ar-drafter it is refused."""
+    target = tiny_target(eos_token_ids=[])
+    make_ar(target.decoder).save_pretrained(tmp_path / "ar")
+    argv = bench_argv(tmp_path)
+    argv[argv.index("ar,lookup")] = "ar,ar_drafter"
+    assert main(argv + ["--ar-drafter", str(tmp_path / "ar")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["identical"] is True and summary["tau"]["ar_drafter"] > 1.0
+
+    assert main(argv) == 2
+    assert "method ar_drafter needs an AR drafter" in capsys.readouterr().err
+
+    break_method(monkeypatch, "ar_drafter")
+    assert main(argv + ["--ar-drafter", str(tmp_path / "ar")]) == 1
+    assert "ar_drafter differs from AR" in capsys.readouterr().err
+
+
+def test_cli_generate_method_ar_drafter(capsys, tiny_default, tmp_path):
+    target = tiny_target(eos_token_ids=[])
+    make_ar(target.decoder).save_pretrained(tmp_path / "ar")
+    argv = ["generate", "hello", "--no-chat", "--drafter", "none", "--max-new-tokens", "12", "--dtype", "float32",
+            "--method", "ar_drafter", "--compare-ar"]
+    assert main(argv + ["--ar-drafter", str(tmp_path / "ar")]) == 0
+    assert "output identical to AR: yes" in capsys.readouterr().err
+    Drafter.from_target(target.decoder, [0], block_size=4).save_pretrained(tmp_path / "d3d")
+    assert main(argv + ["--ar-drafter", str(tmp_path / "d3d")]) == 2
+    assert "holds a drafter of kind 'd3d', not an AR drafter" in capsys.readouterr().err

@@ -87,9 +87,12 @@ def tiny_target(decoder=None, eos_token_ids: list[int] | None = None) -> Target:
 
 
 def tiny_pipeline(decoder=None, eos_token_ids: list[int] | None = None, drafter: bool = True) -> Pipeline:
-    """A Pipeline over the tiny target; the drafter (block 4) is copied from target layer 0."""
+    """A Pipeline over the tiny target; the D3D and AR drafters (block 4) are copied from target layer 0."""
     target = tiny_target(decoder, eos_token_ids)
-    return Pipeline(target, Drafter.from_target(target.decoder, [0], block_size=4) if drafter else None)
+    if not drafter:
+        return Pipeline(target, None)
+    return Pipeline(target, Drafter.from_target(target.decoder, [0], block_size=4),
+                    ar_drafter=Drafter.from_target(target.decoder, [0], block_size=4, kind="ar"))
 
 
 def tokens_of(chunks: list[Chunk]) -> list[int]:
@@ -398,18 +401,20 @@ def test_special_eos_token_is_not_in_the_text():
 
 
 def test_all_methods_give_identical_greedy_output(pipeline):
-    """ar, lookup, drafter and speculative: the same greedy tokens and text; each uses only its sources."""
+    """Every method: the same greedy tokens and text; each uses only its sources."""
     prompt = "hello hello hello world"
     results = {m: list(pipeline.generate(prompt, max_new_tokens=48, method=m)) for m in METHODS}
     expected = tokens_of(results["ar"])
     allowed = {"ar": {"none"}, "lookup": {"lookup", "none"}, "drafter": {"drafter", "none"},
-               "speculative": {"lookup", "drafter", "none"}, "async": {"drafter", "none"}}
+               "speculative": {"lookup", "drafter", "none"}, "async": {"drafter", "none"},
+               "ar_drafter": {"ar_drafter", "none"}}
     for method, chunks in results.items():
         assert tokens_of(chunks) == expected, method
         assert "".join(c.text for c in chunks) == "".join(c.text for c in results["ar"])
         assert set(chunks[-1].step.stats.steps_by_source) <= allowed[method]
     assert "lookup" in results["lookup"][-1].step.stats.steps_by_source
     assert "drafter" in results["drafter"][-1].step.stats.steps_by_source
+    assert "ar_drafter" in results["ar_drafter"][-1].step.stats.steps_by_source
 
 
 def test_methods_agree_without_chat_template_and_with_messages(pipeline):

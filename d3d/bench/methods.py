@@ -24,7 +24,7 @@ from d3d.engine import Step
 from d3d.generation import Pipeline
 from d3d.stats import SpecStats
 
-OURS = ("ar", "lookup", "drafter", "speculative", "async", "async_reanchor")
+OURS = ("ar", "lookup", "drafter", "speculative", "async", "async_reanchor", "ar_drafter")
 NEED_DRAFTER = ("drafter", "speculative", "async", "async_reanchor")
 TRANSFORMERS = ("hf", "hf_lookup")
 LLAMACPP = ("llamacpp", "llamacpp_lookup")
@@ -37,6 +37,7 @@ DESCRIPTIONS = {
     "async": "d3d asynchronous: the drafter drafts successor blocks in a worker during verification",
     "async_reanchor": "d3d asynchronous, a miss reuses the same-k branch re-anchored on the true bonus "
                       "instead of redrafting",
+    "ar_drafter": "d3d speculative, the AR-drafter baseline (classic SD: k one-token drafter passes, gated)",
     "hf": "transformers generate (AR)",
     "hf_lookup": "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)",
     # "llamacpp", "llamacpp_lookup": `d3d.bench.llamacpp.describe` (names the build and threads)
@@ -154,6 +155,8 @@ def build_methods(pipeline: Pipeline, names: list[str],
     check_methods(names)
     if pipeline.drafter is None and any(n in NEED_DRAFTER for n in names):
         raise ConfigError(f"methods {', '.join(NEED_DRAFTER)} need a drafter")
+    if pipeline.ar_drafter is None and "ar_drafter" in names:
+        raise ConfigError("method ar_drafter needs an AR drafter: pass --ar-drafter PATH")
     methods: dict[str, Method] = {}
     try:
         add_methods(methods, pipeline, names, challengers or {})

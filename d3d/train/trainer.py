@@ -3,7 +3,9 @@
 Loss per batch = L_diff + λ·L_AR (see `d3d.train.batch`): cross-entropy of the noisy blocks'
 shifted labels (optionally decayed by draft position) plus next-token cross-entropy on the clean
 tokens. With `distill`, each term also carries a KL to the target's own distribution of that token
-(`d3d.train.distill`), and `ce_weight` scales the cross-entropy. AdamW, linear warm-up then cosine decay, gradient clipping and accumulation, bf16 autocast
+(`d3d.train.distill`), and `ce_weight` scales the cross-entropy. With `drafter_kind="ar"` the
+same loop trains the AR-drafter baseline: no noisy blocks, so the loss is L_AR alone (with its KL
+term under `distill`), on the same data and schedule. AdamW, linear warm-up then cosine decay, gradient clipping and accumulation, bf16 autocast
 on CPU. Weights shared with the target (embedding, LM head) stay frozen.
 
 Checkpoints hold everything needed to continue bit-for-bit — drafter weights, AdamW moments,
@@ -28,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from d3d.config import BlockAttention, ConfigError, LabelShift, _JsonMixin
+from d3d.config import BlockAttention, ConfigError, DrafterKind, LabelShift, _JsonMixin
 from d3d.drafter import Drafter
 from d3d.estimate import teacher_forced_tau
 from d3d.loading import Target
@@ -44,6 +46,9 @@ class TrainConfig(_JsonMixin):
     λ = 1 and random mask ratios won the ablations)."""
 
     layers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # target layers the drafter starts from
+    # "ar": the AR-drafter baseline (next-token loss only); block_attention, labels, lambda_ar, gamma,
+    # mask_ratio and anchors shape D3D's noisy blocks and do not apply to it
+    drafter_kind: DrafterKind = "d3d"
     init_from: str = ""  # a drafter checkpoint to start from instead (healing a pruned drafter)
     block_size: int = 16  # B
     block_attention: BlockAttention = "anchor_causal"  # attention inside a block
@@ -83,6 +88,8 @@ class TrainConfig(_JsonMixin):
             raise ConfigError("lr must be > 0 and min_lr_ratio in [0, 1]")
         if self.distill < 0 or self.ce_weight < 0 or self.distill + self.ce_weight == 0:
             raise ConfigError("distill and ce_weight must be >= 0, and not both 0")
+        if self.drafter_kind not in ("d3d", "ar"):
+            raise ConfigError(f"unknown drafter kind {self.drafter_kind!r} (d3d or ar)")
 
 
 def load_sequences(data_dir: str | Path, max_length: int,
@@ -199,12 +206,15 @@ class Trainer:
         torch.manual_seed(config.seed)
         if config.init_from:
             self.drafter = Drafter.from_pretrained(config.init_from, target.decoder, target.fingerprint)
+            if self.drafter.config.kind != config.drafter_kind:
+                raise ConfigError(f"{config.init_from} holds a drafter of kind {self.drafter.config.kind!r}; "
+                                  f"this run trains one of kind {config.drafter_kind!r}")
         else:
             vocab = (frequent_tokens(self.train_set, config.draft_vocab_size, target.decoder.config.vocab_size)
                      if config.draft_vocab_size else None)
             self.drafter = Drafter.from_target(target.decoder, config.layers, config.block_size,
                                                config.block_attention, target.fingerprint, draft_vocab=vocab,
-                                               labels=config.labels)
+                                               labels=config.labels, kind=config.drafter_kind)
         self.drafter.float().train()
         shared = {id(p) for p in target.decoder.parameters()}
         self.parameters = {n: p for n, p in self.drafter.named_parameters() if id(p) not in shared}
@@ -238,7 +248,8 @@ class Trainer:
             teacher = self.train_teachers[index] if self.train_teachers is not None else None
             self.index += 1
             self.tokens_seen += len(tokens) - response_start
-            anchors = sample_anchors(len(tokens), response_start, c.anchors, self.rng)
+            anchors = [] if c.drafter_kind == "ar" else sample_anchors(len(tokens), response_start, c.anchors,
+                                                                       self.rng)
             examples.append(pack_example(tokens, response_start, anchors, c.block_size,
                                          self.drafter.config.mask_token_id, c.block_attention, c.gamma,
                                          c.mask_ratio, self.rng, self.drafter.config.labels, teacher))
@@ -309,7 +320,9 @@ class Trainer:
         for _ in range(c.grad_accum):
             batch = self._next_batch()
             with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=c.autocast):
-                loss, parts = drafter_loss(self.drafter, batch, c.lambda_ar, c.distill, c.ce_weight)
+                # an AR drafter has no blocks: its loss is the clean rows' term alone, at weight 1
+                lambda_ar = 1.0 if c.drafter_kind == "ar" else c.lambda_ar
+                loss, parts = drafter_loss(self.drafter, batch, lambda_ar, c.distill, c.ce_weight)
             (loss / c.grad_accum).backward()
             for name, value in {"loss": loss.item(), **parts}.items():
                 totals[name] = totals.get(name, 0.0) + value / c.grad_accum
