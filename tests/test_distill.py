@@ -130,8 +130,10 @@ def test_kl_is_zero_at_the_teacher_and_positive_elsewhere(target):
     assert (distill_kl(small, torch.log_softmax(scores, -1), top.ids.long(), top.logprobs) >= -1e-6).all()
 
 
-def test_training_with_distillation(target, source_file, tmp_path):
-    """`distill` adds KL terms to the loss and training lowers them; without the files it is refused."""
+@pytest.mark.parametrize("kind", ["d3d", "ar"])
+def test_training_with_distillation(target, source_file, tmp_path, kind):
+    """`distill` adds KL terms to the loss and training lowers them; without the files it is refused.
+    An AR drafter (no blocks) trains on the clean rows' terms alone."""
     data_dir = tmp_path / "data"
     config = DataConfig(sources=[source_file], shard_size=5, batch_size=5, max_new_tokens=16)
     generate_data(target, data_dir, config, progress=False, distill_top_k=K)
@@ -142,10 +144,13 @@ def test_training_with_distillation(target, source_file, tmp_path):
     fp32 = Target(make_decoder(tiny_config("llama", tie_word_embeddings=False), seed=1), CharTokenizer(), "tiny-random", [])
     train = TrainConfig(layers=[0], block_size=4, steps=12, batch_size=4, lr=1e-2, warmup=2, anchors=2,
                         max_length=64, held_out=2, eval_every=0, save_every=6, seed=0, autocast=False,
-                        distill=1.0, ce_weight=0.1)
+                        distill=1.0, ce_weight=0.1, drafter_kind=kind)
     trainer = Trainer(fp32, data_dir, tmp_path / "run", train)
     first = trainer.train_step()
     assert {"kl_diff", "kl_ar", "diff", "ar"} <= first.keys()
+    if kind == "ar":
+        assert first["diff"] == first["kl_diff"] == 0.0
+        assert first["loss"] == pytest.approx(0.1 * first["ar"] + first["kl_ar"], rel=1e-5)
     for _ in range(10):
         last = trainer.train_step()
     assert last["kl_ar"] < first["kl_ar"]
