@@ -6,6 +6,7 @@
     d3d data / train / curves      the drafter's training data, training run and τ curves (d3d.train)
     d3d scaling                    held-out τ against training tokens over runs: a log-linear fit (d3d.train.scaling)
     d3d prune                      acceptance-driven layer pruning of a drafter (d3d.prune)
+    d3d export-hf                  an AR drafter as a transformers CausalLM folder (d3d.hf_export)
     d3d bench                      every method on the same prompts, interleaved, identity-checked (d3d.bench)
     d3d doctor                     this machine: kernels, the row-invariance check, what exactness costs
 """
@@ -348,6 +349,21 @@ def prune_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_hf_command(args: argparse.Namespace) -> int:
+    """Write an AR drafter checkpoint as a transformers CausalLM folder (with the target's tokenizer)."""
+    from d3d.drafter import Drafter
+    from d3d.hf_export import export_hf
+    from d3d.loading import load_target
+
+    target = load_target(args.target, DTYPES[args.dtype])
+    drafter = Drafter.from_pretrained(args.drafter, target.decoder, target.fingerprint)
+    folder = export_hf(drafter, args.out)
+    if hasattr(target.tokenizer, "save_pretrained"):  # the folder then stands alone for AutoTokenizer too
+        target.tokenizer.save_pretrained(folder)
+    print(json.dumps({"out": str(folder), "layers": drafter.config.model.num_layers, "dtype": args.dtype}))
+    return 0
+
+
 def curves(args: argparse.Namespace) -> int:
     """Compare the held-out τ curves of training runs in one PNG; print each run's final τ."""
     from d3d.train.curves import compare_runs
@@ -496,6 +512,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.set_defaults(handler=train)
+
+    p = commands.add_parser("export-hf", help="write an AR drafter as a transformers CausalLM folder")
+    p.add_argument("--drafter", required=True, help="an AR drafter checkpoint (`d3d train --drafter-kind ar`)")
+    p.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--target", default="default", help="the target the drafter was trained for")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.set_defaults(handler=export_hf_command)
 
     p = commands.add_parser("bench", help="benchmark methods on the same prompts, interleaved, identity-checked")
     p.add_argument("--datasets", default=None,

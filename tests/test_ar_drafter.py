@@ -4,7 +4,9 @@ cache (`ARDrafterSource`), its checkpoint, and the engine's losslessness with it
 Greedy output equals `reference_generate` token for token (fp32 and bf16, gated and not); at T > 0
 the output law over whole continuations is the target's exact law, checked with test_lossless's
 chi-square on the same vocab-8 setup (and the same check rejects a source that reports the
-unfiltered q).
+unfiltered q). Then: its teacher-forced τ, training through the same trainer, the bench methods
+(ar_drafter identity-checked; hf_ar_drafter, transformers' assisted generation) and the Hugging Face
+export, whose logits transformers reproduces.
 """
 
 from __future__ import annotations
@@ -18,19 +20,24 @@ import pytest
 import torch
 
 from conftest import make_decoder, perturb_drafter, tiny_config
-from d3d.cli import main
 from d3d.async_engine import async_generate
+from d3d.bench.harness import run_benchmark
+from d3d.bench.methods import build_methods
+from d3d.cli import main
 from d3d.config import ConfigError, DrafterConfig, GenerationConfig, SamplingConfig
 from d3d.costs import forward_costs
 from d3d.drafter import Drafter
 from d3d.engine import generate_from_sources, reference_generate, speculative_generate
 from d3d.estimate import teacher_forced_tau
-from d3d.loading import LoadError
+from d3d.generation import Pipeline
+from d3d.hf_export import export_hf, hf_config
+from d3d.loading import LoadError, Target
 from d3d.masks import causal_mask
 from d3d.sources import ARDrafterSource, DrafterSource, default_sources
 from d3d.train.batch import sample_anchors
 from d3d.train.trainer import Trainer
-from test_bench import bench_argv, break_method, tiny_default  # noqa: F401 (tiny_default: a fixture)
+from test_bench import (PaddedByteTokenizer, bench_argv, bench_config, break_method, tiny_default,  # noqa: F401
+                        write_prompts)  # tiny_default: a fixture
 from test_estimate import greedy_sequences
 from test_generation import tiny_target
 from test_lossless import ALPHA, DRAFT_VOCAB, NEW_TOKENS, PROMPT, exact_law, p_value, report_unfiltered_q, sampling
@@ -276,7 +283,7 @@ def test_bench_method_ar_drafter_is_identity_checked(capsys, tiny_default, tmp_p
     assert summary["identical"] is True and summary["tau"]["ar_drafter"] > 1.0
 
     assert main(argv) == 2
-    assert "method ar_drafter needs an AR drafter" in capsys.readouterr().err
+    assert "need an AR drafter: pass --ar-drafter" in capsys.readouterr().err
 
     break_method(monkeypatch, "ar_drafter")
     assert main(argv + ["--ar-drafter", str(tmp_path / "ar")]) == 1
@@ -293,3 +300,50 @@ def test_cli_generate_method_ar_drafter(capsys, tiny_default, tmp_path):
     Drafter.from_target(target.decoder, [0], block_size=4).save_pretrained(tmp_path / "d3d")
     assert main(argv + ["--ar-drafter", str(tmp_path / "d3d")]) == 2
     assert "holds a drafter of kind 'd3d', not an AR drafter" in capsys.readouterr().err
+
+
+# -- Hugging Face export -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)])
+@torch.no_grad()
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family, tied):
+    from transformers import AutoModelForCausalLM
+
+    target = make_decoder(tiny_config(family, tie_word_embeddings=tied), seed=1)
+    drafter = make_ar(target, layers=(1, 0), scale=0.1)
+    export_hf(drafter, tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(model).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                    "qwen3": "Qwen3ForCausalLM"}[family]
+    assert model.config.num_hidden_layers == 2
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(0))
+    hidden = drafter.decoder.hidden_states(drafter.embed(ids), torch.arange(20)[None], None, causal_mask(20, 0)[None])
+    torch.testing.assert_close(model(ids).logits[0], drafter.logits(hidden[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_export_refuses_a_d3d_drafter_and_a_reduced_vocabulary(target, tmp_path):
+    with pytest.raises(ConfigError, match="only an AR drafter exports"):
+        export_hf(Drafter.from_target(target, [0], block_size=4), tmp_path / "d3d")
+    reduced = Drafter.from_target(target, [0], block_size=4, kind="ar", draft_vocab=torch.arange(32))
+    with pytest.raises(ConfigError, match="drafts among 32 tokens"):
+        export_hf(reduced, tmp_path / "reduced")
+    assert not (tmp_path / "d3d").exists() and not (tmp_path / "reduced").exists()
+
+
+def test_bench_hf_ar_drafter_is_transformers_assisted_generation(tmp_path):
+    """hf_ar_drafter: transformers generate with the AR drafter as assistant_model, on a tiny HF folder
+    holding the target's config; greedy, its output is d3d AR's (fp32)."""
+    transformers = pytest.importorskip("transformers")
+    c = tiny_config("llama", tie_word_embeddings=False)
+    values = hf_config(c, torch.float32)
+    transformers.AutoConfig.for_model(values.pop("model_type"), **values, bos_token_id=None, eos_token_id=None,
+                                      pad_token_id=0).save_pretrained(tmp_path)
+    target = Target(make_decoder(c, seed=1), PaddedByteTokenizer(), "tiny-hf", [], folder=str(tmp_path))
+    pipeline = Pipeline(target, None, ar_drafter=make_ar(target.decoder))
+    result = run_benchmark(pipeline, bench_config(write_prompts(tmp_path), ["ar", "hf_ar_drafter", "ar_drafter"]),
+                           progress=False)
+    records = [r for r in result["records"] if r["method"] == "hf_ar_drafter"]
+    assert result["identical"] is True and len(records) == 3
+    assert all(r["first_mismatch"] is None and r["new_tokens"] == 12 for r in records)
+    with pytest.raises(ConfigError, match="need an AR drafter"):
+        build_methods(Pipeline(target, None), ["hf_ar_drafter"])

@@ -26,7 +26,7 @@ from d3d.stats import SpecStats
 
 OURS = ("ar", "lookup", "drafter", "speculative", "async", "async_reanchor", "ar_drafter")
 NEED_DRAFTER = ("drafter", "speculative", "async", "async_reanchor")
-TRANSFORMERS = ("hf", "hf_lookup")
+TRANSFORMERS = ("hf", "hf_lookup", "hf_ar_drafter")
 LLAMACPP = ("llamacpp", "llamacpp_lookup")
 ALL_METHODS = OURS + TRANSFORMERS + LLAMACPP
 DESCRIPTIONS = {
@@ -40,6 +40,7 @@ DESCRIPTIONS = {
     "ar_drafter": "d3d speculative, the AR-drafter baseline (classic SD: k one-token drafter passes, gated)",
     "hf": "transformers generate (AR)",
     "hf_lookup": "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)",
+    "hf_ar_drafter": "transformers assisted generation, the AR drafter as assistant_model (d3d.hf_export)",
     # "llamacpp", "llamacpp_lookup": `d3d.bench.llamacpp.describe` (names the build and threads)
 }
 
@@ -96,7 +97,22 @@ def transformers_model(pipeline: Pipeline):
     return model.eval()
 
 
-def transformers_method(model, lookup: bool, pad_token_id: int) -> Method:
+def transformers_assistant(pipeline: Pipeline):
+    """The pipeline's AR drafter as a transformers CausalLM (`d3d.hf_export`), for `assistant_model`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from d3d.hf_export import hf_config, hf_state
+
+    drafter = pipeline.ar_drafter
+    values = hf_config(drafter.config.model, drafter.decoder.dtype)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    model = AutoModelForCausalLM.from_config(config, dtype=drafter.decoder.dtype)
+    model.load_state_dict(hf_state(drafter), strict=False, assign=True)
+    model.tie_weights()
+    return model.eval()
+
+
+def transformers_method(model, lookup: bool, pad_token_id: int, assistant=None) -> Method:
     def run(prompt_ids: list[int], config: GenerationConfig) -> MethodRun:
         ids = torch.tensor([prompt_ids])
         sampling = config.sampling
@@ -106,6 +122,8 @@ def transformers_method(model, lookup: bool, pad_token_id: int) -> Method:
             kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
         if lookup:
             kwargs["prompt_lookup_num_tokens"] = 10
+        if assistant is not None:
+            kwargs["assistant_model"] = assistant
         started = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, **kwargs)
@@ -155,8 +173,8 @@ def build_methods(pipeline: Pipeline, names: list[str],
     check_methods(names)
     if pipeline.drafter is None and any(n in NEED_DRAFTER for n in names):
         raise ConfigError(f"methods {', '.join(NEED_DRAFTER)} need a drafter")
-    if pipeline.ar_drafter is None and "ar_drafter" in names:
-        raise ConfigError("method ar_drafter needs an AR drafter: pass --ar-drafter PATH")
+    if pipeline.ar_drafter is None and {"ar_drafter", "hf_ar_drafter"} & set(names):
+        raise ConfigError("methods ar_drafter and hf_ar_drafter need an AR drafter: pass --ar-drafter PATH")
     methods: dict[str, Method] = {}
     try:
         add_methods(methods, pipeline, names, challengers or {})
@@ -180,8 +198,10 @@ def add_methods(methods: dict[str, Method], pipeline: Pipeline, names: list[str]
         else:
             model = model or transformers_model(pipeline)
             pad = pipeline.target.tokenizer.pad_token_id
+            assistant = transformers_assistant(pipeline) if name == "hf_ar_drafter" else None
             methods[name] = transformers_method(model, name == "hf_lookup",
-                                                pad if pad is not None else (pipeline.target.eos_token_ids or [0])[0])
+                                                pad if pad is not None else (pipeline.target.eos_token_ids or [0])[0],
+                                                assistant)
     for label, challenger in challengers.items():
         if challenger.drafter is None:
             raise ConfigError(f"the challenger {label!r} has no drafter")
