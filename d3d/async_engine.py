@@ -284,6 +284,9 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     async_config = async_config or AsyncConfig()
     if drafter is None:
         raise ConfigError("asynchronous drafting needs a drafter")
+    if drafter.config.kind == "dflash":
+        raise ConfigError("asynchronous drafting needs a D3D drafter: a DFlash-style drafter reads the target's "
+                          "hidden states of the tokens before its block, so it cannot draft ahead of verification")
     if drafter.config.kind != "d3d":
         raise ConfigError("asynchronous drafting needs a D3D drafter: an AR drafter's drafts each wait for the one "
                           "before, so it cannot draft a block ahead in one pass")

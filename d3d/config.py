@@ -20,7 +20,7 @@ BlockAttention = Literal["anchor_causal", "bidirectional", "causal"]
 LabelShift = Literal["shifted", "unshifted"]
 # "d3d": block-diffusion drafting, one pass per block; "ar": classic speculative decoding's drafter,
 # one causal next-token pass per draft (the AR-drafter baseline, same depth and initialisation).
-DrafterKind = Literal["d3d", "ar"]
+DrafterKind = Literal["d3d", "ar", "dflash"]
 # The RoPE scalings d3d.models implements, and the rope_scaling keys each one reads.
 ROPE_SCALING_KEYS = {"default": (), "linear": ("factor",),
                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -179,7 +179,9 @@ class DrafterConfig(_JsonMixin):
     denoising_steps: int = 1  # passes per block; later passes re-feed the argmax drafts
     labels: LabelShift = "shifted"  # block row i predicts position p+i+1 (shifted) or its own, p+i (unshifted)
     draft_vocab_size: int = 0  # drafts only among this many frequent tokens (0 = whole vocabulary)
-    kind: DrafterKind = "d3d"  # "ar": next-token drafts one by one (no blocks, no MASK; block_size bounds k)
+    kind: DrafterKind = "d3d"  # "ar": next-token drafts one by one (no blocks, no MASK; block_size bounds k);
+    # "dflash": D3D's blocks conditioned on the target's hidden states (d3d.dflash)
+    feature_layers: list[int] = field(default_factory=list)  # dflash: target layers whose outputs condition it
 
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):
@@ -197,8 +199,10 @@ class DrafterConfig(_JsonMixin):
         _check(self.block_attention in ("anchor_causal", "bidirectional", "causal"),
                f"unknown block_attention {self.block_attention!r}")
         _check(self.labels in ("shifted", "unshifted"), f"unknown labels {self.labels!r}")
-        _check(self.kind in ("d3d", "ar"), f"unknown drafter kind {self.kind!r}")
-        _check(self.kind == "d3d" or (self.block_attention, self.labels, self.denoising_steps) == ("causal", "shifted", 1),
+        _check(self.kind in ("d3d", "ar", "dflash"), f"unknown drafter kind {self.kind!r} (d3d, ar or dflash)")
+        _check((self.kind == "dflash") == bool(self.feature_layers),
+               "feature_layers are the target layers a dflash drafter reads, and only a dflash drafter has them")
+        _check(self.kind != "ar" or (self.block_attention, self.labels, self.denoising_steps) == ("causal", "shifted", 1),
                "an AR drafter is causal with shifted labels and one step (block_attention 'causal', "
                f"labels 'shifted', denoising_steps 1), got {self.block_attention!r}, {self.labels!r}, "
                f"{self.denoising_steps}")

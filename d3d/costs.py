@@ -88,14 +88,21 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
     if drafter is not None:
         drafter_cache = drafter.new_cache(context + 1)
         history = tokens[:context + 1].tolist()
-        if drafter.config.kind == "ar":
+        kind = drafter.config.kind
+        features = torch.zeros(len(history), len(drafter.config.feature_layers) * target.config.hidden_size,
+                               dtype=target.dtype, device=target.device)  # DFlash-style: stand-in hidden states
+        if kind == "ar":
             drafter.next_logits(drafter_cache, history[:-2])
+        elif kind == "dflash":
+            drafter.read_features(drafter_cache, features[:-2])
         else:
             drafter.draft(drafter_cache, history[:-1])  # the cache then holds all but the last two tokens
 
         def draft(num_drafts: int):
             def run():  # as after a round: one newly committed token to feed, then the block
                 drafter_cache.crop(len(history) - 2)
+                if kind == "dflash":  # its hidden states, from the verification just done
+                    drafter.read_features(drafter_cache, features[-2:-1])
                 drafter.draft(drafter_cache, history, num_drafts)
 
             def run_ar():  # as after a round: the newly committed token and the anchor, then a pass per draft
@@ -103,7 +110,7 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
                 logits = drafter.next_logits(drafter_cache, history[-2:])
                 for _ in range(num_drafts - 1):
                     logits = drafter.next_logits(drafter_cache, [int(logits.argmax())])
-            return run_ar if drafter.config.kind == "ar" else run
+            return run_ar if kind == "ar" else run
 
     # Each round times every row count (and the drafter) back to back and divides by its own
     # one-token step; the median over rounds of those ratios shrugs off a busy moment on a shared

@@ -15,6 +15,9 @@ The same class holds the AR-drafter baseline (`DrafterConfig.kind == "ar"`): cla
 decoding's small drafter, of the same depth and initialisation (target layers copied, embedding and
 head shared), run causally over its own KV cache one token at a time (`next_logits`); it has no
 blocks and no MASK embedding, and trains on the next-token loss alone (L_AR of the D3D drafter).
+It also holds the DFlash-style baseline (kind "dflash"): D3D's blocks, but with the target's hidden
+states in place of the committed tokens as context (`d3d.dflash`), so it drafts only after the
+verification that computed them.
 
 A checkpoint is a folder: `config.json` (DrafterConfig + format tag) and `model.safetensors`.
 Weights shared with the target (embedding, LM head) are not stored; they come from the target.
@@ -32,6 +35,7 @@ from torch import nn
 
 from d3d.cache import KVCache
 from d3d.config import BlockAttention, ConfigError, DrafterConfig, DrafterKind, LabelShift
+from d3d.dflash import FeatureProjection, conditioned_hidden, default_feature_layers, inject, require_features
 from d3d.loading import LoadError, check_finite, check_state, read_safetensors
 from d3d.masks import causal_mask, draft_mask, packed_mask
 from d3d.models import Decoder
@@ -52,7 +56,10 @@ class Drafter(nn.Module):
             self.decoder.lm_head = target.lm_head
         # MASK inputs exist only in D3D blocks; an AR drafter reads committed tokens and its own drafts
         self.mask_embedding = (nn.Parameter(target.embed_tokens.weight.detach().float().mean(0).clone())
-                               if config.kind == "d3d" else None)
+                               if config.kind != "ar" else None)
+        # A DFlash-style drafter's context: the target's hidden states, projected (d3d.dflash)
+        self.features = (FeatureProjection(len(config.feature_layers), config.model.hidden_size,
+                                           config.model.rms_norm_eps) if config.kind == "dflash" else None)
         # A reduced draft vocabulary: the head scores only these ids (the LM head's rows for them),
         # which cuts the head — ~20% of a 135M model's bytes — by the vocabulary ratio.
         size = config.draft_vocab_size
@@ -113,13 +120,18 @@ class Drafter(nn.Module):
     def from_target(cls, target: Decoder, layers: list[int], block_size: int = 16,
                     block_attention: BlockAttention = "anchor_causal", tokenizer_fingerprint: str = "",
                     shared_embeddings: bool = True, draft_vocab: torch.Tensor | None = None,
-                    labels: LabelShift = "shifted", kind: DrafterKind = "d3d") -> "Drafter":
+                    labels: LabelShift = "shifted", kind: DrafterKind = "d3d",
+                    feature_layers: list[int] | None = None) -> "Drafter":
         """A drafter whose layers are copies of the given target layers (final norm copied too).
 
         With kind "ar", the AR drafter: `block_attention` and `labels` do not apply (it is causal and
-        predicts the next token); `block_size` - 1 bounds the drafts of one verification."""
+        predicts the next token); `block_size` - 1 bounds the drafts of one verification. With kind
+        "dflash", a DFlash-style drafter reading the target's hidden states after `feature_layers`
+        (default: as many as it has layers, spread through the target's; `d3d.dflash`)."""
         if kind == "ar":
             block_attention, labels = "causal", "shifted"
+        if kind == "dflash" and not feature_layers:
+            feature_layers = default_feature_layers(target.config.num_layers, len(layers))
         if not layers or any(not 0 <= i < target.config.num_layers for i in layers):
             raise ConfigError(f"drafter layers {layers} must be non-empty indices of the target's "
                               f"{target.config.num_layers} layers")
@@ -129,7 +141,11 @@ class Drafter(nn.Module):
                                tokenizer_fingerprint=tokenizer_fingerprint,
                                shared_embeddings=shared_embeddings, block_attention=block_attention,
                                draft_vocab_size=0 if draft_vocab is None else int(draft_vocab.numel()),
-                               labels=labels, kind=kind)
+                               labels=labels, kind=kind,
+                               feature_layers=list(feature_layers or []) if kind == "dflash" else [])
+        if any(not 0 <= i < target.config.num_layers for i in config.feature_layers):
+            raise ConfigError(f"feature layers {config.feature_layers} must be indices of the target's "
+                              f"{target.config.num_layers} layers")
         drafter = cls(config, target)
         for own, source in zip(drafter.decoder.layers, layers):
             own.load_state_dict(target.layers[source].state_dict())
@@ -212,6 +228,23 @@ class Drafter(nn.Module):
         embeds = self.decoder.embed_tokens(ids.masked_fill(is_mask, 0))
         return torch.where(is_mask[..., None], self.mask_embedding.to(embeds.dtype), embeds)
 
+    def packed_hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Hidden states (B, T, hidden) of a packed training batch (`d3d.train.batch.collate`): its clean
+        rows as tokens, or — for a DFlash-style drafter — as the target's hidden states (batch["features"])."""
+        embeds = self.embed(batch["input_ids"])
+        if self.features is None:
+            return self.decoder.hidden_states(embeds, batch["positions"], None, batch["mask"])
+        features, is_context = require_features(batch)
+        return conditioned_hidden(self.decoder, embeds, self.features(features), is_context, batch["positions"],
+                                  batch["mask"])
+
+    @torch.no_grad()
+    def read_features(self, cache: KVCache, features: torch.Tensor) -> None:
+        """DFlash-style: append the next committed tokens' context to the cache from their target
+        hidden states (T, F · hidden) (`d3d.dflash.inject`)."""
+        self.require_kind(("dflash",), "reading target hidden states")
+        inject(self.decoder, self.features, cache, features)
+
     def block_pass(self, cache: KVCache, clean: list[int], block: list[int]) -> torch.Tensor:
         """One forward over clean tokens + one block; keeps the clean KV; returns block logits (B, V)."""
         start = cache.length
@@ -237,9 +270,12 @@ class Drafter(nn.Module):
         `num_drafts` rows come back. In a causal block they are the full block's rows exactly; in an
         anchor-causal or bidirectional one the anchor's row is, the masks see fewer masks.
         """
-        self.require_kind("d3d", "block drafting")
+        self.require_kind(("d3d", "dflash"), "block drafting")
         if not cache.length < len(tokens):
             raise ValueError("the drafter cache must not hold the anchor (the last committed token)")
+        if self.features is not None and cache.length != len(tokens) - 1:
+            raise ValueError(f"a DFlash-style drafter drafts from the target's hidden states of every committed "
+                             f"token but the anchor: it has {cache.length} of the {len(tokens) - 1} (read_features)")
         mask_id, size = self.config.mask_token_id, self.block_size
         if num_drafts is not None and self.config.denoising_steps == 1:
             size = max(1, min(size, num_drafts + self.draft_rows.start))  # shifted: row i drafts i+1
@@ -268,7 +304,7 @@ class Drafter(nn.Module):
         other branches or later drafts. Everything stays pending in `cache`: the caller keeps the
         trunk KV (clean causal input, so valid for any accepted prefix) and drops the branches.
         """
-        self.require_kind("d3d", "packed drafting")
+        self.require_kind(("d3d",), "packed drafting")
         if self.config.denoising_steps != 1 or self.config.labels != "shifted":
             raise ValueError("packed drafting runs one denoising step with shifted labels; this drafter has "
                              f"{self.config.denoising_steps} steps and {self.config.labels} labels")
@@ -294,7 +330,7 @@ class Drafter(nn.Module):
     def next_logits(self, cache: KVCache, new_tokens: list[int]) -> torch.Tensor:
         """AR drafting: feed `new_tokens` causally after the cache and keep their KV; returns the
         logits (V,) of the token that follows them. k drafts are k of these passes."""
-        self.require_kind("ar", "next-token drafting")
+        self.require_kind(("ar",), "next-token drafting")
         if not new_tokens:
             raise ValueError("next_logits needs at least one new token to read the next one from")
         start, device = cache.length, self.decoder.device
@@ -305,9 +341,10 @@ class Drafter(nn.Module):
         cache.commit()
         return self.logits(hidden[0, -1])
 
-    def require_kind(self, kind: DrafterKind, what: str) -> None:
-        if self.config.kind != kind:
-            raise ValueError(f"{what} needs a drafter of kind {kind!r}; this one is {self.config.kind!r}")
+    def require_kind(self, kinds: tuple[DrafterKind, ...], what: str) -> None:
+        if self.config.kind not in kinds:
+            raise ValueError(f"{what} needs a drafter of kind {' or '.join(map(repr, kinds))}; "
+                             f"this one is {self.config.kind!r}")
 
 
 def check_compatible(config: DrafterConfig, target: Decoder, tokenizer_fingerprint: str, source: str) -> None:
@@ -318,6 +355,9 @@ def check_compatible(config: DrafterConfig, target: Decoder, tokenizer_fingerpri
     if config.tokenizer_fingerprint and tokenizer_fingerprint and config.tokenizer_fingerprint != tokenizer_fingerprint:
         raise LoadError(f"{source} was made for another tokenizer (fingerprint "
                         f"{config.tokenizer_fingerprint}, target's is {tokenizer_fingerprint})")
+    if any(i >= target.config.num_layers for i in config.feature_layers):
+        raise LoadError(f"{source} reads the target's hidden states after layers {config.feature_layers}; "
+                        f"this target has {target.config.num_layers} layers")
     if config.shared_embeddings and config.model.hidden_size != target.config.hidden_size:
         raise LoadError(f"{source} shares the target's embeddings but its width "
                         f"{config.model.hidden_size} differs from the target's {target.config.hidden_size}")

@@ -99,15 +99,41 @@ def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Genera
     return int(sample(probabilities(logits, sampling), generator))
 
 
-def prefill(target: Decoder, sequence: Sequence, sampling: SamplingConfig,
-            generator: torch.Generator) -> tuple[Step, KVCache]:
+def reads_target_states(source: DraftSource) -> bool:
+    """Whether `source` reads the target's hidden states (a source without `feature_layers` does not)."""
+    return bool(getattr(source, "feature_layers", ()))
+
+
+class TargetStates:
+    """The target's hidden states of committed tokens, handed on to the sources that read them
+    (DFlash-style drafters, `DraftSource.feature_layers`): every target forward computes them at the
+    union of their layers, and each committed token's reach its readers once, in order."""
+
+    def __init__(self, sources: list[DraftSource], hidden_size: int) -> None:
+        self.readers = [source for source in sources if reads_target_states(source)]
+        self.layers = sorted({layer for source in self.readers for layer in source.feature_layers})
+        self.hidden_size = hidden_size
+
+    def commit(self, features: torch.Tensor) -> None:
+        """`features` (T, len(layers) · hidden) of the next T committed tokens."""
+        per_layer = features.view(features.shape[0], len(self.layers), self.hidden_size)
+        for source in self.readers:
+            columns = [self.layers.index(layer) for layer in source.feature_layers]
+            source.observe(per_layer[:, columns].flatten(1))
+
+
+def prefill(target: Decoder, sequence: Sequence, sampling: SamplingConfig, generator: torch.Generator,
+            states: TargetStates | None = None) -> tuple[Step, KVCache]:
     cache = target.new_cache(sequence.max_length)
     started = time.perf_counter()
     ids = torch.tensor([sequence.tokens], device=target.device)
-    logits = target(ids, cache=cache, last_only=True)[0, -1]
+    logits, features = target.logits_and_features(ids, states.layers if states else (), cache=cache,
+                                                   last_only=True)
     cache.commit()
-    token = pick(logits, sampling, generator)
+    token = pick(logits[0, -1], sampling, generator)
     sequence.stats.verify_seconds += time.perf_counter() - started
+    if states is not None:
+        states.commit(features[0])
     return sequence.commit([token], 0, 0), cache
 
 
@@ -134,23 +160,33 @@ def score_block(target: Decoder, cache: KVCache, ids: torch.Tensor) -> torch.Ten
     One forward where the target is row-count invariant on this machine (always, with the
     row-exact kernels), else T one-row forwards — the same bits as plain decoding either way.
     """
+    return score_block_features(target, cache, ids, ())[0]
+
+
+def score_block_features(target: Decoder, cache: KVCache, ids: torch.Tensor,
+                         feature_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`score_block`, and the hidden states at `feature_layers` of its rows (T, F · hidden) when any."""
     if ids.shape[1] == 1 or verify_mode(target) == "batched":
-        return target(ids, cache=cache)[0]
-    rows = []
+        logits, features = target.logits_and_features(ids, feature_layers, cache=cache)
+        return logits[0], None if features is None else features[0]
+    rows, feature_rows = [], []
     for i in range(ids.shape[1]):
-        rows.append(target(ids[:, i:i + 1], cache=cache)[0, 0])
+        logits, features = target.logits_and_features(ids[:, i:i + 1], feature_layers, cache=cache)
+        rows.append(logits[0, 0])
+        feature_rows.append(features)
         cache.commit()
     cache.rewind(ids.shape[1])
     cache.reserve(ids.shape[1])  # the slots keep their K/V and are pending again, as after one forward
-    return torch.stack(rows)
+    return torch.stack(rows), None if not feature_layers else torch.cat(feature_rows, 1)[0]
 
 
 def verify_block(target: Decoder, cache: KVCache, anchor: int, draft_tokens: torch.Tensor,
                  draft_probs: torch.Tensor | None, sampling: SamplingConfig,
-                 generator: torch.Generator) -> Verdict:
-    """One target forward over [anchor, drafts]; keeps the KV of the anchor and accepted drafts."""
+                 generator: torch.Generator, states: TargetStates | None = None) -> Verdict:
+    """One target forward over [anchor, drafts]; keeps the KV of the anchor and accepted drafts (and
+    hands their hidden states to `states`)."""
     ids = torch.cat([torch.tensor([anchor], device=draft_tokens.device), draft_tokens])[None]
-    target_logits = score_block(target, cache, ids)  # (K+1, V)
+    target_logits, features = score_block_features(target, cache, ids, states.layers if states else [])  # (K+1, V)
     if sampling.greedy:
         verdict = verify_greedy(draft_tokens, target_logits.argmax(-1))
     else:
@@ -158,6 +194,8 @@ def verify_block(target: Decoder, cache: KVCache, anchor: int, draft_tokens: tor
             draft_probs = one_hot(draft_tokens, target_logits.shape[-1])
         verdict = verify_sampling(draft_tokens, draft_probs, probabilities(target_logits, sampling), generator)
     cache.commit(verdict.num_accepted + 1)
+    if states is not None:
+        states.commit(features[:verdict.num_accepted + 1])
     return verdict
 
 
@@ -184,7 +222,8 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
 def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_ids: list[int],
                           config: GenerationConfig, adaptive: bool = False) -> Iterator[Step]:
     """`speculative_generate` over any drafting sources, asked in order: the first that proposes
-    drafts the step (see `d3d.sources`); a step none drafts is a plain AR step."""
+    drafts the step (see `d3d.sources`); a step none drafts is a plain AR step. Sources that read the
+    target's hidden states (DFlash-style) get them from every target forward, whoever drafted."""
     check_vocabulary(sources, target)
     gate = None
     if adaptive and sources:
@@ -193,10 +232,11 @@ def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_id
                                forward_costs(target, None, max_drafts).verify)
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
     generator = make_generator(config.sampling, target.device)
-    step, target_cache = prefill(target, sequence, config.sampling, generator)
-    yield step
     for source in sources:
         source.start(sequence.max_length, target.device)
+    states = TargetStates(sources, target.config.hidden_size) if any(map(reads_target_states, sources)) else None
+    step, target_cache = prefill(target, sequence, config.sampling, generator, states)
+    yield step
     no_drafts = torch.empty(0, dtype=torch.long, device=target.device)
     while sequence.finish_reason is None:
         started = time.perf_counter()
@@ -215,7 +255,7 @@ def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_id
                                                                                proposal.draft_probs)
         drafted = time.perf_counter()
         verdict = verify_block(target, target_cache, sequence.tokens[-1], draft_tokens, draft_probs,
-                               config.sampling, generator)
+                               config.sampling, generator, states)
         finished = time.perf_counter()
         sequence.stats.draft_seconds += drafted - started
         sequence.stats.verify_seconds += finished - drafted

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from d3d.config import ConfigError
+from d3d.dflash import attach_features
 from d3d.drafter import Drafter
+from d3d.models import Decoder
 from d3d.train.batch import IGNORE, collate, pack_example, sample_anchors
 from d3d.train.distill import TopK
 
@@ -48,11 +51,12 @@ def sampled_acceptance(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_
 
 @torch.no_grad()
 def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]], anchors_per_sequence: int = 8,
-                       seed: int = 0, batch_size: int = 4, teachers: list[TopK] | None = None) -> TauEstimate:
+                       seed: int = 0, batch_size: int = 4, teachers: list[TopK] | None = None,
+                       target: Decoder | None = None) -> TauEstimate:
     """τ of `drafter` on (tokens, response_start) sequences at seeded anchors; with the target's
     distributions over the responses (`teachers`, one per sequence), also τ at T = 1: per block
     1 + Σ_k Π_{i≤k} α_i with α_i = Σ_v min(p_v, q_v) for draft i (a lower bound: p's tail beyond
-    its top-k is left out)."""
+    its top-k is left out). A DFlash-style drafter also needs the `target` whose hidden states it reads."""
     rng = random.Random(seed)
     size, mask_id = drafter.block_size, drafter.config.mask_token_id
     accepted_all: list[torch.Tensor] = []
@@ -74,8 +78,12 @@ def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]],
             continue
         device = drafter.decoder.device
         batch = {k: v.to(device) for k, v in collate(examples).items()}
-        embeds = drafter.embed(batch["input_ids"])
-        hidden = drafter.decoder.hidden_states(embeds, batch["positions"], None, batch["mask"])
+        if drafter.features is not None:  # DFlash-style: the clean rows are the target's hidden states
+            if target is None:
+                raise ConfigError("a DFlash-style drafter's τ needs the target, whose hidden states it reads")
+            batch = attach_features(batch, [e.input_ids[~e.is_block].tolist() for e in examples], target,
+                                    drafter.config.feature_layers)
+        hidden = drafter.packed_hidden(batch)
         for row, (example, count) in enumerate(zip(examples, block_counts)):
             if drafter.config.kind == "ar":  # draft i of the block at anchor a: clean row a+i
                 length = example.input_ids.shape[0]  # clean rows only

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -98,18 +99,24 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, cache: KVCache | None, layer_index: int, kernels: Kernels) -> torch.Tensor:
-        """residual + attention(x): the residual add rides on the output projection."""
-        batch, length, _ = x.shape  # (B, T, hidden)
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None,
+                layer_index: int, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, T, H, D) of normed inputs x (B, T, hidden), and the keys and values seen so far (B, H_kv, S, D):
+        x's own, rotated, after the cache's (and stored in its reserved slots)."""
+        batch, length, _ = x.shape
         qkv = kernels.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # (B, T, (H + 2 H_kv) D)
         if self.q_norm is not None:
             q, k, v = qkv.split(self.widths, dim=-1)
             q = self.q_norm(q.reshape(batch, length, self.num_heads, self.head_dim), kernels)
             k = self.k_norm(k.reshape(batch, length, self.num_kv_heads, self.head_dim), kernels)
             qkv = torch.cat((q.flatten(2), k.flatten(2), v), dim=-1)
-        # q (B, T, H, D); k, v (B, H_kv, S, D), S = cached + T
-        q, k, v = kernels.rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, cache, layer_index)
+        return kernels.rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, cache, layer_index)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: KVCache | None, layer_index: int, kernels: Kernels) -> torch.Tensor:
+        """residual + attention(x): the residual add rides on the output projection."""
+        batch, length, _ = x.shape
+        q, k, v = self.project(x, cos, sin, cache, layer_index, kernels)
         out = kernels.attention(q, k, v, mask)  # (B, T, H, D)
         return kernels.linear(out.reshape(batch, length, -1), self.o_proj.weight, self.o_proj.bias, residual)
 
@@ -257,26 +264,41 @@ class Decoder(nn.Module):
     def hidden_states(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                       mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run the layers and final norm over embeddings (B, T, hidden) at positions (B, T)."""
+        return self.hidden_and_features(embeds, positions, cache, mask)[0]
+
+    def hidden_and_features(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                            mask: torch.Tensor | None = None, feature_layers: Sequence[int] = (),
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`hidden_states`, and the residual stream after each of `feature_layers` (ascending),
+        concatenated (B, T, len · hidden) — None without feature layers. Reading them changes no bit
+        of the hidden states."""
         batch, length, _ = embeds.shape
         assert positions.shape == (batch, length), f"positions {tuple(positions.shape)} != {(batch, length)}"
+        assert list(feature_layers) == sorted(set(feature_layers)) and all(
+            0 <= i < len(self.layers) for i in feature_layers), f"feature layers {feature_layers}"
         if cache is not None:
             cache.reserve(length)
         if mask is not None:
             expected = (batch, length, length + (cache.length if cache is not None else 0))
             assert tuple(mask.shape) == expected, f"mask {tuple(mask.shape)} != {expected}"
         kernels = self.kernels_for(embeds)
+        features: list[torch.Tensor] = []
         if cache is not None and kernels is self.row_exact and self.layers:
             table = self.layer_table(kernels)
             if table is not None:  # every layer in one C call: the same kernels, no per-op overhead
                 c = self.config
                 shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
-                return kernels.forward(table, shape, embeds, self.rope_table_as(embeds.dtype),
-                                       self.clamp_positions(positions), cache, mask, self.norm.weight)
+                hidden, features = kernels.forward(table, shape, embeds, self.rope_table_as(embeds.dtype),
+                                                   self.clamp_positions(positions), cache, mask, self.norm.weight,
+                                                   feature_layers)
+                return hidden, torch.cat(features, -1) if features else None
         cos, sin = self.rope(positions, embeds.dtype)
         x = embeds
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, index, kernels)
-        return self.norm(x, kernels)
+            if index in feature_layers:
+                features.append(x)
+        return self.norm(x, kernels), torch.cat(features, -1) if features else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -286,11 +308,20 @@ class Decoder(nn.Module):
                 cache: KVCache | None = None, mask: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
         """Logits (B, T, V) for token ids (B, T); with `last_only`, logits (B, 1, V) of the last position."""
+        return self.logits_and_features(input_ids, (), positions, cache, mask, last_only)[0]
+
+    def logits_and_features(self, input_ids: torch.Tensor, feature_layers: Sequence[int],
+                            positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                            mask: torch.Tensor | None = None, last_only: bool = False,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and the residual stream after each of `feature_layers` at every position
+        (B, T, len · hidden; `hidden_and_features`) — what a DFlash-style drafter reads."""
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             positions = positions[None].expand(input_ids.shape[0], -1)
-        hidden = self.hidden_states(self.embed_tokens(input_ids), positions, cache, mask)
+        hidden, features = self.hidden_and_features(self.embed_tokens(input_ids), positions, cache, mask,
+                                                    feature_layers)
         if last_only:
             hidden = hidden[:, -1:]
-        return self.logits(hidden)
+        return self.logits(hidden), features

@@ -138,7 +138,8 @@ def heal(drafter: Drafter, target: Target, data_dir: str, steps: int, seed: int,
     with tempfile.TemporaryDirectory() as folder:
         drafter.save_pretrained(Path(folder) / "input")
         config = TrainConfig(layers=[], init_from=str(Path(folder) / "input"), steps=steps,
-                             block_size=drafter.block_size, block_attention=drafter.config.block_attention,
+                             drafter_kind=drafter.config.kind, block_size=drafter.block_size,
+                             block_attention=drafter.config.block_attention,
                              warmup=max(1, steps // 10), eval_every=0, save_every=steps, seed=seed,
                              draft_vocab_size=drafter.config.draft_vocab_size, max_sequences=max_sequences)
         trainer = Trainer(master, data_dir, Path(folder) / "run", config)
@@ -158,7 +159,7 @@ def prune(drafter: Drafter, target: Target, sequences: list[tuple[list[int], int
     decoder = target.decoder
 
     def tau(candidate: Drafter) -> float:
-        return teacher_forced_tau(candidate, sequences, config.anchors, config.seed).tau
+        return teacher_forced_tau(candidate, sequences, config.anchors, config.seed, target=decoder).tau
 
     def measured(layers: list[int], removed: int | None, value: float, candidates: dict[int, float],
                  candidate: Drafter) -> PruneRound:

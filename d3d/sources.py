@@ -9,10 +9,11 @@ steps measured on this machine (`d3d.costs`), and which vocabulary it drafts fro
 against the target's (`check_vocabulary`).
 
 Sources today: context lookup, the D3D drafter, the AR drafter (classic speculative decoding's
-baseline: k drafts are k one-token passes) and the acceptance-controlled simulation
-(`d3d.simulate`: a D3D drafter whose drafts are replaced, proposed through `DrafterSource`). The
-sync engine asks its sources in order and the first that proposes drafts the step; the async engine
-drafts with one D3D drafter. A source holds per-generation state (the drafter's KV cache), reset by
+baseline: k drafts are k one-token passes), the DFlash-style drafter (`d3d.dflash`: it reads the
+target's hidden states, which the engine hands it after every target forward through `observe`)
+and the acceptance-controlled simulation (`d3d.simulate`: a D3D drafter whose drafts are replaced,
+proposed through `DrafterSource`). The sync engine asks its sources in order and the first that
+proposes drafts the step; the async engine drafts with one D3D drafter. A source holds per-generation state (the drafter's KV cache), reset by
 `start`: one set of sources serves one generation at a time.
 
 This module proposes drafts; it verifies nothing and runs no loop.
@@ -47,6 +48,7 @@ class DraftSource(Protocol):
     name: str  # the gate's key and Step.source
     max_drafts: int  # the most drafts one proposal holds
     vocab_size: int | None  # the token ids it drafts (None: the context's own tokens, any vocabulary)
+    feature_layers: tuple[int, ...]  # target layers whose hidden states it reads (`observe`); () for most
 
     def draft_costs(self, target: Decoder) -> Sequence[float]:
         """[k]: drafting k drafts, in one-token steps of `target`, measured on this machine."""
@@ -59,6 +61,11 @@ class DraftSource(Protocol):
     def propose(self, tokens: list[int], num_drafts: int, sampling: SamplingConfig,
                 generator: torch.Generator) -> Proposal | None:
         """Up to `num_drafts` drafts after the committed `tokens`; None when it has none to offer."""
+        ...
+
+    def observe(self, features: torch.Tensor) -> None:
+        """The target's hidden states (T, len(feature_layers) · hidden) of the next T committed tokens;
+        called only on sources with feature layers, after each target forward."""
         ...
 
 
@@ -76,6 +83,7 @@ class LookupSource:
 
     name = "lookup"
     vocab_size = None
+    feature_layers = ()
 
     def __init__(self, config: LookupConfig, max_drafts: int = LOOKUP_MAX_DRAFTS) -> None:
         self.config = config
@@ -101,6 +109,8 @@ class DrafterSource:
     `costs_of`: the drafter whose measured costs the gate weighs, when they are not this one's own
     (the simulation runs a real drafter's forward and is charged that drafter's cost).
     """
+
+    feature_layers = ()
 
     def __init__(self, drafter: Drafter, name: str = "drafter", costs_of: Drafter | None = None) -> None:
         if drafter.config.kind != "d3d":
@@ -141,6 +151,8 @@ class ARDrafterSource:
     grows with k: k drafts are k sequential passes.
     """
 
+    feature_layers = ()
+
     def __init__(self, drafter: Drafter, name: str = "ar_drafter") -> None:
         if drafter.config.kind != "ar":
             raise ValueError(f"ARDrafterSource drafts with an AR drafter; this one is of kind {drafter.config.kind!r}")
@@ -177,6 +189,42 @@ class ARDrafterSource:
         return Proposal(torch.cat(draft_tokens), None if sampling.greedy else torch.cat(draft_probs))
 
 
+class DFlashSource:
+    """A DFlash-style drafter (`d3d.dflash`): D3D's block pass, its context the target's hidden states.
+
+    The engine hands it every committed token's hidden states (`observe`, in order, the anchor's
+    arriving with the verification after it was committed), and it drafts only once it holds all of
+    them but the anchor's: it waits for each verification, as DFlash does, and refuses to draft
+    without them (`Drafter.draft`).
+    """
+
+    def __init__(self, drafter: Drafter, name: str = "dflash") -> None:
+        if drafter.config.kind != "dflash":
+            raise ValueError(f"DFlashSource drafts with a DFlash-style drafter; this one is of kind {drafter.config.kind!r}")
+        self.drafter = drafter
+        self.name = name
+        self.max_drafts = drafter.block_size - 1
+        self.vocab_size = drafter.config.target_vocab_size
+        self.feature_layers = tuple(drafter.config.feature_layers)
+        self.cache: KVCache | None = None
+
+    def draft_costs(self, target: Decoder) -> Sequence[float]:
+        return forward_costs(target, self.drafter, self.max_drafts).drafter
+
+    def start(self, max_length: int, device: torch.device) -> None:
+        self.cache = self.drafter.new_cache(max_length)
+
+    def observe(self, features: torch.Tensor) -> None:
+        assert self.cache is not None, "start() the source before handing it hidden states"
+        self.drafter.read_features(self.cache, features)
+
+    def propose(self, tokens: list[int], num_drafts: int, sampling: SamplingConfig,
+                generator: torch.Generator) -> Proposal | None:
+        assert self.cache is not None, "start() the source before drafting"
+        block_logits = self.drafter.draft(self.cache, tokens, num_drafts)[:num_drafts]  # (K, V)
+        return Proposal(*drafts_from_logits(block_logits, sampling, generator))
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     length = 0
@@ -196,8 +244,10 @@ def check_vocabulary(sources: Sequence[DraftSource], target: Decoder) -> None:
 
 
 def drafter_source(drafter: Drafter) -> DraftSource:
-    """The source that drafts with `drafter`, by its kind: a D3D block pass, or AR passes one by one."""
-    return ARDrafterSource(drafter) if drafter.config.kind == "ar" else DrafterSource(drafter)
+    """The source that drafts with `drafter`, by its kind: a D3D block pass, AR passes one by one, or a
+    DFlash-style block pass over the target's hidden states."""
+    sources = {"ar": ARDrafterSource, "dflash": DFlashSource, "d3d": DrafterSource}
+    return sources[drafter.config.kind](drafter)
 
 
 def default_sources(drafter: Drafter | None, lookup: LookupConfig | None) -> list[DraftSource]:

@@ -208,5 +208,7 @@ def add_methods(methods: dict[str, Method], pipeline: Pipeline, names: list[str]
         if not any(n in NEED_DRAFTER for n in names):
             raise ConfigError(f"a challenger drafter needs a method that drafts: {', '.join(NEED_DRAFTER)}")
         for name in names:
-            if name in NEED_DRAFTER:
+            # only a D3D drafter drafts ahead of verification: a DFlash-style one reads the hidden states
+            # the verification computes (the comparison the paper makes), so it has no async run
+            if name in NEED_DRAFTER and (not name.startswith("async") or challenger.drafter.config.kind == "d3d"):
                 methods[f"{name}@{label}"] = ours(challenger, name)

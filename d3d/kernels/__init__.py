@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,9 +213,11 @@ class RowExactKernels:
 
     def forward(self, table: "LayerTable", shape: "DecoderShape", x: torch.Tensor, rope: torch.Tensor,
                 positions: torch.Tensor, cache: KVCache, mask: torch.Tensor | None,
-                final_norm: torch.Tensor) -> torch.Tensor:
+                final_norm: torch.Tensor, capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Every layer and the final norm over x (B, T, hidden) in one C call; returns the normed hidden
-        states. The same kernels as the per-op calls, so the same bits (tested).
+        states and, for each layer index in `capture` (ascending), the residual stream after that layer.
+        The same kernels as the per-op calls, so the same bits (tested); capturing splits the call at
+        the captured layers and changes no bit either.
 
         rope: (2, P, D) cos/sin tables in x's dtype; positions (B, T) rows of them, below P; the
         new keys and values go to the cache's reserved slots.
@@ -234,13 +237,22 @@ class RowExactKernels:
         work = torch.empty(rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), dtype=x.dtype)
         scores = torch.empty(rows * heads * keys_seen, dtype=torch.float32)
         out = torch.empty_like(x)
-        self._fn("forward", x.dtype)(
-            table.pointers, table.layers, hidden, heads, shape.kv_heads, dim, shape.intermediate, shape.eps,
-            dim ** -0.5, table.packed, x.data_ptr(), rope.data_ptr(), positions.data_ptr(), rope.shape[1],
-            keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), cache.length,
-            _ptr(mask), batch, length, final_norm.data_ptr(), out.data_ptr(), work.data_ptr(), scores.data_ptr(),
-            torch.get_num_threads())
-        return out
+        slot_bytes = len(LAYER_SLOTS) * ctypes.sizeof(ctypes.c_void_p)
+        captured, first = [], 0
+        for last in [*capture, table.layers - 1]:  # layers first … last in one call
+            if last < first:  # the last layer was captured: nothing left to run
+                continue
+            self._fn("forward", x.dtype)(
+                ctypes.addressof(table.pointers) + first * slot_bytes, last + 1 - first, hidden, heads,
+                shape.kv_heads, dim, shape.intermediate, shape.eps, dim ** -0.5, table.packed, x.data_ptr(),
+                rope.data_ptr(), positions.data_ptr(), rope.shape[1], keys[first].data_ptr(),
+                values[first].data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), cache.length, _ptr(mask),
+                batch, length, final_norm.data_ptr(), out.data_ptr(), work.data_ptr(), scores.data_ptr(),
+                torch.get_num_threads())
+            if last in capture:
+                captured.append(x.clone())
+            first = last + 1
+        return out, captured
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                    cache: KVCache | None, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

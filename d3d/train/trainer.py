@@ -16,6 +16,7 @@ steps a teacher-forced τ on held-out sequences goes to `log.jsonl` and `curves.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from d3d.config import BlockAttention, ConfigError, DrafterKind, LabelShift, _JsonMixin
+from d3d.dflash import attach_features
 from d3d.drafter import Drafter
 from d3d.estimate import teacher_forced_tau
 from d3d.loading import Target
@@ -47,8 +49,11 @@ class TrainConfig(_JsonMixin):
 
     layers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])  # target layers the drafter starts from
     # "ar": the AR-drafter baseline (next-token loss only); block_attention, labels, lambda_ar, gamma,
-    # mask_ratio and anchors shape D3D's noisy blocks and do not apply to it
+    # mask_ratio and anchors shape D3D's noisy blocks and do not apply to it. "dflash": the DFlash-style
+    # baseline (d3d.dflash), D3D's blocks over the target's hidden states computed on the fly; it has
+    # no clean-token rows to predict, so no L_AR (lambda_ar does not apply)
     drafter_kind: DrafterKind = "d3d"
+    feature_layers: list[int] = field(default_factory=list)  # dflash: target layers it reads ([] = spread evenly)
     init_from: str = ""  # a drafter checkpoint to start from instead (healing a pruned drafter)
     block_size: int = 16  # B
     block_attention: BlockAttention = "anchor_causal"  # attention inside a block
@@ -88,8 +93,11 @@ class TrainConfig(_JsonMixin):
             raise ConfigError("lr must be > 0 and min_lr_ratio in [0, 1]")
         if self.distill < 0 or self.ce_weight < 0 or self.distill + self.ce_weight == 0:
             raise ConfigError("distill and ce_weight must be >= 0, and not both 0")
-        if self.drafter_kind not in ("d3d", "ar"):
-            raise ConfigError(f"unknown drafter kind {self.drafter_kind!r} (d3d or ar)")
+        if self.drafter_kind not in ("d3d", "ar", "dflash"):
+            raise ConfigError(f"unknown drafter kind {self.drafter_kind!r} (d3d, ar or dflash)")
+        if self.feature_layers and self.drafter_kind != "dflash":
+            raise ConfigError("feature_layers are the target layers a dflash drafter reads; this run trains "
+                              f"a {self.drafter_kind} drafter")
 
 
 def load_sequences(data_dir: str | Path, max_length: int,
@@ -151,14 +159,15 @@ def distill_kl(drafter: Drafter, log_q: torch.Tensor, teacher_ids: torch.Tensor,
 def drafter_loss(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: float, distill: float = 0.0,
                  ce_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
     """ce_weight·CE + distill·KL, each over the blocks (L_diff) plus λ times over clean rows (L_AR)."""
-    embeds = drafter.embed(batch["input_ids"])
-    hidden = drafter.decoder.hidden_states(embeds, batch["positions"], None, batch["mask"])
+    hidden = drafter.packed_hidden(batch)
     labels = drafter.to_draft_ids(batch["labels"], missing=IGNORE)  # outside the draft vocabulary: no CE
     teacher_rows = batch.get("teacher_rows") if distill > 0 else None
     if distill > 0 and teacher_rows is None:
         raise ConfigError("distillation needs the target's distributions in the batch (d3d data --distill-top-k)")
     has_label = labels != IGNORE
     rows = has_label if teacher_rows is None else has_label | (teacher_rows >= 0)
+    if lambda_ar == 0:  # the clean rows' terms weigh nothing: leave them out of the head
+        rows = rows & batch["is_block"]
     log_q = torch.log_softmax(drafter.draft_scores(hidden[rows]).float(), dim=-1)  # only rows with a target
     weights, in_block = batch["weights"][rows], batch["is_block"][rows]
 
@@ -214,8 +223,14 @@ class Trainer:
                      if config.draft_vocab_size else None)
             self.drafter = Drafter.from_target(target.decoder, config.layers, config.block_size,
                                                config.block_attention, target.fingerprint, draft_vocab=vocab,
-                                               labels=config.labels, kind=config.drafter_kind)
+                                               labels=config.labels, kind=config.drafter_kind,
+                                               feature_layers=config.feature_layers or None)
         self.drafter.float().train()
+        # DFlash-style: the target's hidden states as decoding computes them (bf16 under autocast)
+        self.feature_target = None
+        if self.drafter.features is not None:
+            self.feature_target = (copy.deepcopy(target.decoder).to(torch.bfloat16) if config.autocast
+                                   else target.decoder)
         shared = {id(p) for p in target.decoder.parameters()}
         self.parameters = {n: p for n, p in self.drafter.named_parameters() if id(p) not in shared}
         for p in target.decoder.parameters():
@@ -238,7 +253,7 @@ class Trainer:
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
         c = self.config
-        examples = []
+        examples, clean = [], []
         while len(examples) < c.batch_size:
             if self.index >= len(self.order):
                 self.epoch, self.index = self.epoch + 1, 0
@@ -253,7 +268,11 @@ class Trainer:
             examples.append(pack_example(tokens, response_start, anchors, c.block_size,
                                          self.drafter.config.mask_token_id, c.block_attention, c.gamma,
                                          c.mask_ratio, self.rng, self.drafter.config.labels, teacher))
-        return collate(examples)
+            clean.append(tokens)
+        batch = collate(examples)
+        if self.drafter.features is not None:  # DFlash-style: the target's hidden states, computed now
+            batch = attach_features(batch, clean, self.feature_target, self.drafter.config.feature_layers)
+        return batch
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -320,8 +339,9 @@ class Trainer:
         for _ in range(c.grad_accum):
             batch = self._next_batch()
             with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=c.autocast):
-                # an AR drafter has no blocks: its loss is the clean rows' term alone, at weight 1
-                lambda_ar = 1.0 if c.drafter_kind == "ar" else c.lambda_ar
+                # an AR drafter has no blocks: its loss is the clean rows' term alone, at weight 1; a
+                # DFlash-style drafter's clean rows are the target's hidden states, with nothing to predict
+                lambda_ar = {"ar": 1.0, "dflash": 0.0}.get(c.drafter_kind, c.lambda_ar)
                 loss, parts = drafter_loss(self.drafter, batch, lambda_ar, c.distill, c.ce_weight)
             (loss / c.grad_accum).backward()
             for name, value in {"loss": loss.item(), **parts}.items():
@@ -335,7 +355,8 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         self.drafter.eval()
         with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
-            estimate = teacher_forced_tau(self.drafter, self.held_out, seed=12345, teachers=self.held_teachers)
+            estimate = teacher_forced_tau(self.drafter, self.held_out, seed=12345, teachers=self.held_teachers,
+                                          target=self.feature_target)
         self.drafter.train()
         result = {"tau": round(estimate.tau, 4), "acceptance_rate": [round(r, 4) for r in estimate.acceptance_rate]}
         if estimate.tau_t1 is not None:
