@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -50,6 +51,7 @@ from d3d.engine import Sequence, Step, prefill, verify_block
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities
 from d3d.sources import DrafterSource, check_vocabulary, drafts_from_logits
+from d3d.stats import SpecStats
 from d3d.timeline import Span
 
 Branch = tuple[int, int]  # (num_accepted k, bonus guess b)
@@ -268,6 +270,43 @@ def round_spans(started: float, drafted: float, verified: float, waited: float, 
     return spans
 
 
+def check_drafter(drafter: Drafter | None) -> Drafter:
+    """Refuse a drafter that cannot draft a block ahead of verification in one packed pass."""
+    if drafter is None:
+        raise ConfigError("asynchronous drafting needs a drafter")
+    if drafter.config.kind == "dflash":
+        raise ConfigError("asynchronous drafting needs a D3D drafter: a DFlash-style drafter reads the target's "
+                          "hidden states of the tokens before its block, so it cannot draft ahead of verification")
+    if drafter.config.kind != "d3d":
+        raise ConfigError("asynchronous drafting needs a D3D drafter: an AR drafter's drafts each wait for the one "
+                          "before, so it cannot draft a block ahead in one pass")
+    if drafter.config.denoising_steps != 1:
+        raise ConfigError("asynchronous drafting runs one denoising step per block; "
+                          f"this drafter is configured for {drafter.config.denoising_steps}")
+    if drafter.config.labels != "shifted":
+        raise ConfigError("asynchronous drafting needs a drafter with shifted labels: its branch plan "
+                          "guesses the bonus token from the row after the last draft")
+    return drafter
+
+
+def bounded_plan(planner: Planner, tokens: list[int], draft_tokens: list[int], max_k: int, budget: int,
+                 guess_logits: torch.Tensor) -> list[Branch]:
+    """The planner's branches for one verification: distinct, k within 0 … max_k, at most `budget`."""
+    branches = planner(tokens, draft_tokens, guess_logits, max_k)
+    return list(dict.fromkeys(b for b in branches if 0 <= b[0] <= max_k))[:budget]
+
+
+def account(stats: SpecStats, started: float, drafted: float, verified: float, waited: float,
+            result: PackedResult | None, concurrent: bool) -> None:
+    """Charge one round's times: drafting on the critical path, verification, the worker's pass and
+    the wait for it (serially, the pass ran before verification, inside the drafting time)."""
+    stats.draft_seconds += (drafted - started) + (waited - verified)
+    stats.verify_seconds += verified - drafted
+    if result is not None:
+        stats.packed_seconds += result.seconds
+        stats.wait_seconds += waited - verified if concurrent else result.seconds
+
+
 @torch.no_grad()
 def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], config: GenerationConfig,
                    async_config: AsyncConfig | None = None, planner: Planner | None = None,
@@ -282,27 +321,11 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     thread ends when the generator is exhausted, closed or interrupted by an exception.
     """
     async_config = async_config or AsyncConfig()
-    if drafter is None:
-        raise ConfigError("asynchronous drafting needs a drafter")
-    if drafter.config.kind == "dflash":
-        raise ConfigError("asynchronous drafting needs a D3D drafter: a DFlash-style drafter reads the target's "
-                          "hidden states of the tokens before its block, so it cannot draft ahead of verification")
-    if drafter.config.kind != "d3d":
-        raise ConfigError("asynchronous drafting needs a D3D drafter: an AR drafter's drafts each wait for the one "
-                          "before, so it cannot draft a block ahead in one pass")
-    source = DrafterSource(drafter)
+    source = DrafterSource(check_drafter(drafter))
     check_vocabulary([source], target)
-    if drafter.config.denoising_steps != 1:
-        raise ConfigError("asynchronous drafting runs one denoising step per block; "
-                          f"this drafter is configured for {drafter.config.denoising_steps}")
-    if drafter.config.labels != "shifted":
-        raise ConfigError("asynchronous drafting needs a drafter with shifted labels: its branch plan "
-                          "guesses the bonus token from the row after the last draft")
     sampling = config.sampling
-    if planner is None:
-        def planner(tokens: list[int], draft_tokens: list[int], guess_logits: torch.Tensor, max_k: int) -> list[Branch]:
-            return plan_branches(guess_logits, draft_tokens, max_k, async_config, sampling)
-
+    planner = planner or (lambda tokens, drafts, guess_logits, max_k:
+                          plan_branches(guess_logits, drafts, max_k, async_config, sampling))
     block_size, budget = drafter.block_size, async_config.max_branches
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
     generator = make_generator(sampling, target.device)
@@ -310,7 +333,6 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     yield step
     if sequence.finish_reason is not None:
         return
-    stats = sequence.stats
     # Room for the committed tokens, a trunk and every branch block of one packed forward.
     source.start(sequence.max_length + budget * block_size, target.device)
     drafter_cache = source.cache
@@ -319,41 +341,36 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     try:
         block_logits: torch.Tensor | None = None  # (B, V) drafted for the block after tokens[-1]
         while sequence.finish_reason is None:
+            # 1. this round's drafts: drafted ahead last round (a hit), else now, on the critical path
             num_drafts = min(block_size - 1, sequence.room - 1)  # the bonus token always needs a slot
             started = time.perf_counter()
             if num_drafts > 0 and block_logits is None:
                 block_logits = source.block_logits(sequence.tokens)
             draft_tokens, draft_probs = (drafts_from_logits(block_logits[:num_drafts], sampling, generator)
                                          if num_drafts > 0 else (no_drafts, None))
-            # k accepted commits k+1 tokens; a branch is useful only if two slots remain to draft into.
+            # 2. the worker drafts the next round's block for the likely verdicts; k accepted commits
+            # k+1 tokens, and a branch is useful only if two slots remain to draft into
             max_k = min(num_drafts, sequence.room - 3)
-            packed = None
+            packed, anchor_slot = None, len(sequence.tokens) - 1
             if max_k >= 0 and budget > 0:
                 drafts = draft_tokens.tolist()
-
-                def plan(guess_logits: torch.Tensor, tokens: list[int] = list(sequence.tokens),
-                         drafts: list[int] = drafts, max_k: int = max_k) -> list[Branch]:
-                    branches = planner(tokens, drafts, guess_logits, max_k)
-                    return list(dict.fromkeys(b for b in branches if 0 <= b[0] <= max_k))[:budget]
+                plan = partial(bounded_plan, planner, list(sequence.tokens), drafts, max_k, budget)
                 guesses = block_logits if async_config.guess_source == "block" else None
                 clean = sequence.tokens[drafter_cache.length:]  # ends with the anchor
-                anchor_slot = len(sequence.tokens) - 1
                 packed = worker.submit(drafting_job(drafter, drafter_cache, clean, drafts, plan, guesses))
+            # 3. verification, meanwhile
             drafted = time.perf_counter()
             verdict = verify_block(target, target_cache, sequence.tokens[-1], draft_tokens, draft_probs,
                                    sampling, generator)
             verified = time.perf_counter()
             result = packed.result() if packed is not None else None
             waited = time.perf_counter()
-            stats.draft_seconds += (drafted - started) + (waited - verified)
-            stats.verify_seconds += verified - drafted
+            account(sequence.stats, started, drafted, verified, waited, result, async_config.concurrent)
             if timeline is not None:
                 timeline += round_spans(started, drafted, verified, waited, result, async_config.concurrent)
+            # 4. the verdict picks the next block among the branches (a hit), or none
             block_logits, hit = None, False
             if result is not None:
-                stats.packed_seconds += result.seconds
-                # Serially the job ran before verification, inside `drafted - started`.
-                stats.wait_seconds += waited - verified if async_config.concurrent else result.seconds
                 drafter_cache.crop(anchor_slot + verdict.num_accepted + 1)  # a, d_1..d_k are committed now
                 block_logits, hit = next_block(result, verdict.num_accepted, verdict.bonus_token,
                                                async_config.miss_policy)
@@ -361,7 +378,7 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
             step = sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted,
                                    source.name if num_drafts > 0 else "none")
             if num_drafts > 0 and sequence.finish_reason is None and sequence.room >= 2:
-                stats.record_branch(verdict.num_accepted, hit)  # a next block is needed: was it ready?
+                sequence.stats.record_branch(verdict.num_accepted, hit)  # a next block is needed: was it ready?
             yield step
     finally:
         worker.close()
