@@ -378,7 +378,9 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
             step = sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted,
                                    source.name if num_drafts > 0 else "none")
             if num_drafts > 0 and sequence.finish_reason is None and sequence.room >= 2:
-                sequence.stats.record_branch(verdict.num_accepted, hit)  # a next block is needed: was it ready?
+                # a next block is needed: was it ready, or at least drafted for this k?
+                planned = result is not None and any(k == verdict.num_accepted for k, _ in result.branches)
+                sequence.stats.record_branch(verdict.num_accepted, hit, planned)
             yield step
     finally:
         worker.close()

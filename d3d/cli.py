@@ -6,7 +6,8 @@
     d3d data / train / curves      the drafter's training data, training run and τ curves (d3d.train)
     d3d scaling                    held-out τ against training tokens over runs: a log-linear fit (d3d.train.scaling)
     d3d prune                      acceptance-driven layer pruning of a drafter (d3d.prune)
-    d3d export-hf                  an AR drafter as a transformers CausalLM folder (d3d.hf_export)
+    d3d export                     the target as a Hugging Face folder, a drafter for vLLM (d3d.export)
+    d3d export-hf                  alias of `d3d export --drafter-only` (the drafter alone)
     d3d bench                      every method on the same prompts, interleaved, identity-checked (d3d.bench)
     d3d doctor                     this machine: kernels, the row-invariance check, what exactness costs
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from d3d.bench.datasets import DatasetError
+from d3d.async_engine import AsyncConfig
 from d3d.config import ConfigError, SamplingConfig
 from d3d.devices import resolve_device
 from d3d.engine import PromptError
@@ -70,7 +72,8 @@ def describe(label: str, result: RunResult) -> str:
                  f"acceptance by draft position: {rates}{' …' if len(s.acceptance_rate) > 8 else ''}, "
                  f"drafting {100 * s.draft_seconds / max(s.wall_seconds, 1e-9):.0f}% of the time")
     if s.branch_rounds_at:  # method "async"
-        line += (f", next block drafted ahead for {100 * s.hit_rate:.0f}% of verdicts, "
+        line += (f", next block drafted ahead for {100 * s.hit_rate:.0f}% of verdicts (a branch for their k: "
+                 f"{100 * s.planned_rate:.0f}%), "
                  f"{100 * s.overlap_fraction:.0f}% of that drafting overlapped with verification")
     return line
 
@@ -90,6 +93,7 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
         target.decoder.to(device)
         pipeline = Pipeline(target, *resolve_drafter(target, drafter, args.target, layers),
                             ar_drafter=load_ar_drafter(target, args.ar_drafter))
+    pipeline.async_config = AsyncConfig(max_branches=args.branches)
     d = pipeline.drafter
     where = pipeline.drafter_source if d is None else (
         f"{d.config.model.num_layers}-layer drafter, block {d.block_size}, {pipeline.drafter_source}")
@@ -187,6 +191,7 @@ def train(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = TrainConfig(layers=[int(x) for x in args.layers.split(",")] if args.layers else [],
                          drafter_kind=args.drafter_kind, init_from=args.init_from, block_size=args.block_size,
+                         feature_layers=[int(x) for x in args.feature_layers.split(",")] if args.feature_layers else [],
                          block_attention=args.block_attention, labels=args.labels, steps=args.steps,
                          batch_size=args.batch_size,
                          grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, lambda_ar=args.lambda_ar,
@@ -233,7 +238,8 @@ def bench(args: argparse.Namespace) -> int:
         label, _, folder = spec.partition("=")
         if not label or not folder or not label.isidentifier() or label in challengers:
             raise ConfigError(f"--compare-drafter takes a unique LABEL=PATH (LABEL a plain word), got {spec!r}")
-        challengers[label] = Pipeline(pipeline.target, *resolve_drafter(pipeline.target, folder, args.target, None))
+        challengers[label] = Pipeline(pipeline.target, *resolve_drafter(pipeline.target, folder, args.target, None),
+                                      async_config=pipeline.async_config)
     result = run_benchmark(pipeline, config, challengers=challengers)
     path = save_result(result, args.out)
     command = "d3d " + " ".join(sys.argv[1:]) if argv_is_cli() else "d3d bench ..."
@@ -349,18 +355,42 @@ def prune_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def export_hf_command(args: argparse.Namespace) -> int:
-    """Write an AR drafter checkpoint as a transformers CausalLM folder (with the target's tokenizer)."""
+def export_command(args: argparse.Namespace) -> int:
+    """Write the target as a Hugging Face folder and the drafter as a vLLM draft model (d3d.export), then
+    check that transformers computes d3d's logits from both; print the vLLM speculative config."""
     from d3d.drafter import Drafter
-    from d3d.hf_export import export_hf
+    from d3d.export import check_logits, export_drafter, export_target
     from d3d.loading import load_target
 
+    if args.drafter_only and not args.drafter:
+        raise ConfigError("--drafter-only needs --drafter")
     target = load_target(args.target, DTYPES[args.dtype])
-    drafter = Drafter.from_pretrained(args.drafter, target.decoder, target.fingerprint)
-    folder = export_hf(drafter, args.out)
-    if hasattr(target.tokenizer, "save_pretrained"):  # the folder then stands alone for AutoTokenizer too
-        target.tokenizer.save_pretrained(folder)
-    print(json.dumps({"out": str(folder), "layers": drafter.config.model.num_layers, "dtype": args.dtype}))
+    out = Path(args.out)
+    summary: dict = {"dtype": args.dtype}
+    context = torch.randint(0, target.decoder.config.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    if args.drafter:  # first: a refused drafter leaves nothing written
+        drafter = Drafter.from_pretrained(args.drafter, target.decoder, target.fingerprint)
+        exported = export_drafter(drafter, target, out if args.drafter_only else out / "drafter",
+                                  mask_token_id=args.mask_token_id, widen_draft_vocab=args.widen_draft_vocab)
+        for change in exported.changes:
+            print(f"d3d: note: the exported drafter {change}", file=sys.stderr)
+        summary.update(drafter=str(exported.folder), method=exported.method, mask_token_id=exported.mask_token_id,
+                       exact=exported.exact, changes=exported.changes,
+                       speculative_config=exported.speculative_config())
+        if args.check:
+            ids = [t for t in context.tolist() if t != exported.mask_token_id]
+            masks = exported.num_speculative_tokens - 1 if exported.method == "parallel_draft" else 0
+            summary["drafter_max_logit_difference"] = check_logits(exported.folder, drafter, ids, masks,
+                                                                   exported.mask_token_id)
+    if not args.drafter_only:
+        folder = export_target(target, out / "target")
+        summary["target"] = str(folder)
+        if args.check:
+            summary["target_max_logit_difference"] = check_logits(folder, target.decoder, context.tolist())
+        if args.drafter:
+            summary["vllm"] = (f"vllm serve {folder} --speculative-config "
+                               f"'{json.dumps(summary['speculative_config'])}'")
+    print(json.dumps(summary))
     return 0
 
 
@@ -427,6 +457,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an AR drafter checkpoint (`d3d train --drafter-kind ar`) for --method ar_drafter")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument("--branches", type=int, default=AsyncConfig.max_branches,
+                        help="method async: outcomes (accepted count, bonus guess) whose next block is drafted "
+                             f"ahead in each packed pass (default {AsyncConfig.max_branches}; 0 = none)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -482,9 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="default")
     p.add_argument("--layers", default="0,1,2,3", help="comma-separated target layers to start from")
     p.add_argument("--init-from", default="", help="start from this drafter checkpoint instead")
-    p.add_argument("--drafter-kind", default="d3d", choices=["d3d", "ar"],
+    p.add_argument("--drafter-kind", default="d3d", choices=["d3d", "ar", "dflash"],
                    help="d3d: the block-diffusion drafter; ar: the AR-drafter baseline (next-token loss only, "
-                        "KL too with --distill; --block-size then bounds its drafts per verification)")
+                        "KL too with --distill; --block-size then bounds its drafts per verification); dflash: "
+                        "the DFlash-style baseline, D3D's blocks over the target's hidden states (d3d.dflash)")
+    p.add_argument("--feature-layers", default="",
+                   help="with --drafter-kind dflash: comma-separated target layers it reads (default: as many as "
+                        "--layers, spread from the second to the fourth-last)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--block-attention", default="anchor_causal", choices=["anchor_causal", "bidirectional", "causal"])
     p.add_argument("--labels", default="shifted", choices=["shifted", "unshifted"],
@@ -513,12 +550,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0)
     p.set_defaults(handler=train)
 
-    p = commands.add_parser("export-hf", help="write an AR drafter as a transformers CausalLM folder")
-    p.add_argument("--drafter", required=True, help="an AR drafter checkpoint (`d3d train --drafter-kind ar`)")
-    p.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, tokenizer)")
-    p.add_argument("--target", default="default", help="the target the drafter was trained for")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.set_defaults(handler=export_hf_command)
+    for name, help_text in (("export", "write the target as a Hugging Face folder and a drafter for vLLM"),
+                            ("export-hf", "alias of `d3d export --drafter-only`: the drafter alone")):
+        p = commands.add_parser(name, help=help_text)
+        p.add_argument("--out", required=True,
+                       help="folder to write: OUT/target (config, tokenizer, safetensors) and, with --drafter, "
+                            "OUT/drafter; with --drafter-only the drafter goes into OUT itself")
+        p.add_argument("--target", default="default", help="'default', a Hugging Face folder or a .gguf file")
+        p.add_argument("--drafter", default="" if name == "export" else None, required=name == "export-hf",
+                       help="a drafter checkpoint: an AR drafter (vLLM draft_model) or a D3D drafter with causal "
+                            "blocks (vLLM parallel drafting)")
+        p.add_argument("--drafter-only", action="store_true", default=name == "export-hf",
+                       help="write only the drafter, into OUT itself")
+        p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                       help="the dtype d3d runs the target in, and the exported weights' dtype")
+        p.add_argument("--mask-token-id", type=int, default=None,
+                       help="vocabulary id vLLM feeds for MASK (default: one the target never uses; refused if it can "
+                            "emit it)")
+        p.add_argument("--widen-draft-vocab", action="store_true",
+                       help="export a drafter with a reduced draft vocabulary drafting among all tokens (not exact)")
+        p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                       help="load the exported folders in transformers and compare logits with d3d's (default)")
+        p.set_defaults(handler=export_command)
 
     p = commands.add_parser("bench", help="benchmark methods on the same prompts, interleaved, identity-checked")
     p.add_argument("--datasets", default=None,

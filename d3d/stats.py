@@ -6,6 +6,8 @@
 - tokens_per_second = new tokens / wall time of the whole generation (prefill included).
 - Asynchronous drafting (`d3d.async_engine`): hit_rate = share of verification steps after which
   the next block was already drafted (a branch matched the verdict (k, bonus)), overall and per k;
+  a miss is either the plan's (no branch drafted for that k: 1 − planned_rate) or the bonus
+  guess's (a branch had that k, for another bonus: planned_rate − hit_rate);
   wait_seconds = time the loop waited for a packed drafting pass after verifying (all of it when
   serial); overlap_fraction = 1 − wait_seconds / packed_seconds, the packed drafting hidden behind
   verification.
@@ -31,6 +33,7 @@ class SpecStats:
     # Asynchronous drafting only (empty / zero for the other engines):
     branch_rounds_at: list[int] = field(default_factory=list)  # [k] = async steps that accepted k drafts
     branch_hits_at: list[int] = field(default_factory=list)  # [k] = of those, steps whose outcome had a branch
+    branch_planned_at: list[int] = field(default_factory=list)  # [k] = of those, steps with a branch for k (any bonus)
     packed_seconds: float = 0.0  # drafter time in packed passes (concurrent with verification or not)
     wait_seconds: float = 0.0  # loop time spent waiting for packed passes (included in draft_seconds)
 
@@ -48,17 +51,25 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_at[i] += 1
 
-    def record_branch(self, num_accepted: int, hit: bool) -> None:
-        """One async step's outcome: did a drafted-ahead branch match it?"""
-        for values in (self.branch_rounds_at, self.branch_hits_at):
+    def record_branch(self, num_accepted: int, hit: bool, planned: bool | None = None) -> None:
+        """One async step's outcome: did a drafted-ahead branch match it (`hit`), and was one drafted
+        for its k at all (`planned`; a hit was)?"""
+        for values in (self.branch_rounds_at, self.branch_hits_at, self.branch_planned_at):
             values.extend([0] * (num_accepted + 1 - len(values)))
         self.branch_rounds_at[num_accepted] += 1
         self.branch_hits_at[num_accepted] += int(hit)
+        self.branch_planned_at[num_accepted] += int(hit if planned is None else planned or hit)
 
     @property
     def hit_rate(self) -> float:
         rounds = sum(self.branch_rounds_at)
         return sum(self.branch_hits_at) / rounds if rounds else 0.0
+
+    @property
+    def planned_rate(self) -> float:
+        """Share of async steps whose accepted count k had a branch drafted (whatever its bonus guess)."""
+        rounds = sum(self.branch_rounds_at)
+        return sum(self.branch_planned_at) / rounds if rounds else 0.0
 
     @property
     def hit_rate_at(self) -> list[float]:
@@ -95,7 +106,7 @@ class SpecStats:
         merged.steps_by_source = {k: self.steps_by_source.get(k, 0) + other.steps_by_source.get(k, 0)
                                   for k in {**self.steps_by_source, **other.steps_by_source}}
         for name in ("accepted_histogram", "drafted_at", "reached_at", "accepted_at", "branch_rounds_at",
-                     "branch_hits_at"):
+                     "branch_hits_at", "branch_planned_at"):
             a, b = getattr(self, name), getattr(other, name)
             size = max(len(a), len(b))
             setattr(merged, name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0)
@@ -111,6 +122,7 @@ class SpecStats:
                    "wall_seconds": round(self.wall_seconds, 3)}
         if self.branch_rounds_at:  # async runs only
             summary.update(hit_rate=round(self.hit_rate, 3), hit_rate_at=[round(r, 3) for r in self.hit_rate_at],
+                           planned_rate=round(self.planned_rate, 3),
                            packed_seconds=round(self.packed_seconds, 3), wait_seconds=round(self.wait_seconds, 3),
                            overlap_fraction=round(self.overlap_fraction, 3))
         return summary

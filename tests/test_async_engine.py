@@ -583,3 +583,23 @@ def test_worker_takes_its_threads_from_the_main_thread_and_gives_them_back(setup
         assert set(counts[1:]) == {during} and torch.get_num_threads() == 2  # [0]: the prefill, before the worker
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_miss_is_the_plans_or_the_bonus_guesss(setup):
+    """planned_rate counts steps whose k had a branch: a plan of every k with a wrong bonus guess
+    (the anchor's own id, never the target's next token here) misses every step yet plans each k."""
+    target, prompt, _ = setup
+    drafter = make_drafter("perturbed", target)
+    expected, _ = run(reference_generate(target, prompt, greedy(30)))
+
+    def every_k_wrong_bonus(tokens, drafts, logits, max_k):
+        full = prompt + expected
+        return [(k, (full[len(tokens) + k] + 1) % target.config.vocab_size) for k in range(max_k + 1)]
+
+    config = AsyncConfig(concurrent=False, max_branches=16)
+    stats = run(async_generate(target, drafter, prompt, greedy(30), config, every_k_wrong_bonus))[1][-1].stats
+    assert stats.hit_rate == 0.0 and stats.planned_rate == 1.0
+    assert stats.summary()["planned_rate"] == 1.0 and stats.merge(stats).branch_planned_at == [
+        2 * n for n in stats.branch_planned_at]
+    default = run(async_generate(target, drafter, prompt, greedy(30), AsyncConfig(concurrent=False)))[1][-1].stats
+    assert 0.0 <= default.hit_rate <= default.planned_rate <= 1.0

@@ -232,6 +232,7 @@ def per_step(stats: SpecStats, seconds: float) -> dict[str, float | None] | None
     result["packed"] = round(1000 * stats.packed_seconds / steps, 2) if asynchronous else None
     result["wait"] = round(1000 * stats.wait_seconds / steps, 2) if asynchronous else None
     result["hit_rate"] = round(stats.hit_rate, 3) if asynchronous else None
+    result["planned_rate"] = round(stats.planned_rate, 3) if asynchronous else None  # k drafted, any bonus
     result["overlap"] = round(stats.overlap_fraction, 3) if asynchronous else None
     return result
 

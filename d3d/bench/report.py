@@ -57,7 +57,7 @@ def step_table(row: dict[str, Any], names: list[str]) -> list[str]:
     lines = ["", "Time per verification step (all datasets, ms; *draft* = drafting the loop waited for; "
              "async: *packed* = the drafter worker's packed pass, *wait* = time verification waited "
              "for it, *hit* = share of steps whose next block was drafted ahead):", "",
-             "| method | step | verify | draft | packed | wait | hit | tokens/step (τ) |",
+             "| method | step | verify | draft | packed | wait | hit (k drafted ahead) | tokens/step (τ) |",
              "|---|---|---|---|---|---|---|---|"]
     for name in names:
         a = row[name]["all"]
@@ -66,6 +66,8 @@ def step_table(row: dict[str, Any], names: list[str]) -> list[str]:
             continue
         cells = [f"{t[k]:.1f}" if t.get(k) is not None else "–" for k in ("step", "verify", "draft", "packed", "wait")]
         hit = "–" if t.get("hit_rate") is None else f"{t['hit_rate']:.0%}"
+        if t.get("planned_rate") is not None:
+            hit += f" ({t['planned_rate']:.0%})"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {hit} | {a['tau']:.2f} |")
     return lines
 
