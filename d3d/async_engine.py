@@ -324,8 +324,9 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     source = DrafterSource(check_drafter(drafter))
     check_vocabulary([source], target)
     sampling = config.sampling
-    planner = planner or (lambda tokens, drafts, guess_logits, max_k:
-                          plan_branches(guess_logits, drafts, max_k, async_config, sampling))
+    if planner is None:
+        def planner(tokens: list[int], drafts: list[int], guess_logits: torch.Tensor, max_k: int) -> list[Branch]:
+            return plan_branches(guess_logits, drafts, max_k, async_config, sampling)
     block_size, budget = drafter.block_size, async_config.max_branches
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
     generator = make_generator(sampling, target.device)

@@ -323,6 +323,9 @@ def prune_command(args: argparse.Namespace) -> int:
                          anchors=args.anchors, seed=args.seed, heal_steps=args.heal_steps)
     target = load_target(args.target, DTYPES[args.dtype])
     drafter = Drafter.from_pretrained(args.drafter, target.decoder, target.fingerprint)
+    if args.speed_async and drafter.config.kind != "d3d":
+        raise ConfigError(f"--speed-async times asynchronous drafting, which only a D3D drafter does "
+                          f"(this one is of kind {drafter.config.kind!r})")
     every = load_sequences(args.data, 512)
     sequences = every[-args.calibration:]
     config.heal_sequences = len(every) - len(sequences)  # healing never sees the calibration sequences

@@ -202,6 +202,8 @@ class DrafterConfig(_JsonMixin):
         _check(self.kind in ("d3d", "ar", "dflash"), f"unknown drafter kind {self.kind!r} (d3d, ar or dflash)")
         _check((self.kind == "dflash") == bool(self.feature_layers),
                "feature_layers are the target layers a dflash drafter reads, and only a dflash drafter has them")
+        _check(self.feature_layers == sorted(set(self.feature_layers)) and min(self.feature_layers, default=0) >= 0,
+               f"feature_layers must be distinct layer indices in ascending order, got {self.feature_layers}")
         _check(self.kind != "ar" or (self.block_attention, self.labels, self.denoising_steps) == ("causal", "shifted", 1),
                "an AR drafter is causal with shifted labels and one step (block_attention 'causal', "
                f"labels 'shifted', denoising_steps 1), got {self.block_attention!r}, {self.labels!r}, "

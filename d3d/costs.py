@@ -89,8 +89,9 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
         drafter_cache = drafter.new_cache(context + 1)
         history = tokens[:context + 1].tolist()
         kind = drafter.config.kind
-        features = torch.zeros(len(history), len(drafter.config.feature_layers) * target.config.hidden_size,
-                               dtype=target.dtype, device=target.device)  # DFlash-style: stand-in hidden states
+        features = (torch.zeros(len(history), len(drafter.config.feature_layers) * target.config.hidden_size,
+                                dtype=target.dtype, device=target.device)  # DFlash-style: stand-in hidden states
+                    if kind == "dflash" else None)
         if kind == "ar":
             drafter.next_logits(drafter_cache, history[:-2])
         elif kind == "dflash":

@@ -30,7 +30,8 @@ from d3d.models import Decoder, RMSNorm
 
 
 def default_feature_layers(num_target_layers: int, count: int) -> list[int]:
-    """`count` target layers spread evenly from the second to the fourth-last (DFlash's spread):
+    """At most `count` target layers (fewer where they coincide), spread evenly from the second to the
+    fourth-last (DFlash's spread):
     shallow layers carry the tokens, deep ones the target's plan for the next ones."""
     if num_target_layers < 2:
         return [0]
@@ -109,10 +110,14 @@ def attach_features(batch: dict[str, torch.Tensor], sequences: list[list[int]], 
     """A collated batch (`d3d.train.batch.collate`) whose examples pack `sequences` as their clean
     rows, with the target's hidden states of those rows: batch["features"] (B, T, F · hidden) and
     batch["is_context"] (B, T)."""
-    features = target_features(target, sequences, feature_layers)
+    device = batch["input_ids"].device
+    assert len(sequences) == batch["input_ids"].shape[0], f"{len(sequences)} sequences for a batch of {batch['input_ids'].shape[0]}"
+    assert all(batch["input_ids"][row, :len(tokens)].tolist() == tokens for row, tokens in enumerate(sequences)), \
+        "each sequence must be its example's clean rows"
+    features = target_features(target, sequences, feature_layers).to(device)
     rows, width = batch["input_ids"].shape[1], features.shape[-1]
-    batch["features"] = torch.zeros(len(sequences), rows, width, dtype=features.dtype, device=features.device)
-    batch["is_context"] = torch.zeros(len(sequences), rows, dtype=torch.bool, device=features.device)
+    batch["features"] = torch.zeros(len(sequences), rows, width, dtype=features.dtype, device=device)
+    batch["is_context"] = torch.zeros(len(sequences), rows, dtype=torch.bool, device=device)
     for row, tokens in enumerate(sequences):
         batch["features"][row, :len(tokens)] = features[row, :len(tokens)]
         batch["is_context"][row, :len(tokens)] = True
@@ -120,6 +125,7 @@ def attach_features(batch: dict[str, torch.Tensor], sequences: list[list[int]], 
 
 
 def require_features(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's target hidden states and context rows (`attach_features`), or a clear error."""
     if "features" not in batch:
         raise ConfigError("a DFlash-style drafter reads the target's hidden states, and this batch has none "
                           "(d3d.dflash.attach_features)")

@@ -355,6 +355,9 @@ def check_compatible(config: DrafterConfig, target: Decoder, tokenizer_fingerpri
     if config.tokenizer_fingerprint and tokenizer_fingerprint and config.tokenizer_fingerprint != tokenizer_fingerprint:
         raise LoadError(f"{source} was made for another tokenizer (fingerprint "
                         f"{config.tokenizer_fingerprint}, target's is {tokenizer_fingerprint})")
+    if config.feature_layers and config.model.hidden_size != target.config.hidden_size:
+        raise LoadError(f"{source} projects the target's hidden states to width {config.model.hidden_size}; "
+                        f"this target's are {target.config.hidden_size} wide")
     if any(i >= target.config.num_layers for i in config.feature_layers):
         raise LoadError(f"{source} reads the target's hidden states after layers {config.feature_layers}; "
                         f"this target has {target.config.num_layers} layers")

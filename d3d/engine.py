@@ -100,7 +100,8 @@ def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Genera
 
 
 def reads_target_states(source: DraftSource) -> bool:
-    """Whether `source` reads the target's hidden states (a source without `feature_layers` does not)."""
+    """Whether `source` reads the target's hidden states. A source written before `feature_layers`
+    joined the protocol has no such field and reads none: it keeps working unchanged."""
     return bool(getattr(source, "feature_layers", ()))
 
 
@@ -113,13 +114,21 @@ class TargetStates:
         self.readers = [source for source in sources if reads_target_states(source)]
         self.layers = sorted({layer for source in self.readers for layer in source.feature_layers})
         self.hidden_size = hidden_size
+        self.seconds = 0.0  # spent in the readers' `observe`: their drafting work, not verification
 
     def commit(self, features: torch.Tensor) -> None:
         """`features` (T, len(layers) · hidden) of the next T committed tokens."""
+        started = time.perf_counter()
         per_layer = features.view(features.shape[0], len(self.layers), self.hidden_size)
         for source in self.readers:
             columns = [self.layers.index(layer) for layer in source.feature_layers]
             source.observe(per_layer[:, columns].flatten(1))
+        self.seconds += time.perf_counter() - started
+
+    def take_seconds(self) -> float:
+        """The readers' time since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def prefill(target: Decoder, sequence: Sequence, sampling: SamplingConfig, generator: torch.Generator,
@@ -134,6 +143,7 @@ def prefill(target: Decoder, sequence: Sequence, sampling: SamplingConfig, gener
     sequence.stats.verify_seconds += time.perf_counter() - started
     if states is not None:
         states.commit(features[0])
+        sequence.stats.draft_seconds += states.take_seconds()
     return sequence.commit([token], 0, 0), cache
 
 
@@ -257,8 +267,9 @@ def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_id
         verdict = verify_block(target, target_cache, sequence.tokens[-1], draft_tokens, draft_probs,
                                config.sampling, generator, states)
         finished = time.perf_counter()
-        sequence.stats.draft_seconds += drafted - started
-        sequence.stats.verify_seconds += finished - drafted
+        observing = states.take_seconds() if states is not None else 0.0  # inside verify_block, but drafting work
+        sequence.stats.draft_seconds += drafted - started + observing
+        sequence.stats.verify_seconds += finished - drafted - observing
         if gate is not None:
             gate.record(name, len(draft_tokens), verdict.num_accepted)
         new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]

@@ -118,7 +118,7 @@ def measure_speed(target: Decoder, drafter: Drafter, prompts: list[list[int]], m
 
 def warm_up(target: Decoder, drafter: Drafter, prompts: list[list[int]]) -> None:
     """One short decode of each kind, so that first-call costs stay out of the timings."""
-    measure_speed(target, drafter, prompts[:1], 4, with_async=True)
+    measure_speed(target, drafter, prompts[:1], 4, with_async=drafter.config.kind == "d3d")
     ar_speed(target, prompts[:1], 4)
 
 

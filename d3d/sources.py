@@ -115,7 +115,7 @@ class DrafterSource:
     def __init__(self, drafter: Drafter, name: str = "drafter", costs_of: Drafter | None = None) -> None:
         if drafter.config.kind != "d3d":
             raise ValueError(f"DrafterSource drafts with a D3D drafter; this one is of kind {drafter.config.kind!r} "
-                             "(use ARDrafterSource)")
+                             "(use drafter_source)")
         self.drafter = drafter
         self.name = name
         self.costs_of = costs_of or drafter

@@ -587,7 +587,8 @@ def test_worker_takes_its_threads_from_the_main_thread_and_gives_them_back(setup
 
 def test_a_miss_is_the_plans_or_the_bonus_guesss(setup):
     """planned_rate counts steps whose k had a branch: a plan of every k with a wrong bonus guess
-    (the anchor's own id, never the target's next token here) misses every step yet plans each k."""
+    (the target's true bonus + 1) misses every step yet plans each k. The reference covers every
+    position the plan looks at: greedy(30) has no EOS, so both runs make all 30 tokens."""
     target, prompt, _ = setup
     drafter = make_drafter("perturbed", target)
     expected, _ = run(reference_generate(target, prompt, greedy(30)))

@@ -229,8 +229,9 @@ class Trainer:
         # DFlash-style: the target's hidden states as decoding computes them (bf16 under autocast)
         self.feature_target = None
         if self.drafter.features is not None:
-            self.feature_target = (copy.deepcopy(target.decoder).to(torch.bfloat16) if config.autocast
-                                   else target.decoder)
+            wanted = torch.bfloat16 if config.autocast else target.decoder.dtype
+            self.feature_target = (target.decoder if target.decoder.dtype == wanted
+                                   else copy.deepcopy(target.decoder).to(wanted))
         shared = {id(p) for p in target.decoder.parameters()}
         self.parameters = {n: p for n, p in self.drafter.named_parameters() if id(p) not in shared}
         for p in target.decoder.parameters():
