@@ -8,7 +8,9 @@ plus the target's bonus token. Both yield one `Step` per target forward and keep
 `SpecStats`. The engines know nothing about text: ids in, ids out (see `d3d.generation`).
 
 Cache invariant in both: the target cache holds every committed token but the last (the anchor),
-which is fed with the next forward; the drafter cache holds a prefix of the committed tokens.
+which is fed with the next forward; the drafter cache holds a prefix of the committed tokens. A
+source that reads the target's hidden states (DFlash-style) gets each committed token's once, in
+order, from the forward that verified it (`TargetStates`): all of them but the anchor's.
 """
 
 from __future__ import annotations
