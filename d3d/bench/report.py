@@ -91,9 +91,10 @@ def plots(result: dict[str, Any], out_dir: str | Path, stem: str) -> list[str]:
     groups = list(table)
     figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.4))
     width = 0.8 / len(names)
+    colours = plt.get_cmap("tab10" if len(names) <= 10 else "tab20").colors  # one colour per method
     for i, name in enumerate(names):
         values = [table[g][name]["all"]["speedup"] or 0 for g in groups]
-        axis.bar([x + i * width for x in range(len(groups))], values, width, label=name)
+        axis.bar([x + i * width for x in range(len(groups))], values, width, label=name, color=colours[i % len(colours)])
     axis.axhline(1.0, color="black", linewidth=0.8)
     axis.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(groups))], groups)
     axis.set_ylabel("speedup over d3d AR (same run)")
