@@ -13,8 +13,9 @@ baseline: k drafts are k one-token passes), the DFlash-style drafter (`d3d.dflas
 target's hidden states, which the engine hands it after every target forward through `observe`)
 and the acceptance-controlled simulation (`d3d.simulate`: a D3D drafter whose drafts are replaced,
 proposed through `DrafterSource`). The sync engine asks its sources in order and the first that
-proposes drafts the step; the async engine drafts with one D3D drafter. A source holds per-generation state (the drafter's KV cache), reset by
-`start`: one set of sources serves one generation at a time.
+proposes drafts the step; the async engine drafts with one D3D drafter. A source holds
+per-generation state (the drafter's KV cache), reset by `start`: one set of sources serves one
+generation at a time.
 
 This module proposes drafts; it verifies nothing and runs no loop.
 """
