@@ -86,14 +86,14 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
         raise ConfigError(f"--drafter-layers takes comma-separated layer indices, got {args.drafter_layers!r}") from None
     drafter = None if args.drafter == "none" else args.drafter
     device = resolve_device(args.device)
+    async_config = AsyncConfig(max_branches=args.branches)
     if device.type == "cpu":
-        pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers, args.ar_drafter)
+        pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers, args.ar_drafter, async_config)
     else:  # weights are read on the CPU; the drafters are built on the target's device
         target = Pipeline.load(args.target, None, DTYPES[args.dtype]).target
         target.decoder.to(device)
         pipeline = Pipeline(target, *resolve_drafter(target, drafter, args.target, layers),
-                            ar_drafter=load_ar_drafter(target, args.ar_drafter))
-    pipeline.async_config = AsyncConfig(max_branches=args.branches)
+                            ar_drafter=load_ar_drafter(target, args.ar_drafter), async_config=async_config)
     d = pipeline.drafter
     where = pipeline.drafter_source if d is None else (
         f"{d.config.model.num_layers}-layer drafter, block {d.block_size}, {pipeline.drafter_source}")

@@ -64,17 +64,18 @@ class Pipeline:
     @classmethod
     def load(cls, target: str | None = None, drafter: str | Path | None = "default",
              dtype: torch.dtype = torch.bfloat16, drafter_layers: list[int] | None = None,
-             ar_drafter: str | Path | None = None) -> "Pipeline":
+             ar_drafter: str | Path | None = None, async_config: AsyncConfig | None = None) -> "Pipeline":
         """Load a target and a drafter.
 
         `drafter`: a checkpoint folder; "default" for the shipped drafter when the target is the
         embedded default (context lookup alone when none is shipped); "untrained" for a drafter
         copied from `drafter_layers` of the target (all layers when None); None for no drafter.
         `ar_drafter`: an AR drafter checkpoint folder, for method "ar_drafter" (None: none).
+        `async_config`: how method "async" drafts ahead (None: the defaults).
         """
         loaded = load_target(target, dtype)
         return cls(loaded, *resolve_drafter(loaded, drafter, target, drafter_layers),
-                   ar_drafter=load_ar_drafter(loaded, ar_drafter))
+                   ar_drafter=load_ar_drafter(loaded, ar_drafter), async_config=async_config)
 
     def encode(self, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
         tokenizer = self.target.tokenizer
