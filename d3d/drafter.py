@@ -58,8 +58,8 @@ class Drafter(nn.Module):
         self.mask_embedding = (nn.Parameter(target.embed_tokens.weight.detach().float().mean(0).clone())
                                if config.kind != "ar" else None)
         # A DFlash-style drafter's context: the target's hidden states, projected (d3d.dflash)
-        self.features = (FeatureProjection(len(config.feature_layers), config.model.hidden_size,
-                                           config.model.rms_norm_eps) if config.kind == "dflash" else None)
+        self.feature_projection = (FeatureProjection(len(config.feature_layers), config.model.hidden_size,
+                                                     config.model.rms_norm_eps) if config.kind == "dflash" else None)
         # A reduced draft vocabulary: the head scores only these ids (the LM head's rows for them),
         # which cuts the head — ~20% of a 135M model's bytes — by the vocabulary ratio.
         size = config.draft_vocab_size
@@ -232,18 +232,18 @@ class Drafter(nn.Module):
         """Hidden states (B, T, hidden) of a packed training batch (`d3d.train.batch.collate`): its clean
         rows as tokens, or — for a DFlash-style drafter — as the target's hidden states (batch["features"])."""
         embeds = self.embed(batch["input_ids"])
-        if self.features is None:
+        if self.feature_projection is None:
             return self.decoder.hidden_states(embeds, batch["positions"], None, batch["mask"])
         features, is_context = require_features(batch)
-        return conditioned_hidden(self.decoder, embeds, self.features(features), is_context, batch["positions"],
-                                  batch["mask"])
+        context = self.feature_projection(features)
+        return conditioned_hidden(self.decoder, embeds, context, is_context, batch["positions"], batch["mask"])
 
     @torch.no_grad()
     def read_features(self, cache: KVCache, features: torch.Tensor) -> None:
         """DFlash-style: append the next committed tokens' context to the cache from their target
         hidden states (T, F · hidden) (`d3d.dflash.inject`)."""
         self.require_kind(("dflash",), "reading target hidden states")
-        inject(self.decoder, self.features, cache, features)
+        inject(self.decoder, self.feature_projection, cache, features)
 
     def block_pass(self, cache: KVCache, clean: list[int], block: list[int]) -> torch.Tensor:
         """One forward over clean tokens + one block; keeps the clean KV; returns block logits (B, V)."""
@@ -273,7 +273,7 @@ class Drafter(nn.Module):
         self.require_kind(("d3d", "dflash"), "block drafting")
         if not cache.length < len(tokens):
             raise ValueError("the drafter cache must not hold the anchor (the last committed token)")
-        if self.features is not None and cache.length != len(tokens) - 1:
+        if self.feature_projection is not None and cache.length != len(tokens) - 1:
             raise ValueError(f"a DFlash-style drafter drafts from the target's hidden states of every committed "
                              f"token but the anchor: it has {cache.length} of the {len(tokens) - 1} (read_features)")
         mask_id, size = self.config.mask_token_id, self.block_size

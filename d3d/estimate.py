@@ -78,7 +78,7 @@ def teacher_forced_tau(drafter: Drafter, sequences: list[tuple[list[int], int]],
             continue
         device = drafter.decoder.device
         batch = {k: v.to(device) for k, v in collate(examples).items()}
-        if drafter.features is not None:  # DFlash-style: the clean rows are the target's hidden states
+        if drafter.feature_projection is not None:  # DFlash-style: the clean rows are the target's hidden states
             if target is None:
                 raise ConfigError("a DFlash-style drafter's τ needs the target, whose hidden states it reads")
             batch = attach_features(batch, [e.input_ids[~e.is_block].tolist() for e in examples], target,

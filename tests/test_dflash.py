@@ -42,7 +42,7 @@ def make_dflash(target, block_size: int = 4, seed: int = 3) -> Drafter:
     drafter = Drafter.from_target(target, [0], block_size=block_size, kind="dflash").eval()
     perturb_drafter(drafter, scale=0.05, seed=seed)
     with torch.no_grad():
-        drafter.features.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+        drafter.feature_projection.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
     return drafter
 
 
@@ -220,7 +220,7 @@ def test_checkpoint_round_trip_and_a_target_without_its_layers(tmp_path):
     drafter.save_pretrained(tmp_path / "dflash")
     loaded = Drafter.from_pretrained(tmp_path / "dflash", target)
     assert loaded.config.kind == "dflash" and loaded.config.feature_layers == drafter.config.feature_layers
-    assert torch.equal(loaded.features.proj.weight, drafter.features.proj.weight)
+    assert torch.equal(loaded.feature_projection.proj.weight, drafter.feature_projection.proj.weight)
     with pytest.raises(LoadError, match=r"hidden states after layers \[1\]; this target has 1 layers"):
         Drafter.from_pretrained(tmp_path / "dflash", target_of(layers=1))
     with pytest.raises(ConfigError, match="only a dflash drafter has them"):
@@ -232,7 +232,7 @@ def test_training_a_dflash_drafter(data_dir, tmp_path):
     no clean-row loss, τ is estimated with the target, and training resumes into the same weights."""
     base = config(steps=20, warmup=1, batch_size=4, drafter_kind="dflash")
     trainer = Trainer(tiny_train_target(), data_dir, tmp_path / "run", base)
-    assert trainer.drafter.config.kind == "dflash" and "features.proj.weight" in trainer.parameters
+    assert trainer.drafter.config.kind == "dflash" and "feature_projection.proj.weight" in trainer.parameters
     records = [trainer.train_step() for _ in range(20)]
     losses = [r["loss"] for r in records]
     assert all(math.isfinite(x) for x in losses) and all(r["ar"] == 0.0 for r in records)

@@ -228,7 +228,7 @@ class Trainer:
         self.drafter.float().train()
         # DFlash-style: the target's hidden states as decoding computes them (bf16 under autocast)
         self.feature_target = None
-        if self.drafter.features is not None:
+        if self.drafter.feature_projection is not None:
             wanted = torch.bfloat16 if config.autocast else target.decoder.dtype
             self.feature_target = (target.decoder if target.decoder.dtype == wanted
                                    else copy.deepcopy(target.decoder).to(wanted))
@@ -271,7 +271,7 @@ class Trainer:
                                          c.mask_ratio, self.rng, self.drafter.config.labels, teacher))
             clean.append(tokens)
         batch = collate(examples)
-        if self.drafter.features is not None:  # DFlash-style: the target's hidden states, computed now
+        if self.drafter.feature_projection is not None:  # DFlash-style: the target's hidden states, computed now
             batch = attach_features(batch, clean, self.feature_target, self.drafter.config.feature_layers)
         return batch
 
