@@ -117,13 +117,14 @@ class TargetStates:
         self.layers = sorted({layer for source in self.readers for layer in source.feature_layers})
         self.hidden_size = hidden_size
         self.seconds = 0.0  # spent in the readers' `observe`: their drafting work, not verification
+        # each reader's layers, as positions among `layers`
+        self.columns = [[self.layers.index(layer) for layer in source.feature_layers] for source in self.readers]
 
     def commit(self, features: torch.Tensor) -> None:
         """`features` (T, len(layers) · hidden) of the next T committed tokens."""
         started = time.perf_counter()
         per_layer = features.view(features.shape[0], len(self.layers), self.hidden_size)
-        for source in self.readers:
-            columns = [self.layers.index(layer) for layer in source.feature_layers]
+        for source, columns in zip(self.readers, self.columns):
             source.observe(per_layer[:, columns].flatten(1))
         self.seconds += time.perf_counter() - started
 
