@@ -226,7 +226,7 @@ def test_generate_compare_ar_json_on_tiny_target(capsys, tiny_default):
 @pytest.fixture
 def broken_speculation(monkeypatch):
     """Make every non-AR run of `d3d generate` change its fifth token (a lossless-decoding bug)."""
-    real_run = d3d.cli.run
+    real_run = d3d.cli.generate.run
 
     def run(pipeline, prompt, args, method, echo):
         result = real_run(pipeline, prompt, args, method, echo)
@@ -234,7 +234,7 @@ def broken_speculation(monkeypatch):
             result.tokens[4] = (result.tokens[4] + 1) % 64
         return result
 
-    monkeypatch.setattr(d3d.cli, "run", run)
+    monkeypatch.setattr(d3d.cli.generate, "run", run)
 
 
 def test_generate_compare_ar_mismatch_at_greedy_exits_1(capsys, tiny_default, broken_speculation):

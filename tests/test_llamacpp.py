@@ -77,7 +77,7 @@ def test_bench_without_llama_cpp_is_a_usage_error_naming_the_script(capsys, monk
     """`d3d bench --methods ar,llamacpp` with nothing built: exit 2, one line saying to run
     scripts/llamacpp.sh, no traceback — before any model or dataset is loaded."""
     monkeypatch.setenv("D3D_LLAMACPP_DIR", str(tmp_path / "nothing"))
-    monkeypatch.setattr("d3d.cli.load_pipeline", lambda args: pytest.fail("loaded a model before checking"))
+    monkeypatch.setattr("d3d.cli.bench.load_pipeline", lambda args: pytest.fail("loaded a model before checking"))
     code = main(["bench", "--methods", "ar,llamacpp", "--datasets", "humaneval", "--num-prompts", "1",
                  "--max-new-tokens", "4", "--drafter", "none", "--out", str(tmp_path / "runs")])
     err = capsys.readouterr().err

@@ -1,0 +1,71 @@
+"""What the `d3d` subcommands share: dtypes by name, the model and sampling options, and loading
+the pipeline those options name."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from d3d.async_engine import AsyncConfig
+from d3d.config import ConfigError
+from d3d.devices import resolve_device
+from d3d.generation import Pipeline, load_ar_drafter, resolve_drafter
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def load_pipeline(args: argparse.Namespace) -> Pipeline:
+    started = time.perf_counter()
+    try:
+        layers = [int(x) for x in args.drafter_layers.split(",")] if args.drafter_layers else None
+    except ValueError:
+        raise ConfigError(f"--drafter-layers takes comma-separated layer indices, got {args.drafter_layers!r}") from None
+    drafter = None if args.drafter == "none" else args.drafter
+    device = resolve_device(args.device)
+    async_config = AsyncConfig(max_branches=args.branches)
+    if device.type == "cpu":
+        pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers, args.ar_drafter, async_config)
+    else:  # weights are read on the CPU; the drafters are built on the target's device
+        target = Pipeline.load(args.target, None, DTYPES[args.dtype]).target
+        target.decoder.to(device)
+        pipeline = Pipeline(target, *resolve_drafter(target, drafter, args.target, layers),
+                            ar_drafter=load_ar_drafter(target, args.ar_drafter), async_config=async_config)
+    d = pipeline.drafter
+    where = pipeline.drafter_source if d is None else (
+        f"{d.config.model.num_layers}-layer drafter, block {d.block_size}, {pipeline.drafter_source}")
+    print(f"# target: {pipeline.target.name} ({args.dtype}, {device}); drafter: {where}; "
+          f"loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return pipeline
+
+
+def argv_is_cli() -> bool:
+    return Path(sys.argv[0]).name in ("d3d", "__main__.py")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="default",
+                        help="'default' (embedded SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file")
+    parser.add_argument("--drafter", default="default",
+                        help="drafter checkpoint folder, 'default', 'untrained' or 'none' (plain AR)")
+    parser.add_argument("--drafter-layers", default=None,
+                        help="with an untrained drafter: comma-separated target layers to copy (default: all)")
+    parser.add_argument("--ar-drafter", default="",
+                        help="an AR drafter checkpoint (`d3d train --drafter-kind ar`) for --method ar_drafter")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument("--branches", type=int, default=AsyncConfig.max_branches,
+                        help="method async: outcomes (accepted count, bonus guess) whose next block is drafted "
+                             f"ahead in each packed pass (default {AsyncConfig.max_branches}; 0 = none)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

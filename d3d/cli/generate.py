@@ -1,0 +1,172 @@
+"""`d3d generate`, `d3d chat` and `d3d serve`: decoding with a loaded pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from d3d.cli.common import add_model_arguments, add_sampling_arguments, load_pipeline
+from d3d.config import ConfigError
+from d3d.generation import METHODS, Chunk, Method, Pipeline
+
+
+@dataclass
+class RunResult:
+    text: str
+    tokens: list[int]
+    chunks: list[Chunk]
+
+    @property
+    def stats(self):
+        return self.chunks[-1].step.stats
+
+
+def run(pipeline: Pipeline, prompt: str | list[dict[str, str]], args: argparse.Namespace, method: Method,
+        echo: bool) -> RunResult:
+    chunks: list[Chunk] = []
+    for chunk in pipeline.generate(prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                   seed=args.seed, stop=args.stop, method=method):
+        chunks.append(chunk)
+        if echo:
+            print(chunk.text, end="", flush=True)
+    if echo:
+        print()
+    tokens = [t for c in chunks for t in c.step.tokens]
+    return RunResult("".join(c.text for c in chunks), tokens, chunks)
+
+
+def describe(label: str, result: RunResult) -> str:
+    s = result.stats
+    line = f"{label}: {s.new_tokens} tokens in {s.wall_seconds:.2f} s = {s.tokens_per_second:.1f} tok/s"
+    if s.drafted_at:
+        rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate[:8])
+        line += (f", τ = {s.tau:.2f} (tokens per verification, bonus included; {s.steps} steps), "
+                 f"acceptance by draft position: {rates}{' …' if len(s.acceptance_rate) > 8 else ''}, "
+                 f"drafting {100 * s.draft_seconds / max(s.wall_seconds, 1e-9):.0f}% of the time")
+    if s.branch_rounds_at:  # method "async"
+        line += (f", next block drafted ahead for {100 * s.hit_rate:.0f}% of verdicts (a branch for their k: "
+                 f"{100 * s.planned_rate:.0f}%), "
+                 f"{100 * s.overlap_fraction:.0f}% of that drafting overlapped with verification")
+    return line
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Stream one generation; with --compare-ar also run plain AR decoding and report the speedup
+    (exit 1 when at T = 0 the output is not AR's)."""
+    pipeline = load_pipeline(args)
+    method: Method = args.method
+    if args.compare_ar:
+        warm = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
+        for m in ("ar", method):  # warm-up: first calls pay for allocation and kernel selection
+            run(pipeline, args.prompt, warm, m, echo=False)
+    if args.timeline:
+        pipeline.timeline = []
+    spec = run(pipeline, args.prompt, args, method, echo=True)
+    print(describe(method, spec), file=sys.stderr)
+    if args.timeline:
+        from d3d.timeline import plot_timeline
+
+        if plot_timeline(pipeline.timeline or [], args.timeline, f"{method}: τ = {spec.stats.tau:.2f}"):
+            print(f"timeline: {args.timeline}", file=sys.stderr)
+        else:
+            print("timeline: nothing recorded (only --method async records spans)", file=sys.stderr)
+        pipeline.timeline = None
+    summary = {"method": method, **spec.stats.summary()}
+    if args.compare_ar and method != "ar":
+        ar = run(pipeline, args.prompt, args, "ar", echo=False)
+        print(describe("ar", ar), file=sys.stderr)
+        speedup = spec.stats.tokens_per_second / max(ar.stats.tokens_per_second, 1e-9)
+        same = spec.tokens == ar.tokens
+        print(f"speedup over AR: {speedup:.2f}x; output identical to AR: {'yes' if same else 'NO'}"
+              + ("" if args.temperature == 0 else " (sampling: outputs differ by design)"), file=sys.stderr)
+        summary.update(ar_tokens_per_second=round(ar.stats.tokens_per_second, 2), speedup=round(speedup, 3),
+                       identical_to_ar=same)
+    if args.json:
+        print(json.dumps(summary))
+    if summary.get("identical_to_ar") is False and args.temperature == 0:  # lossless decoding broke
+        at = next((i for i, (a, b) in enumerate(zip(spec.tokens, ar.tokens)) if a != b),
+                  min(len(spec.tokens), len(ar.tokens)))
+        print(f"d3d: error: {method} output differs from AR's from token {at} on; at T = 0 it must be identical",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def chat(args: argparse.Namespace) -> int:
+    """An interactive chat: each line you type is a user turn; an empty line or Ctrl-D ends it."""
+    pipeline = load_pipeline(args)
+    args.chat = True
+    messages: list[dict[str, str]] = []
+    method: Method = "speculative"
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        result = run(pipeline, messages, args, method, echo=True)
+        print(describe(method, result), file=sys.stderr)
+        messages.append({"role": "assistant", "content": result.text})
+    return 0
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Serve the OpenAI-compatible HTTP API (d3d.server) until interrupted."""
+    try:
+        from d3d.server import API_KEY_VARIABLE, Limits, default_model_name, serve
+    except ImportError as error:
+        raise ConfigError(f"d3d serve needs the serve extra: pip install 'd3d-decoding[serve]' ({error})") from None
+    limits = Limits(max_queue=args.max_queue, deadline=args.deadline or None, max_body_bytes=args.max_body_bytes,
+                    api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                    shutdown_grace=args.shutdown_grace)
+    pipeline = load_pipeline(args)
+    serve(pipeline, args.host, args.port, args.model_name or default_model_name(args.target), args.method, limits)
+    return 0
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """generate, chat, serve"""
+    p = commands.add_parser("generate", help="generate from one prompt")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the chat template (default); --no-chat for a raw completion prompt")
+    p.add_argument("--compare-ar", action="store_true", help="also run plain AR decoding and print the speedup")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--timeline", default="", help="with --method async: draw verify/draft spans per worker to this PNG")
+    p.add_argument("--method", default="speculative", choices=METHODS,
+                   help="speculative: context lookup where it matches, the drafter elsewhere (default); "
+                        "drafter / lookup: one source alone; async: the drafter, drafting ahead during "
+                        "verification; ar: plain decoding; ar_drafter: the AR-drafter baseline (--ar-drafter)")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.set_defaults(handler=generate)
+    p = commands.add_parser("chat", help="interactive multi-turn chat")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.set_defaults(handler=chat, chat=True)
+    p = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API (chat and text completions, streaming)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--method", default="speculative", choices=METHODS,
+                   help="decoding method of every request (same choices as `d3d generate --method`)")
+    p.add_argument("--model-name", default=None,
+                   help="model id in responses and /v1/models (default: the target's name); requests may name any")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait while one generates; more get 429 with Retry-After (0: none wait)")
+    p.add_argument("--deadline", type=float, default=600.0,
+                   help="seconds a request may take from arrival to its last token, queue included (0: no deadline)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and the page at / "
+                        "(default: $D3D_API_KEY; none when unset)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on Ctrl-C or SIGTERM, seconds the running generation may take to finish")
+    add_model_arguments(p)
+    p.set_defaults(handler=serve_command)
