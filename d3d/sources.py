@@ -36,7 +36,7 @@ from d3d.lookup import LookupConfig, lookup_drafts
 from d3d.models import Decoder
 from d3d.sampling import probabilities, sample
 
-LOOKUP_MAX_DRAFTS = 15  # lookup alone: a block of 16, the D3D drafter's; beside a drafter, its block
+LOOKUP_MAX_DRAFTS = 15  # a free source's reach: a run of repeated text is drafted 15 tokens at a time
 
 
 @dataclass(frozen=True)
@@ -254,11 +254,12 @@ def drafter_source(drafter: Drafter) -> DraftSource:
 def default_sources(drafter: Drafter | None, lookup: LookupConfig | None) -> list[DraftSource]:
     """Lookup where the context matches (when `lookup` is set), else the drafter (when there is one).
 
-    Beside a drafter, lookup drafts as far as the drafter's block, so every verification has a
-    size the drafter's measured costs cover."""
+    Lookup's reach does not depend on the drafter's block: a drafter with blocks of 8 must not cut
+    a repeated run's drafts to 7 (the gate weighs every source's k against verification costs
+    measured up to the longest reach)."""
     sources: list[DraftSource] = []
     if lookup is not None:
-        sources.append(LookupSource(lookup, drafter.block_size - 1 if drafter is not None else LOOKUP_MAX_DRAFTS))
+        sources.append(LookupSource(lookup))
     if drafter is not None:
         sources.append(drafter_source(drafter))
     return sources

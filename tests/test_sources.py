@@ -39,10 +39,12 @@ class FixedSource:
         return Proposal(torch.full((num_drafts,), self.token, device=self.device), None)
 
 
-def test_default_sources_keep_lookup_first_and_the_drafters_block(target):
+def test_default_sources_keep_lookup_first_with_its_own_reach(target):
+    """Lookup first; the drafter drafts its block, lookup as far as it reaches alone (a short-block
+    drafter must not cut a repeated run's drafts)."""
     drafter = Drafter.from_target(target, [0], block_size=4)
     lookup, source = default_sources(drafter, LookupConfig())
-    assert (lookup.name, lookup.max_drafts, source.name, source.max_drafts) == ("lookup", 3, "drafter", 3)
+    assert (lookup.name, lookup.max_drafts, source.name, source.max_drafts) == ("lookup", 15, "drafter", 3)
     assert [s.name for s in default_sources(None, LookupConfig())] == ["lookup"]
     assert default_sources(None, LookupConfig())[0].max_drafts == 15
     assert default_sources(None, None) == []
