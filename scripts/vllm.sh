@@ -12,7 +12,8 @@
 #    metrics beside d3d's; exits 1 when vLLM accepted no draft;
 # 4. with --bench, `scripts/vllm_check.py bench`: tokens/s at concurrency 1, 4, 16 (minutes of CPU).
 #
-# The drafter: --drafter PATH, else runs/abl-causal/drafter (docs/training.md), else an untrained causal
+# The drafter: --drafter PATH, else the shipped default when its blocks are causal, else
+# runs/abl-causal/drafter (docs/training.md), else an untrained causal
 # drafter copied from all the target's layers (its first draft is the target's own token, so drafts are
 # accepted; it costs as much as the target — train one with `d3d train --block-attention causal`).
 set -euo pipefail
@@ -42,8 +43,11 @@ if [ ! -f .venv-vllm/.d3d-ready ]; then  # written last: an interrupted setup is
 fi
 . .venv-vllm/bin/activate
 
+shipped=d3d/drafters/smollm2-135m-instruct
 if [ -z "$drafter" ]; then
-    if [ -f runs/abl-causal/drafter/config.json ]; then
+    if grep -q '"block_attention": "causal"' "$shipped/config.json"; then
+        drafter=$shipped
+    elif [ -f runs/abl-causal/drafter/config.json ]; then
         drafter=runs/abl-causal/drafter
     else
         drafter=runs/vllm/untrained-causal
