@@ -51,6 +51,3 @@ def main(argv: list[str] | None = None) -> int:
         print("\nd3d: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
