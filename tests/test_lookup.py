@@ -152,7 +152,9 @@ def test_lookup_with_drafter_matches_reference(target):
     counts = check_sources(steps)
     assert counts["lookup"] > 0 and counts["drafter"] > 0  # the drafter fills in before the loop starts
     assert "none" not in counts  # with a drafter, only a step with no room for drafts is plain
-    assert all(s.num_drafted <= 3 for s in steps)  # lookup drafts follow the drafter's block size
+    assert all(s.num_drafted <= 3 for s in steps if s.source == "drafter")  # the drafter's block of 4
+    # lookup keeps its own reach beside a short-block drafter: a loop is drafted past 3 tokens
+    assert all(s.num_drafted <= 15 for s in steps) and any(s.num_drafted > 3 for s in steps if s.source == "lookup")
     without_lookup = list(speculative_generate(target, drafter, prompt_ids, greedy(48)))
     assert tokens_of(without_lookup) == expected
     assert set(check_sources(without_lookup)) <= {"drafter", "none"}
