@@ -5,14 +5,22 @@ verification of k drafts is one (k + 1)-row target forward, a drafter proposal o
 Both are measured here in one-token target steps, for every k, by timing the real forwards the
 engine runs (`engine.score_block`, `Drafter.draft` over the rows k drafts need, or for an AR
 drafter k sequential `Drafter.next_logits` passes, as `sources.ARDrafterSource` runs them) after a
-short context: each round times every row count back to back, and each cost is the median over rounds
-of its ratio to that round's one-token step, then made non-decreasing in k and rounded to 0.01.
+context of a typical mid-generation length (`CONTEXT`; at 128 tokens a 6-row verification
+measured 1.30 steps, at 300 1.40, on the project's AMD EPYC): each round times every row count back
+to back, and each cost is the median over rounds of its ratio to that round's one-token step, then
+made non-decreasing in k and rounded to 0.01.
 The result is stored per machine, kernel build, thread count, dtype and model shapes under
 `$D3D_CACHE/costs`, so the gate's choices — and with them the random draws at T > 0 — are a
 function of the tokens alone once a machine is measured: the same seed gives the same output. A
 fixed formula could not do that job: every kernel change moves the ratio of a 16-token
 verification to a one-token step (docs/performance.md: 2.2 steps before the one-call forward,
 2.1–2.7 after, on the same machine).
+
+A measurement taken while other work held the cores is wrong, not just slow: with the threads
+oversubscribed, a one-token step took 97 ms instead of 11 and verifying 2–6 rows looked free
+(1.0 step each, against 1.13–1.40 on the idle machine), so the gate drafted where it lost time.
+Stored costs are therefore checked against a quick timing of the one-token step when first read
+in a process (`probe_step_ms`), and measured again when their step was `BUSY` times slower.
 
 This module times forwards; it decides nothing.
 """
@@ -24,21 +32,25 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
 
 import torch
 
+from d3d.cache import KVCache
 from d3d.devices import synchronize
 from d3d.drafter import Drafter
 from d3d.exactness import machine_key
 from d3d.loading import cache_root
 from d3d.models import Decoder
 
-CONTEXT = 128  # tokens before the timed forwards
-MEASUREMENT = 2  # bump when what is timed changes (e.g. the drafter's head kernel), to measure afresh
+CONTEXT = 256  # tokens before the timed forwards: about a benchmark generation's middle
+MEASUREMENT = 3  # bump when what is timed changes (e.g. the drafter's head kernel), to measure afresh
 ROUNDS, REPEATS = 7, 3  # rounds over every row count; forwards per timing (their mean)
+PROBE_ROUNDS = 3  # timings of the one-token step that check stored costs (their median)
+BUSY = 1.5  # stored costs whose one-token step was this many times slower than now are measured again
 
 
 @dataclass(frozen=True)
@@ -55,36 +67,14 @@ class ForwardCosts:
 def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int = 0) -> ForwardCosts:
     """Time verifications of 0 … max_drafts drafts and drafter passes for 1 … max_drafts drafts,
     against a one-token step."""
-    from d3d.engine import score_block  # the engine imports this module
-
     started = time.perf_counter()
     limit = target.config.max_position_embeddings
     max_drafts = min(max_drafts, limit - 2)
     context = max(1, min(CONTEXT, limit - max_drafts - 1))
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, target.config.vocab_size, (context + max_drafts + 1,), generator=generator)
-    device = target.device
-    cache = target.new_cache(context + max_drafts + 1)
-    target(tokens[None, :context].to(device), cache=cache)
-    cache.commit()
-    blocks = [tokens[None, context:context + rows].to(device) for rows in range(1, max_drafts + 2)]
+    tokens, cache = _after_context(target, context, max_drafts + 1, seed)
+    blocks = [tokens[None, context:context + rows].to(target.device) for rows in range(1, max_drafts + 2)]
 
-    def timed(function) -> float:
-        function()  # warm-up
-        synchronize(device)
-        began = time.perf_counter()
-        for _ in range(REPEATS):
-            function()
-        synchronize(device)
-        return (time.perf_counter() - began) / REPEATS * 1000
-
-    def verify(block):
-        def run():
-            score_block(target, cache, block)
-            cache.commit(0)
-        return run
-
-    draft = None
+    draft: Callable[[int], Callable[[], None]] | None = None  # drafting k drafts, after a round
     if drafter is not None:
         drafter_cache = drafter.new_cache(context + 1)
         history = tokens[:context + 1].tolist()
@@ -99,7 +89,7 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
         else:
             drafter.draft(drafter_cache, history[:-1])  # the cache then holds all but the last two tokens
 
-        def draft(num_drafts: int):
+        def drafting(num_drafts: int) -> Callable[[], None]:
             def run():  # as after a round: one newly committed token to feed, then the block
                 drafter_cache.crop(len(history) - 2)
                 if kind == "dflash":  # its hidden states, from the verification just done
@@ -112,6 +102,7 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
                 for _ in range(num_drafts - 1):
                     logits = drafter.next_logits(drafter_cache, [int(logits.argmax())])
             return run_ar if kind == "ar" else run
+        draft = drafting
 
     # Each round times every row count (and the drafter) back to back and divides by its own
     # one-token step; the median over rounds of those ratios shrugs off a busy moment on a shared
@@ -120,14 +111,55 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
     drafter_ratios: list[list[float]] = [[] for _ in blocks]
     steps_ms = []
     for _ in range(ROUNDS):
-        times = [timed(verify(block)) for block in blocks]
+        times = [_timed(_verification(target, cache, block), target.device) for block in blocks]
         steps_ms.append(times[0])
         for rows, ms in enumerate(times):
             ratios[rows].append(ms / times[0])
             if draft is not None and rows:
-                drafter_ratios[rows].append(timed(draft(rows)) / times[0])
+                drafter_ratios[rows].append(_timed(draft(rows), target.device) / times[0])
     return ForwardCosts(non_decreasing(ratios, first=1.0), non_decreasing(drafter_ratios, first=0.0),
                         round(median(steps_ms), 3), round(time.perf_counter() - started, 2))
+
+
+def _after_context(target: Decoder, context: int, extra: int, seed: int) -> tuple[torch.Tensor, KVCache]:
+    """Random tokens (context + extra,) and a target cache holding the first `context` of them."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.config.vocab_size, (context + extra,), generator=generator)
+    cache = target.new_cache(context + extra)
+    target(tokens[None, :context].to(target.device), cache=cache)
+    cache.commit()
+    return tokens, cache
+
+
+def _verification(target: Decoder, cache: KVCache, block: torch.Tensor) -> Callable[[], None]:
+    """A verification of `block` (1, rows) after the cache, leaving the cache as it was."""
+    from d3d.engine import score_block  # the engine imports this module
+
+    def run():
+        score_block(target, cache, block)
+        cache.commit(0)
+    return run
+
+
+def _timed(function: Callable[[], None], device: torch.device) -> float:
+    """Milliseconds per call: the mean of `REPEATS` calls after one to warm up."""
+    function()
+    synchronize(device)
+    began = time.perf_counter()
+    for _ in range(REPEATS):
+        function()
+    synchronize(device)
+    return (time.perf_counter() - began) / REPEATS * 1000
+
+
+@torch.no_grad()
+def probe_step_ms(target: Decoder) -> float:
+    """The one-token step now, timed as `measure` times it (median of `PROBE_ROUNDS`): a few
+    forwards, to tell whether stored costs were measured on a busy machine."""
+    context = max(1, min(CONTEXT, target.config.max_position_embeddings - 2))
+    tokens, cache = _after_context(target, context, 1, seed=0)
+    step = _verification(target, cache, tokens[None, context:].to(target.device))
+    return median(_timed(step, target.device) for _ in range(PROBE_ROUNDS))
 
 
 def non_decreasing(ratios: list[list[float]], first: float) -> tuple[float, ...]:
@@ -164,10 +196,15 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
         try:
             data = json.loads(path.read_text())
             costs = ForwardCosts(tuple(data["verify"]), tuple(data["drafter"]), data["step_ms"], data["seconds"])
-            _measured[path] = costs
-            return costs
         except (OSError, ValueError, TypeError, KeyError):
-            pass
+            costs = None
+        if costs is not None:
+            now = probe_step_ms(target)
+            if costs.step_ms <= BUSY * now:
+                _measured[path] = costs
+                return costs
+            print(f"d3d: the stored verification costs were measured while the machine was busy (a one-token "
+                  f"step took {costs.step_ms:.1f} ms, {now:.1f} ms now): measuring again", file=sys.stderr)
     if target.config.num_layers > 4:  # a real model: a few seconds, worth a word
         print("d3d: measuring this machine's verification and drafting costs for the speculation gate "
               "(once; stored under $D3D_CACHE/costs)", file=sys.stderr)

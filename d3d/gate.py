@@ -9,6 +9,11 @@ decoding. A weak drafter then drafts only its first, likely tokens, and lookup d
 missing fall back to plain decoding instead of slowing the request. A source that does not pay
 is tried again with a couple of drafts after `explore_every` steps, then after twice as many each
 time the try fails, so the averages follow the text without a full block's cost (~3 steps) per try.
+A source not yet seen on the request proposes what pays under a `prior` α at every position, and
+its first verdict replaces the prior. (It used to propose a full block, to see every position at
+once: at T = 1, where drafts are rarely accepted, those first blocks cost a request 2–3 steps each,
+and lookup's 10–15-draft first tries about as much again — most of the default's loss against
+plain decoding on the project's CPU.)
 
 Costs are measured on the running machine (`d3d.costs`): verifying k drafts costs verify[k]
 one-token steps, drafting them from the drafter its pass over the rows they need; both stored once per machine, so the
@@ -30,14 +35,16 @@ class SpeculationGate:
     max_explore_every: int = 64  # … an interval that doubles after every try that still does not pay
     explore_drafts: int = 2  # drafts a try proposes: enough to see the source recover, for ~1.2 steps
     weight: float = 0.25  # moving-average weight of the newest observation
+    prior: float = 0.5  # α at every position of a source not yet seen on this request
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # per source: α_1, α_2, …
     last_used: dict[str, int] = field(default_factory=dict)  # step index each source last drafted
     intervals: dict[str, int] = field(default_factory=dict)  # per source: steps between tries
     step: int = 0
 
     def expected_tokens(self, source: str, num_drafts: int) -> float:
-        """1 + expected accepted drafts; positions never reached borrow the last known α."""
-        alphas = self.acceptance[source]
+        """1 + expected accepted drafts; positions never reached borrow the last known α (the prior
+        before any)."""
+        alphas = self.acceptance.get(source) or [self.prior]
         total, reach = 1.0, 1.0
         for i in range(num_drafts):
             reach *= alphas[min(i, len(alphas) - 1)]
@@ -57,8 +64,6 @@ class SpeculationGate:
 
     def num_drafts(self, source: str, max_drafts: int) -> int:
         """How many drafts to propose from `source` now (0: a plain step pays better)."""
-        if not self.acceptance.get(source):
-            return max_drafts  # never seen on this request: a full block shows every position
         best = self.best_drafts(source, max_drafts)
         if best:
             return best

@@ -32,7 +32,7 @@ from d3d.cache import KVCache
 from d3d.config import SamplingConfig
 from d3d.costs import forward_costs
 from d3d.drafter import Drafter
-from d3d.lookup import LookupConfig, lookup_drafts
+from d3d.lookup import LookupConfig, LookupIndex
 from d3d.models import Decoder
 from d3d.sampling import probabilities, sample
 
@@ -90,6 +90,7 @@ class LookupSource:
         self.config = config
         self.max_drafts = max_drafts
         self.device = torch.device("cpu")
+        self.index = LookupIndex(config)  # the generation's n-grams, extended as it grows
 
     def draft_costs(self, target: Decoder) -> Sequence[float]:
         # A search over token ids, no model call: microseconds beside a step of milliseconds.
@@ -97,10 +98,11 @@ class LookupSource:
 
     def start(self, max_length: int, device: torch.device) -> None:
         self.device = device
+        self.index.reset()
 
     def propose(self, tokens: list[int], num_drafts: int, sampling: SamplingConfig,
                 generator: torch.Generator) -> Proposal | None:
-        found = lookup_drafts(tokens, num_drafts, self.config)
+        found = self.index.drafts(tokens, num_drafts)
         return Proposal(torch.tensor(found, device=self.device), None) if found else None
 
 

@@ -46,6 +46,8 @@ def verify_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targe
     assert draft_probs.shape[0] == num_drafts and target_probs.shape[0] == num_drafts + 1, \
         f"shapes: draft_tokens {tuple(draft_tokens.shape)}, draft_probs {tuple(draft_probs.shape)}, " \
         f"target_probs {tuple(target_probs.shape)}"
+    if num_drafts == 0:  # a plain step: the target's own draw, exactly as plain decoding draws it
+        return Verdict(0, int(sample(target_probs[0], generator)))
     rows = torch.arange(num_drafts, device=draft_tokens.device)
     p_draft = target_probs[rows, draft_tokens]
     q_draft = draft_probs[rows, draft_tokens]

@@ -18,9 +18,18 @@ def linear(per_draft: float, drafts: int = 15) -> list[float]:
     return [1 + per_draft * k for k in range(drafts + 1)]
 
 
-def test_an_unknown_source_drafts_in_full():
-    """Before any observation a source proposes every draft it may."""
-    assert SpeculationGate({"lookup": [0.0]}, linear(0.1)).num_drafts("lookup", 15) == 15
+def test_an_unknown_source_drafts_what_pays_under_the_prior():
+    """Before any observation a source is judged with α = prior at every position; its first verdict
+    replaces the prior."""
+    costs = linear(0.1)
+    gate = SpeculationGate({"lookup": [0.0]}, costs, prior=0.5)
+    def rate(k):
+        return sum(0.5 ** i for i in range(k + 1)) / costs[k]
+
+    assert gate.num_drafts("lookup", 15) == max(range(1, 16), key=rate) == 2  # 1.75 tokens for 1.2 steps
+    assert SpeculationGate({"lookup": [0.0]}, costs, prior=0.9).num_drafts("lookup", 15) == 10
+    gate.record("lookup", 3, 3)
+    assert gate.acceptance["lookup"] == [1.0, 1.0, 1.0] and gate.num_drafts("lookup", 15) == 15
 
 
 def test_expected_tokens_from_acceptance():
@@ -107,9 +116,33 @@ def test_forward_costs_are_measured_once_and_stored(tmp_path, monkeypatch):
 
     d3d.costs._measured.clear()  # a new process: read from disk, not measured again
     monkeypatch.setattr(d3d.costs, "measure", lambda *args: pytest.fail("measured twice"))
+    monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: costs.step_ms)  # as fast as when measured
     assert forward_costs(target, drafter, max_drafts=15) == costs
     other = Drafter.from_target(target, [0, 1], draft_vocab=torch.arange(8))
     monkeypatch.undo()
     monkeypatch.setenv("D3D_CACHE", str(tmp_path))
     forward_costs(target, other, max_drafts=15)  # another drafter shape: measured on its own
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2
+
+
+@torch.no_grad()
+def test_costs_measured_on_a_busy_machine_are_measured_again(tmp_path, monkeypatch, capsys):
+    """Stored costs whose one-token step was over `BUSY` times slower than a probe now were taken while
+    other work held the cores: measured again (with a word), stored, and the new ones used. Stored
+    costs slower by less, or faster (the machine is busy now, not then), are kept."""
+    import d3d.costs
+
+    monkeypatch.setenv("D3D_CACHE", str(tmp_path))
+    target = make_decoder(tiny_config(), seed=0)
+    first = forward_costs(target, None, max_drafts=3)
+    assert 0 < d3d.costs.probe_step_ms(target)
+    fresh = d3d.costs.ForwardCosts((1.0, 1.1, 1.2, 1.3), (0.0,) * 4, step_ms=first.step_ms)
+    monkeypatch.setattr(d3d.costs, "measure", lambda *args: fresh)
+    for probe, expected in ((first.step_ms / 1.4, first), (first.step_ms * 3, first), (first.step_ms / 2, fresh)):
+        d3d.costs._measured.clear()  # a new process
+        monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: probe)
+        assert forward_costs(target, None, max_drafts=3) == expected
+    assert "measured while the machine was busy" in capsys.readouterr().err
+    d3d.costs._measured.clear()
+    monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: fresh.step_ms)
+    assert forward_costs(target, None, max_drafts=3) == fresh  # stored in place of the busy ones

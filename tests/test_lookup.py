@@ -13,7 +13,7 @@ from conftest import make_decoder, make_oracle, tiny_config
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
 from d3d.engine import reference_generate, speculative_generate
-from d3d.lookup import LookupConfig, lookup_drafts
+from d3d.lookup import LookupConfig, LookupIndex, lookup_drafts
 
 
 def tokens_of(steps) -> list[int]:
@@ -82,6 +82,28 @@ def test_tensor_and_list_inputs_agree():
     tokens = [4, 5, 6, 4, 5, 6, 4, 5]
     config = LookupConfig()
     assert lookup_drafts(torch.tensor(tokens), 7, config) == lookup_drafts(tokens, 7, config) == [6, 4, 5, 6, 4, 5, 6]
+
+
+@pytest.mark.parametrize("ngrams", [(1, 1), (2, 4), (1, 3), (3, 3)])
+def test_the_index_drafts_what_the_search_drafts(ngrams):
+    """`LookupIndex` on sequences growing by 1–16 tokens a call (a small vocabulary, so matches
+    and loops abound), restarting with other sequences: the very drafts `lookup_drafts` finds."""
+    config = LookupConfig(min_ngram=ngrams[0], max_ngram=ngrams[1])
+    index = LookupIndex(config)
+    generator = torch.Generator().manual_seed(sum(ngrams))
+    found = 0
+    for _ in range(6):  # six generations through one index
+        tokens = torch.randint(0, 5, (int(torch.randint(1, 4, (1,), generator=generator)),),
+                               generator=generator).tolist()
+        while len(tokens) < 120:
+            max_drafts = int(torch.randint(1, 16, (1,), generator=generator))
+            drafts = index.drafts(tokens, max_drafts)
+            assert drafts == lookup_drafts(tokens, max_drafts, config)
+            found += bool(drafts)
+            tokens = tokens + torch.randint(0, 5, (int(torch.randint(1, 17, (1,), generator=generator)),),
+                                            generator=generator).tolist()
+        assert index.drafts(torch.tensor(tokens), 3) == lookup_drafts(tokens, 3, config)  # a tensor, as a list
+    assert found > 20
 
 
 @pytest.mark.parametrize("kwargs", [dict(min_ngram=0), dict(min_ngram=3, max_ngram=2), dict(max_ngram=0),
