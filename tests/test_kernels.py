@@ -66,6 +66,23 @@ def test_causal_attention_rows_equal_single_queries(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim,cached", [(9, 3, 64, 21), (4, 1, 80, 3), (6, 6, 128, 40)])
+def test_attention_rows_are_exact_at_model_shapes(kernels, dtype, heads, kv_heads, dim, cached):
+    """SmolLM2's heads (9 over 3 KV heads, dim 64) and others: key tiles with tails, head dims not a
+    multiple of 16, query groups that fill part of a chunk — every query of a 13-query call equals
+    that query alone, and all match SDPA."""
+    q = randn(1, 13, heads, dim, seed=0, dtype=dtype)
+    k = randn(1, kv_heads, cached + 13, dim, seed=1, dtype=dtype, scale=2.0)
+    v = randn(1, kv_heads, cached + 13, dim, seed=2, dtype=dtype)
+    together = kernels.attention(q, k, v, None)
+    for i in (0, 5, 12):
+        keys = cached + i + 1
+        assert torch.equal(together[:, i:i + 1], kernels.attention(q[:, i:i + 1], k[:, :, :keys], v[:, :, :keys], None))
+    expected = TorchKernels.attention(q.float(), k.float(), v.float(), None)
+    torch.testing.assert_close(together.float(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_masked_attention_matches_sdpa_and_ignores_other_rows(kernels, dtype):
     """An arbitrary mask (B, T, S): SDPA's result, and each row equal to that row computed alone."""
     generator = torch.Generator().manual_seed(5)
@@ -129,3 +146,22 @@ def test_rope_store_matches_pytorch_bit_for_bit(kernels, dtype):
         results.append(implementation.rope_store(qkv, cos, sin, heads, kv_heads, cache, 1))
     for ours, reference in zip(*results):
         assert ours.shape == reference.shape and torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3", "skylake-avx512", "sapphirerapids"])
+def test_the_source_compiles_for_other_x86_cpus(march):
+    """The kernels are compiled for the running CPU (-march=native), so a path this machine does not
+    take — no AVX-512; AVX-512 without BF16, as on Skylake-X to Ice Lake; AMX-era Xeons — is checked
+    here by the compiler, for every CPU family users run d3d on."""
+    import subprocess
+
+    from d3d.kernels import FLAGS, SOURCE, _compiler
+
+    compiler = _compiler()
+    flags = [flag for flag in FLAGS if not flag.startswith("-march") and flag not in ("-shared", "-fPIC")]
+    known = subprocess.run([compiler, f"-march={march}", "-x", "c", "-fsyntax-only", "/dev/null"], capture_output=True)
+    if known.returncode != 0:
+        pytest.skip(f"{compiler} does not know -march={march}")
+    result = subprocess.run([compiler, *flags, f"-march={march}", "-fsyntax-only", str(SOURCE)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
