@@ -30,6 +30,7 @@ from tqdm import tqdm
 from d3d.bench.datasets import Prompt, load_dataset, sample_prompts
 from d3d.bench.methods import OURS, Method, MethodRun, base_method, build_methods, close_methods, describe
 from d3d.config import GenerationConfig, SamplingConfig
+from d3d.exactness import cpu_name
 from d3d.generation import Pipeline
 from d3d.stats import SpecStats
 
@@ -80,15 +81,7 @@ def first_mismatch(tokens: list[int], reference: list[int]) -> int | None:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "cuda": torch.cuda.is_available()}
 
 
