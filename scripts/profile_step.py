@@ -3,7 +3,7 @@ the layers, timed by thread 0 after each stage's barrier), the output projection
 (Python, embedding, allocation) by difference. One-token step and 17-token verification, after a
 256-token context.
 
-Usage: python scripts/profile_step.py [--dtype bfloat16] [--repeats 20]   (prints one JSON line)
+Usage: python scripts/profile_step.py [--dtype bfloat16] [--repeats 20] [--rows 1,17]   (prints one JSON line)
 """
 
 import argparse
@@ -22,6 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rows", default="1,17", help="forward sizes to profile, comma-separated")
     args = parser.parse_args()
     decoder = load_target(dtype=getattr(torch, args.dtype)).decoder
     path = build(profile=True)  # the same kernels, with stage timers compiled in
@@ -39,11 +40,12 @@ def main() -> None:
 
     kernels.linear = timed_linear
     generator = torch.Generator().manual_seed(0)
-    cache = decoder.new_cache(256 + 17)
+    sizes = [int(rows) for rows in args.rows.split(",")]
+    cache = decoder.new_cache(256 + max(sizes))
     decoder(torch.randint(0, decoder.config.vocab_size, (1, 256), generator=generator), cache=cache)
     cache.commit()
     result = {"dtype": args.dtype, "threads": torch.get_num_threads()}
-    for rows in (1, 17):
+    for rows in sizes:
         ids = torch.randint(0, decoder.config.vocab_size, (1, rows), generator=generator)
         for _ in range(3):
             decoder(ids, cache=cache)
