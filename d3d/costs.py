@@ -184,6 +184,7 @@ def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int) -> Pa
 
 
 _measured: dict[Path, ForwardCosts] = {}
+_probed: dict[str, float] = {}  # machine_key → the one-token step timed by this process
 
 
 def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: int = 15,
@@ -199,7 +200,8 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
         except (OSError, ValueError, TypeError, KeyError):
             costs = None
         if costs is not None:
-            now = probe_step_ms(target)
+            key = json.dumps(machine_key(target))  # the target alone's and the drafter's costs share a probe
+            now = _probed[key] = _probed.get(key) or probe_step_ms(target)
             if costs.step_ms <= BUSY * now:
                 _measured[path] = costs
                 return costs

@@ -97,6 +97,14 @@ def test_the_gate_reads_measured_costs_where_they_bend():
     assert gate.num_drafts("lookup", 15) == 8
 
 
+def new_process() -> None:
+    """Forget what this process measured and probed, as a new process would."""
+    import d3d.costs
+
+    d3d.costs._measured.clear()
+    d3d.costs._probed.clear()
+
+
 @torch.no_grad()
 def test_forward_costs_are_measured_once_and_stored(tmp_path, monkeypatch):
     """Costs come from timed forwards of these models: a plain step is 1, a verification never costs
@@ -114,7 +122,7 @@ def test_forward_costs_are_measured_once_and_stored(tmp_path, monkeypatch):
     assert len(stored) == 1
     import d3d.costs
 
-    d3d.costs._measured.clear()  # a new process: read from disk, not measured again
+    new_process()  # read from disk, not measured again
     monkeypatch.setattr(d3d.costs, "measure", lambda *args: pytest.fail("measured twice"))
     monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: costs.step_ms)  # as fast as when measured
     assert forward_costs(target, drafter, max_drafts=15) == costs
@@ -139,10 +147,10 @@ def test_costs_measured_on_a_busy_machine_are_measured_again(tmp_path, monkeypat
     fresh = d3d.costs.ForwardCosts((1.0, 1.1, 1.2, 1.3), (0.0,) * 4, step_ms=first.step_ms)
     monkeypatch.setattr(d3d.costs, "measure", lambda *args: fresh)
     for probe, expected in ((first.step_ms / 1.4, first), (first.step_ms * 3, first), (first.step_ms / 2, fresh)):
-        d3d.costs._measured.clear()  # a new process
+        new_process()
         monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: probe)
         assert forward_costs(target, None, max_drafts=3) == expected
     assert "measured while the machine was busy" in capsys.readouterr().err
-    d3d.costs._measured.clear()
+    new_process()
     monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: fresh.step_ms)
     assert forward_costs(target, None, max_drafts=3) == fresh  # stored in place of the busy ones
