@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import make_decoder, tiny_config
+from conftest import make_decoder, perturb_drafter, tiny_config
 from d3d.config import ConfigError, DrafterConfig
 from d3d.drafter import Drafter
 from d3d.loading import LoadError
@@ -21,15 +21,6 @@ TOKENS = [3, 17, 42, 5, 9, 33, 60, 1, 12]
 @torch.no_grad()
 def next_token_logits(target, tokens: list[int]) -> torch.Tensor:
     return target(torch.tensor([tokens]))[0, -1]
-
-
-def perturb(drafter: Drafter, seed: int = 5) -> None:
-    """Move the drafter's own weights away from the target copy (as training would)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in drafter.own_state().items():
-            if param.is_floating_point():  # not the draft vocabulary's ids
-                param.add_(0.1 * torch.randn(param.shape, generator=generator))
 
 
 @pytest.mark.parametrize("mode", ["anchor_causal", "causal"])
@@ -53,7 +44,7 @@ def test_drafting_only_the_rows_the_drafts_need(target, mode):
     the full block's first k rows bit for bit; anchor-causal, the anchor's row bit for bit (the
     masks see fewer masks). The cache ends as after a full pass."""
     drafter = Drafter.from_target(target, [0, 1], block_size=8, block_attention=mode)
-    perturb(drafter)
+    perturb_drafter(drafter, 0.1, seed=5)
     full = drafter.draft(drafter.new_cache(64), TOKENS)
     for k in (1, 3, 7):
         cache = drafter.new_cache(64)
@@ -134,7 +125,7 @@ def test_save_and_load_round_trip(tmp_path, tied):
     target = make_decoder(tiny_config(tie_word_embeddings=tied), seed=1)
     drafter = Drafter.from_target(target, [1], block_size=4, block_attention="bidirectional",
                                   tokenizer_fingerprint="abc")
-    perturb(drafter)
+    perturb_drafter(drafter, 0.1, seed=5)
     drafter.save_pretrained(tmp_path)
 
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
@@ -156,7 +147,7 @@ def test_save_and_load_round_trip(tmp_path, tied):
 def test_loaded_drafter_is_not_the_untrained_copy(tmp_path, target):
     """The round trip really restores saved weights (a fresh copy of the target layers differs)."""
     drafter = Drafter.from_target(target, [0], block_size=4)
-    perturb(drafter)
+    perturb_drafter(drafter, 0.1, seed=5)
     drafter.save_pretrained(tmp_path)
     fresh = Drafter.from_target(target, [0], block_size=4)
     loaded = Drafter.from_pretrained(tmp_path, target)
@@ -321,7 +312,7 @@ def test_unshared_drafter_round_trip(tmp_path, target):
     assert drafter.decoder.embed_tokens is not target.embed_tokens
     assert torch.equal(drafter.decoder.embed_tokens.weight, target.embed_tokens.weight)
     assert torch.equal(drafter.decoder.lm_head.weight, target.lm_head.weight)
-    perturb(drafter)
+    perturb_drafter(drafter, 0.1, seed=5)
     drafter.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
         keys = set(stored.keys())
