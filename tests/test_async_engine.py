@@ -25,8 +25,6 @@ from d3d.engine import reference_generate, speculative_generate
 from d3d.sampling import probabilities
 from test_generation import tiny_target
 
-GREEDY = SamplingConfig()
-
 
 def run(steps) -> tuple[list[int], list]:
     steps = list(steps)
