@@ -541,7 +541,7 @@ static void NAME##_body(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const
             int chunk = T * group - i0 < QUERY_CHUNK ? (int)(T * group - i0) : QUERY_CHUNK;          \
             for (int i = 0; i < QUERY_CHUNK; i++) {                                                  \
                 int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                      \
-                const T_ELEM *qr = q + ((b * T + t) * H + h) * D;                                    \
+                const T_ELEM *qr = i < chunk ? q + ((b * T + t) * H + h) * D : q;  /* past: zeros */ \
                 SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, i < chunk, qs[i]);                           \
             }                                                                                        \
             SCORE_CHAINS(kt, qs, D, acc);                                                            \
