@@ -157,7 +157,18 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Target:
 
     if not (folder / "config.json").is_file():
         raise LoadError(f"{folder} has no config.json: not a Hugging Face model folder")
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(folder))
+    for name in ("config.json", "generation_config.json"):  # transformers' own errors are 50-line tracebacks
+        try:
+            if (folder / name).is_file():
+                json.loads((folder / name).read_text(encoding="utf-8"))
+        except (ValueError, OSError) as error:
+            raise LoadError(f"{folder / name} is not readable JSON ({error})") from None
+    try:
+        hf_config = AutoConfig.from_pretrained(folder)
+    except Exception as error:  # transformers raises many types here (OSError, ValueError, hub validation errors)
+        raise LoadError(f"{folder / 'config.json'} is not a model config transformers can read "
+                        f"({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
+    config = ModelConfig.from_hf(hf_config)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise LoadError(f"{folder} holds no .safetensors weights (d3d never unpickles .bin files)")
@@ -167,7 +178,11 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Target:
     decoder = Decoder(config)
     load_state(decoder, state, str(folder))
     generation = folder / "generation_config.json"
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # as for the config: whatever transformers raises, the folder is at fault
+        raise LoadError(f"{folder} holds no tokenizer transformers can read "
+                        f"({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
     eos = _eos_ids(tokenizer, json.loads(generation.read_text()) if generation.is_file() else None)
     # A target never trains: frozen weights let every forward of it run the row-exact kernels,
     # in any thread, grad mode or not (see Decoder.kernels_for).

@@ -122,6 +122,29 @@ def test_target_folder_without_config(capsys, tmp_path):
     assert_usage_error(code, err, "config.json")
 
 
+@pytest.mark.parametrize("text, fragments", [
+    ("{not json", ["config.json is not readable JSON", "line 1 column 2"]),
+    ("{}", ["config.json is not a model config transformers can read", "model_type"]),
+    ('{"model_type": "llama", "hidden_size": "x"}', ["config.json is not a model config", "hidden_size"]),
+])
+def test_target_folder_with_a_broken_config(capsys, tmp_path, text, fragments):
+    """A config.json that is not JSON, or not a config transformers reads: exit 2 naming the file,
+    not transformers' 50-line traceback."""
+    (tmp_path / "config.json").write_text(text)
+    code, _, err = run_cli(capsys, "generate", "hello", "--target", str(tmp_path))
+    assert_usage_error(code, err, str(tmp_path / "config.json"), *fragments)
+
+
+def test_target_folder_with_a_broken_generation_config(capsys, tmp_path, tiny_default):
+    """A valid model folder whose generation_config.json is not JSON: exit 2 naming that file."""
+    from d3d.export import export_target
+
+    folder = export_target(tiny_target(eos_token_ids=[]), tmp_path / "target")
+    (folder / "generation_config.json").write_text("{")
+    code, _, err = run_cli(capsys, "generate", "hello", "--target", str(folder), "--drafter", "none")
+    assert_usage_error(code, err, str(folder / "generation_config.json"), "not readable JSON")
+
+
 @pytest.fixture
 def drafter_folder(tmp_path):
     """A saved drafter for the tiny target, with a reduced draft vocabulary, to damage in tests."""
