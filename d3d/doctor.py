@@ -18,7 +18,10 @@ import torch
 from d3d.costs import forward_costs
 from d3d.exactness import MAX_ROWS, check_row_invariance, cpu_name
 from d3d.kernels import KernelBuildError, cpu_flags_line, row_exact_kernels
+from d3d.lookup import LookupConfig
 from d3d.models import Decoder
+from d3d.sources import default_sources, verify_reach
+from d3d.sources import drafter_source as source_of  # `doctor` has a parameter named drafter_source
 
 
 @dataclass
@@ -138,11 +141,14 @@ def doctor(target_source: str | None, dtypes: list[torch.dtype], drafter_source:
         del fresh
         results[name] = measure_paths(decoder)
         drafter, _ = resolve_drafter(target, drafter_source, target_source, None)
-        max_drafts = (drafter.block_size if drafter is not None else 16) - 1  # as the engine asks
-        # As the engine builds its gate: verifications timed on the target alone, drafting with the drafter.
-        gate = asdict(forward_costs(decoder, None, max_drafts, remeasure=recalibrate))
+        # Exactly the costs the default method's gate asks for (`engine.generate_from_sources`), so that
+        # every later command finds them stored: verifications timed on the target alone up to the
+        # longest reach of lookup and the drafter, drafting up to the drafter's own.
+        gate = asdict(forward_costs(decoder, None, verify_reach(default_sources(drafter, LookupConfig())),
+                                    remeasure=recalibrate))
         if drafter is not None:
-            gate["drafter"] = forward_costs(decoder, drafter, max_drafts, remeasure=recalibrate).drafter
+            gate["drafter"] = forward_costs(decoder, drafter, source_of(drafter).max_drafts,
+                                            remeasure=recalibrate).drafter
         machine[f"gate_costs_{name}"] = gate
     return machine, results
 

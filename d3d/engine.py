@@ -31,7 +31,7 @@ from d3d.gate import SpeculationGate
 from d3d.lookup import LookupConfig
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities, sample
-from d3d.sources import DraftSource, check_vocabulary, default_sources
+from d3d.sources import DraftSource, check_vocabulary, default_sources, verify_reach
 from d3d.stats import SpecStats
 from d3d.verify import Verdict, verify_greedy, verify_sampling
 
@@ -240,9 +240,8 @@ def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_id
     check_vocabulary(sources, target)
     gate = None
     if adaptive and sources:
-        max_drafts = max(source.max_drafts for source in sources)
         gate = SpeculationGate({source.name: source.draft_costs(target) for source in sources},
-                               forward_costs(target, None, max_drafts).verify)
+                               forward_costs(target, None, verify_reach(sources)).verify)
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
     generator = make_generator(config.sampling, target.device)
     for source in sources:

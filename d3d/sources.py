@@ -253,6 +253,12 @@ def drafter_source(drafter: Drafter) -> DraftSource:
     return sources[drafter.config.kind](drafter)
 
 
+def verify_reach(sources: Sequence[DraftSource]) -> int:
+    """The most drafts any of `sources` proposes: the gate's verification costs are measured and
+    stored up to it (one table per reach), so whoever asks for the same sources finds the same table."""
+    return max(source.max_drafts for source in sources)
+
+
 def default_sources(drafter: Drafter | None, lookup: LookupConfig | None) -> list[DraftSource]:
     """Lookup where the context matches (when `lookup` is set), else the drafter (when there is one).
 

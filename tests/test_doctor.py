@@ -47,3 +47,26 @@ def test_doctor_table_marks_the_path_in_use_and_a_failing_check():
                for line in lines)
     # a path that differs verifies row by row: a verification costs 17 of its steps
     assert any("  torch" in line and "DIFFERS 2:2,17:17" in line and line.endswith("17.00") for line in lines)
+
+
+def test_a_later_generation_finds_the_gate_costs_doctor_measured(tiny_target, monkeypatch, tmp_path):
+    """doctor stores the costs the default method's gate asks for: with a drafter of blocks of 8 (the
+    shipped one's), verifications are timed up to lookup's 15 drafts, so a speculative generation in
+    a later process (memory cleared, nothing busy) measures nothing again."""
+    import d3d.costs
+    from d3d.drafter import Drafter
+    from d3d.generation import Pipeline
+
+    monkeypatch.setenv("D3D_CACHE", str(tmp_path / "cache"))
+    target = d3d.loading.load_target()
+    Drafter.from_target(target.decoder, [0], block_size=8,
+                        tokenizer_fingerprint=target.fingerprint).save_pretrained(tmp_path / "drafter")
+    assert main(["doctor", "--dtypes", "float32", "--drafter", str(tmp_path / "drafter"), "--json"]) == 0
+    d3d.costs._measured.clear()
+    d3d.costs._probed.clear()
+    monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda decoder: 1e9)  # never "measured while busy"
+    monkeypatch.setattr(d3d.costs, "measure", lambda *args, **kwargs: pytest.fail("measured the costs again"))
+    target = d3d.loading.load_target(dtype=torch.float32)
+    pipeline = Pipeline(target, Drafter.from_pretrained(tmp_path / "drafter", target.decoder, target.fingerprint))
+    chunks = list(pipeline.generate("hello hello", chat=False, max_new_tokens=12))
+    assert sum(len(c.step.tokens) for c in chunks) == 12
