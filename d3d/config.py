@@ -92,6 +92,9 @@ def _describe(hint: Any) -> str:
     return hint.__name__ if origin is None and isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
+MAX_HEAD_DIM = 512  # the widest head the row-exact attention kernel holds
+
+
 @dataclass
 class ModelConfig(_JsonMixin):
     """Architecture of a Llama / Qwen2 / Qwen3-family decoder."""
@@ -119,6 +122,9 @@ class ModelConfig(_JsonMixin):
             _check(getattr(self, name) > 0, f"ModelConfig.{name} must be positive")
         _check(self.num_heads % self.num_kv_heads == 0,
                "ModelConfig.num_heads must be a multiple of num_kv_heads")
+        # the row-exact attention keeps a head's query and output on the stack (d3d/kernels/attention.h)
+        _check(self.head_dim <= MAX_HEAD_DIM, f"ModelConfig.head_dim {self.head_dim} exceeds {MAX_HEAD_DIM}, "
+               "the most the row-exact kernels hold")
         _check(self.family in ("llama", "qwen2", "qwen3"), f"unsupported family {self.family!r}")
         _check(self.rms_norm_eps > 0 and self.rope_theta > 0, "ModelConfig.rms_norm_eps and rope_theta must be positive")
         scaling = self.rope_scaling or {}

@@ -110,7 +110,8 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(batch, length, self.num_heads, self.head_dim), kernels)
             k = self.k_norm(k.reshape(batch, length, self.num_kv_heads, self.head_dim), kernels)
             qkv = torch.cat((q.flatten(2), k.flatten(2), v), dim=-1)
-        return kernels.rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, cache, layer_index)
+        slots = None if cache is None else (cache.keys[layer_index], cache.values[layer_index], cache.length)
+        return kernels.rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, slots)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None, layer_index: int, kernels: Kernels) -> torch.Tensor:
@@ -198,15 +199,26 @@ class Decoder(nn.Module):
             return TorchKernels
         return self.row_exact
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output projection's weight (V, hidden): the embedding itself when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def linear_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight a linear kernel reads, by its state-dict name (the head by its own)."""
+        weights = {f"{name}.weight": module.weight for name, module in self.named_modules()
+                   if isinstance(module, nn.Linear)}
+        weights.setdefault("lm_head.weight", self.head_weight)
+        return weights
+
     def pack_weights(self) -> float:
-        """Repack every weight the row-exact linear reads, now rather than on first use; seconds taken."""
+        """Prepare every weight's stream for the row-exact linear now rather than on first use;
+        seconds taken."""
         if self.row_exact is None or self.device.type != "cpu":
             return 0.0
         started = time.perf_counter()
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                self.row_exact.packed(module.weight)
-        self.row_exact.packed(self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        for weight in self.linear_weights().values():
+            self.row_exact.stream(weight)
         return time.perf_counter() - started
 
     @property
@@ -253,12 +265,16 @@ class Decoder(nn.Module):
             rows = []
             for layer in layers:
                 attention, mlp = layer.self_attn, layer.mlp
-                rows.append((layer.input_layernorm.weight, attention.qkv_proj.weight, attention.qkv_proj.bias,
-                             attention.q_norm.weight if attention.q_norm is not None else None,
-                             attention.k_norm.weight if attention.k_norm is not None else None,
-                             attention.o_proj.weight, attention.o_proj.bias, layer.post_attention_layernorm.weight,
-                             mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias))
-            self._layer_table = (layers, LayerTable.build(kernels, rows))
+                rows.append(dict(
+                    input_norm=layer.input_layernorm.weight, qkv=attention.qkv_proj.weight,
+                    qkv_bias=attention.qkv_proj.bias,
+                    q_norm=attention.q_norm.weight if attention.q_norm is not None else None,
+                    k_norm=attention.k_norm.weight if attention.k_norm is not None else None,
+                    o=attention.o_proj.weight, o_bias=attention.o_proj.bias,
+                    post_norm=layer.post_attention_layernorm.weight, gate_up=mlp.gate_up_proj.weight,
+                    gate_up_bias=mlp.gate_up_proj.bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias))
+            self._layer_table = (layers, LayerTable(kernels, rows) if all(
+                tensor is None or tensor.is_contiguous() for row in rows for tensor in row.values()) else None)
         return self._layer_table[1]
 
     def hidden_states(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
@@ -288,9 +304,10 @@ class Decoder(nn.Module):
             if table is not None:  # every layer in one C call: the same kernels, no per-op overhead
                 c = self.config
                 shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
+                assert cache.pending == length, "the forward must follow reserve() with the same token count"
                 hidden, features = kernels.forward(table, shape, embeds, self.rope_table_as(embeds.dtype),
-                                                   self.clamp_positions(positions), cache, mask, self.norm.weight,
-                                                   feature_layers)
+                                                   self.clamp_positions(positions), cache.keys, cache.values,
+                                                   cache.length, mask, self.norm.weight, feature_layers)
                 return hidden, torch.cat(features, -1) if features else None
         cos, sin = self.rope(positions, embeds.dtype)
         x = embeds
@@ -301,8 +318,7 @@ class Decoder(nn.Module):
         return self.norm(x, kernels), torch.cat(features, -1) if features else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.kernels_for(hidden).linear(hidden, weight, None)
+        return self.kernels_for(hidden).linear(hidden, self.head_weight, None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None,

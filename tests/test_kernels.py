@@ -143,7 +143,8 @@ def test_rope_store_matches_pytorch_bit_for_bit(kernels, dtype):
         cache.reserve(3)
         cache.commit()  # 3 slots already cached
         cache.reserve(length)
-        results.append(implementation.rope_store(qkv, cos, sin, heads, kv_heads, cache, 1))
+        slots = (cache.keys[1], cache.values[1], cache.length)
+        results.append((*implementation.rope_store(qkv, cos, sin, heads, kv_heads, slots), cache.keys[1].clone()))
     for ours, reference in zip(*results):
         assert ours.shape == reference.shape and torch.equal(ours, reference)
 
@@ -155,13 +156,33 @@ def test_the_source_compiles_for_other_x86_cpus(march):
     here by the compiler, for every CPU family users run d3d on."""
     import subprocess
 
-    from d3d.kernels import FLAGS, SOURCE, _compiler
+    from d3d.kernels.build import FLAGS, SOURCE, compiler as find_compiler
 
-    compiler = _compiler()
+    compiler = find_compiler()
     flags = [flag for flag in FLAGS if not flag.startswith("-march") and flag not in ("-shared", "-fPIC")]
     known = subprocess.run([compiler, f"-march={march}", "-x", "c", "-fsyntax-only", "/dev/null"], capture_output=True)
     if known.returncode != 0:
         pytest.skip(f"{compiler} does not know -march={march}")
-    result = subprocess.run([compiler, *flags, f"-march={march}", "-fsyntax-only", str(SOURCE)],
+    result = subprocess.run([compiler, *flags, f"-march={march}", "-c", str(SOURCE), "-o", "/dev/null"],
                             capture_output=True, text=True)
     assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_lanes_kernel_gives_the_reference_lanes_bits(kernels, dtype):
+    """Where this build reads a weight by the lanes (no column packing for its dtype), its vector
+    kernels — AVX2 or compiler-vectorised — give the portable reference's bits, for every row count."""
+    if kernels.packs[dtype]:
+        pytest.skip(f"this build column-packs {dtype} weights: another reduction, tested above")
+    weight = randn(100, 576, seed=1, dtype=dtype)
+    x = cancelling_rows(17, 576, dtype)
+    for rows in (1, 2, 3, 4, 17):
+        assert torch.equal(kernels.linear(x[:rows], weight, None), kernels.linear_reference(x[:rows], weight)), rows
+
+
+def test_a_head_wider_than_the_kernels_hold_is_refused():
+    from d3d.config import MAX_HEAD_DIM, ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match="head_dim"):
+        ModelConfig(vocab_size=8, hidden_size=2 * (MAX_HEAD_DIM + 64), intermediate_size=8, num_layers=1,
+                    num_heads=2, num_kv_heads=2, head_dim=MAX_HEAD_DIM + 64)

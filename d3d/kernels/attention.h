@@ -1,0 +1,245 @@
+/* ---------------------------------------------------------------------------------------------
+ * attention: q (B, T, H, D) contiguous; k, v: element (b, g, s, d) at b*kv_batch + g*kv_head +
+ * s*D + d (the KV cache's layout); out (B, T, H, D). Query t of a causal call (mask NULL) sees keys
+ * 0 … S-T+t; with a mask (B, T, S) bytes, the keys whose byte is 1. In fp32:
+ *  1. scores: a tile of 16 keys is transposed once and serves every query of its KV head; a
+ *     score is one FMA chain over d = 0 … D-1 (q pre-scaled), whatever the tile or query count
+ *     (QUERY_CHUNK chains run interleaved: the same operations, in the same order, per chain);
+ *  2. per query: max, exp and sum over the visible keys in 16 lanes, then the weighted sum of V
+ *     in key order. `scores` is scratch of B*T*H*S floats.
+ * ------------------------------------------------------------------------------------------- */
+
+#define KEY_TILE 16
+
+/* o[d] = sum over s in order of p[s] * v[s, d] (one FMA chain per d; keys with p = 0 skipped).
+ * With AVX-512, 64 values of d at a time stay in registers for the whole pass over s. */
+#define WEIGHTED_SUM_PORTABLE(T_ELEM, LOAD, p, v, S, D, o)                                          \
+    do {                                                                                             \
+        for (int64_t d = 0; d < (D); d++) (o)[d] = 0.0f;                                             \
+        for (int64_t s = 0; s < (S); s++) {                                                          \
+            float ps = (p)[s];                                                                       \
+            if (ps == 0.0f) continue;                                                                \
+            const T_ELEM *vr = (v) + s * (D);                                                        \
+            for (int64_t d = 0; d < (D); d++) (o)[d] = fmaf(ps, LOAD(vr[d]), (o)[d]);                \
+        }                                                                                            \
+    } while (0)
+#ifdef __AVX512F__
+static inline __m512 load16_bf16(const uint16_t *a, __mmask16 live) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, a)), 16));
+}
+static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_maskz_loadu_ps(live, a); }
+#define WEIGHTED_SUM_VECTOR(SUFFIX, T_ELEM, p, v, S, D, o)                                          \
+    for (int64_t d0 = 0; d0 < (D); d0 += 64) {                                                       \
+        __mmask16 live[4];                                                                           \
+        for (int j = 0; j < 4; j++) {                                                                \
+            int64_t left = (D) - d0 - 16 * j;                                                        \
+            live[j] = left >= 16 ? (__mmask16)0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1); \
+        }                                                                                            \
+        __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;                                  \
+        for (int64_t s = 0; s < (S); s++) {                                                          \
+            float ps = (p)[s];                                                                       \
+            if (ps == 0.0f) continue;                                                                \
+            const T_ELEM *vr = (v) + s * (D) + d0;                                                   \
+            __m512 pv = _mm512_set1_ps(ps);                                                          \
+            o0 = _mm512_fmadd_ps(pv, load16_##SUFFIX(vr, live[0]), o0);                              \
+            o1 = _mm512_fmadd_ps(pv, load16_##SUFFIX(vr + 16, live[1]), o1);                         \
+            o2 = _mm512_fmadd_ps(pv, load16_##SUFFIX(vr + 32, live[2]), o2);                         \
+            o3 = _mm512_fmadd_ps(pv, load16_##SUFFIX(vr + 48, live[3]), o3);                         \
+        }                                                                                            \
+        float lanes_[64];                                                                            \
+        _mm512_storeu_ps(lanes_, o0); _mm512_storeu_ps(lanes_ + 16, o1);                             \
+        _mm512_storeu_ps(lanes_ + 32, o2); _mm512_storeu_ps(lanes_ + 48, o3);                        \
+        for (int64_t d = d0; d < (D) && d < d0 + 64; d++) (o)[d] = lanes_[d - d0];                   \
+    }
+#define WEIGHTED_SUM_bf16(p, v, S, D, o) WEIGHTED_SUM_VECTOR(bf16, uint16_t, p, v, S, D, o)
+#define WEIGHTED_SUM_f32(p, v, S, D, o) WEIGHTED_SUM_VECTOR(f32, float, p, v, S, D, o)
+#else
+#define WEIGHTED_SUM_bf16(p, v, S, D, o) WEIGHTED_SUM_PORTABLE(uint16_t, bf16_to_f32, p, v, S, D, o)
+#define WEIGHTED_SUM_f32(p, v, S, D, o) WEIGHTED_SUM_PORTABLE(float, IDENTITY, p, v, S, D, o)
+#endif
+
+/* row[s] = exp(row[s] - top) (0 for -inf), and sums[l] += row[s] for s = l mod 16, in s order. */
+#ifdef __AVX512F__
+#define EXP_SUM(row, S, top, sums)                                                                   \
+    do {                                                                                             \
+        __m512 sum_ = _mm512_loadu_ps(sums), top_ = _mm512_set1_ps(top);                             \
+        for (int64_t s0 = 0; s0 < (S); s0 += LANES) {                                                \
+            __mmask16 live = (S) - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << ((S) - s0)) - 1); \
+            __m512 x = _mm512_maskz_loadu_ps(live, (row) + s0);                                      \
+            __mmask16 seen = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); \
+            __m512 p = _mm512_maskz_mov_ps(seen, exp_fixed16(_mm512_sub_ps(x, top_)));               \
+            _mm512_mask_storeu_ps((row) + s0, live, p);                                              \
+            sum_ = _mm512_mask_add_ps(sum_, live, sum_, p);                                          \
+        }                                                                                            \
+        _mm512_storeu_ps(sums, sum_);                                                                \
+    } while (0)
+#else
+#define EXP_SUM(row, S, top, sums)                                                                   \
+    for (int64_t s0 = 0; s0 < (S); s0 += LANES)                                                      \
+        for (int l = 0; l < LANES && s0 + l < (S); l++) {                                            \
+            float x_ = (row)[s0 + l];                                                                \
+            float p_ = x_ == -INFINITY ? 0.0f : exp_fixed(x_ - (top));                               \
+            (row)[s0 + l] = p_;                                                                      \
+            (sums)[l] += p_;                                                                         \
+        }
+#endif
+
+/* acc[i][l] = sum over d in order of qs[i][d] * kt[d][l]: QUERY_CHUNK independent FMA chains per
+ * lane, interleaved so that the FMA unit is not left waiting on one chain's latency; each chain is
+ * the same sequence of fused multiply-adds whatever the chunk holds. */
+#define QUERY_CHUNK 4
+#ifdef __AVX512F__
+#define SCORE_CHAINS(kt, qs, D, acc)                                                                 \
+    do {                                                                                             \
+        __m512 a0_ = _mm512_setzero_ps(), a1_ = a0_, a2_ = a0_, a3_ = a0_;                           \
+        for (int64_t d = 0; d < (D); d++) {                                                          \
+            __m512 kd_ = _mm512_loadu_ps((kt)[d]);                                                   \
+            a0_ = _mm512_fmadd_ps(_mm512_set1_ps((qs)[0][d]), kd_, a0_);                             \
+            a1_ = _mm512_fmadd_ps(_mm512_set1_ps((qs)[1][d]), kd_, a1_);                             \
+            a2_ = _mm512_fmadd_ps(_mm512_set1_ps((qs)[2][d]), kd_, a2_);                             \
+            a3_ = _mm512_fmadd_ps(_mm512_set1_ps((qs)[3][d]), kd_, a3_);                             \
+        }                                                                                            \
+        _mm512_storeu_ps((acc)[0], a0_); _mm512_storeu_ps((acc)[1], a1_);                            \
+        _mm512_storeu_ps((acc)[2], a2_); _mm512_storeu_ps((acc)[3], a3_);                            \
+    } while (0)
+/* kt[d][l] = key l's element d, as float (0 for l ≥ n): 16 × 16 blocks transposed in registers. */
+static inline void transpose16_store(__m512 r[16], float (*kt)[KEY_TILE], int64_t d0, int64_t D) {
+    __m512 t[16], u[16];
+    for (int p = 0; p < 8; p++) {
+        t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+        t[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; q++) {  /* u[4q + m], 128-bit lane c: column 4c + m of rows 4q … 4q+3 */
+        u[4 * q] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0x44);
+        u[4 * q + 1] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0xEE);
+        u[4 * q + 2] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0x44);
+        u[4 * q + 3] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
+    }
+    for (int m = 0; m < 4; m++) {  /* column 4c + m gathers lane c of u[m], u[4+m], u[8+m], u[12+m] */
+        __m512 v0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
+        __m512 v2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44), v3 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
+        __m512 out[4] = {_mm512_shuffle_f32x4(v0, v2, 0x88), _mm512_shuffle_f32x4(v0, v2, 0xDD),
+                         _mm512_shuffle_f32x4(v1, v3, 0x88), _mm512_shuffle_f32x4(v1, v3, 0xDD)};
+        for (int c = 0; c < 4; c++)
+            if (d0 + 4 * c + m < D) _mm512_storeu_ps(kt[d0 + 4 * c + m], out[c]);
+    }
+}
+/* out[d] = q[d] · scale (0 where not `live`), one rounding each, 16 at a time. */
+#define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out)                                           \
+    for (int64_t d0_ = 0; d0_ < (D); d0_ += 16) {                                                    \
+        __mmask16 m_ = !(live) ? 0 : (D) - d0_ >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << ((D) - d0_)) - 1); \
+        _mm512_storeu_ps((out) + d0_, _mm512_mul_ps(load16_##SUFFIX((qr) + d0_, m_), _mm512_set1_ps(scale))); \
+    }
+#define TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt)                                           \
+    for (int64_t d0_ = 0; d0_ < (D); d0_ += 16) {                                                    \
+        __mmask16 live_ = (D) - d0_ >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << ((D) - d0_)) - 1); \
+        __m512 r_[16];                                                                               \
+        for (int l_ = 0; l_ < KEY_TILE; l_++)                                                        \
+            r_[l_] = l_ < (n) ? load16_##SUFFIX((kb) + l_ * (D) + d0_, live_) : _mm512_setzero_ps();  \
+        transpose16_store(r_, (kt), d0_, (D));                                                       \
+    }
+/* The largest of row[0 … S-1]; NaNs are passed over, as the scalar `x > top ? x : top` does. */
+static inline float ROW_MAX(const float *row, int64_t S) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t s0 = 0; s0 < S; s0 += LANES) {
+        __mmask16 live = S - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (S - s0)) - 1);
+        top = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + s0), top);
+    }
+    float lanes[LANES], best = -INFINITY;
+    _mm512_storeu_ps(lanes, top);
+    for (int l = 0; l < LANES; l++) best = lanes[l] > best ? lanes[l] : best;
+    return best;
+}
+#else
+#define SCORE_CHAINS(kt, qs, D, acc)                                                                 \
+    do {                                                                                             \
+        for (int i_ = 0; i_ < QUERY_CHUNK; i_++)                                                     \
+            for (int l_ = 0; l_ < KEY_TILE; l_++) (acc)[i_][l_] = 0.0f;                              \
+        for (int64_t d = 0; d < (D); d++)                                                            \
+            for (int i_ = 0; i_ < QUERY_CHUNK; i_++)                                                 \
+                for (int l_ = 0; l_ < KEY_TILE; l_++)                                                \
+                    (acc)[i_][l_] = fmaf((qs)[i_][d], (kt)[d][l_], (acc)[i_][l_]);                   \
+    } while (0)
+#define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out)                                           \
+    for (int64_t d = 0; d < (D); d++) (out)[d] = (live) ? LOAD((qr)[d]) * (scale) : 0.0f;
+#define TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt)                                           \
+    for (int64_t d = 0; d < (D); d++)                                                                \
+        for (int l = 0; l < KEY_TILE; l++) (kt)[d][l] = l < (n) ? LOAD((kb)[l * (D) + d]) : 0.0f;
+static inline float ROW_MAX(const float *row, int64_t S) {
+    float top = -INFINITY;
+    for (int64_t s = 0; s < S; s++) top = row[s] > top ? row[s] : top;
+    return top;
+}
+#endif
+
+/* row[l] = acc[l] where key s0 + l is visible (its mask byte is 1; causal: l < visible), else
+ * -inf, for l < n. */
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible, int64_t n, const float *acc) {
+    __mmask16 in_tile = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1), seen;
+    if (mrow)
+        seen = _mm_mask_cmpneq_epi8_mask(in_tile, _mm_maskz_loadu_epi8(in_tile, mrow), _mm_setzero_si128());
+    else
+        seen = visible >= 16 ? (__mmask16)0xffff : visible <= 0 ? 0 : (__mmask16)((1u << visible) - 1);
+    _mm512_mask_storeu_ps(row, in_tile, _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(acc)));
+}
+#else
+static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible, int64_t n, const float *acc) {
+    for (int l = 0; l < n; l++) row[l] = (mrow ? mrow[l] != 0 : l < visible) ? acc[l] : -INFINITY;
+}
+#endif
+
+#define ATTENTION(NAME, SUFFIX, T_ELEM, LOAD, STORE)                                                         \
+static void NAME##_body(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask,      \
+                        T_ELEM *out, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S,        \
+                        int64_t D, int64_t kv_batch, int64_t kv_head, float scale, float *scores) {  \
+    int64_t group = H / Hkv, tiles = (S + KEY_TILE - 1) / KEY_TILE;                                  \
+    _Pragma("omp for schedule(static)")                                                              \
+    for (int64_t job = 0; job < B * Hkv * tiles; job++) {                                            \
+        int64_t b = job / (Hkv * tiles), g = (job / tiles) % Hkv, s0 = (job % tiles) * KEY_TILE;     \
+        int64_t n = S - s0 < KEY_TILE ? S - s0 : KEY_TILE;                                           \
+        const T_ELEM *kb = k + b * kv_batch + g * kv_head + s0 * D;                                  \
+        float kt[512][KEY_TILE];                                                                     \
+        TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt);                                          \
+        /* the group's queries (t, h), QUERY_CHUNK at a time: their chains interleave, each unchanged */ \
+        for (int64_t i0 = 0; i0 < T * group; i0 += QUERY_CHUNK) {                                    \
+            float qs[QUERY_CHUNK][512], acc[QUERY_CHUNK][KEY_TILE];                                   \
+            int chunk = T * group - i0 < QUERY_CHUNK ? (int)(T * group - i0) : QUERY_CHUNK;          \
+            for (int i = 0; i < QUERY_CHUNK; i++) {                                                  \
+                int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                      \
+                const T_ELEM *qr = i < chunk ? q + ((b * T + t) * H + h) * D : q;  /* past: zeros */ \
+                SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, i < chunk, qs[i]);                           \
+            }                                                                                        \
+            SCORE_CHAINS(kt, qs, D, acc);                                                            \
+            for (int i = 0; i < chunk; i++) {                                                        \
+                int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                      \
+                float *row = scores + ((b * T + t) * H + h) * S + s0;                                \
+                const uint8_t *mrow = mask ? mask + (b * T + t) * S + s0 : NULL;                     \
+                STORE_SCORES(row, mrow, S - T + t + 1 - s0, n, acc[i]);                              \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
+    _Pragma("omp for schedule(static)")                                                              \
+    for (int64_t item = 0; item < B * T * H; item++) {                                               \
+        int64_t b = item / (T * H), g = (item % H) / group;                                          \
+        const T_ELEM *vb = v + b * kv_batch + g * kv_head;                                           \
+        float *row = scores + item * S;                                                              \
+        float top = ROW_MAX(row, S);                                                                 \
+        float sums[LANES] = {0};                                                                     \
+        EXP_SUM(row, S, top, sums);                                                                  \
+        float total = fold_lanes(sums), o[512];                                                      \
+        WEIGHTED_SUM_##SUFFIX(row, vb, S, D, o);                                                     \
+        float inv = total > 0.0f ? 1.0f / total : 0.0f;                                              \
+        T_ELEM *outr = out + item * D;                                                               \
+        for (int64_t d = 0; d < D; d++) outr[d] = STORE(o[d] * inv);                                 \
+    }                                                                                                \
+}                                                                                                    \
+void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask, T_ELEM *out,       \
+          int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,                        \
+          int64_t kv_batch, int64_t kv_head, float scale, float *scores, int threads) {              \
+    _Pragma("omp parallel num_threads(threads)")                                                     \
+    NAME##_body(q, k, v, mask, out, B, T, H, Hkv, S, D, kv_batch, kv_head, scale, scores);          \
+}
+
+ATTENTION(d3d_attention_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+ATTENTION(d3d_attention_f32, f32, float, IDENTITY, IDENTITY)

@@ -1,0 +1,402 @@
+"""The compiled row-exact kernels, called through ctypes over CPU tensors in bf16 or fp32.
+
+A row's result is a fixed sequence of IEEE operations whatever the number of rows in the call
+(see rowexact.c), so a k-token verification is bit-identical to k one-token steps by construction,
+on any CPU. They have no backward. `forward` runs a whole cached decoder in one C call over a
+`LayerTable` — every layer's named tensors, each linear weight as its `WeightStream` — with the
+arguments in one `ForwardArgs` struct that mirrors the C one.
+
+This module computes; it is handed weights, activations and KV slots as tensors and knows nothing
+of caches, tokens or models.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from d3d.config import MAX_HEAD_DIM
+from d3d.kernels.build import KernelBuildError, build
+from d3d.kernels.packing import (MAX_PARTS, WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks,
+                                 column_packed)
+from d3d.kernels.torch_ops import KVSlots, TorchKernels
+
+c_i64, c_ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class Part(ctypes.Structure):
+    """d3d_part: a run of a linear weight's rows, its bytes and their format (formats.h)."""
+
+    _fields_ = [("data", c_ptr), ("format", c_i64), ("rows", c_i64)]
+
+
+class Weight(ctypes.Structure):
+    """d3d_weight: a linear weight as its runs of rows."""
+
+    _fields_ = [("parts", Part * MAX_PARTS)]
+
+    @classmethod
+    def of(cls, stream: WeightStream) -> "Weight":
+        weight = cls()
+        for slot, part in zip(weight.parts, stream.parts):
+            slot.data, slot.format, slot.rows = part.data.data_ptr(), WEIGHT_FORMATS[part.format], part.rows
+        return weight
+
+
+class Layer(ctypes.Structure):
+    """d3d_layer: one decoder layer's tensors, by name (NULL where the architecture has none)."""
+
+    _fields_ = [("input_norm", c_ptr), ("qkv", Weight), ("qkv_bias", c_ptr), ("q_norm", c_ptr), ("k_norm", c_ptr),
+                ("o", Weight), ("o_bias", c_ptr), ("post_norm", c_ptr), ("gate_up", Weight),
+                ("gate_up_bias", c_ptr), ("down", Weight), ("down_bias", c_ptr)]
+
+
+class ForwardArgs(ctypes.Structure):
+    """d3d_forward_args: everything one fused forward reads and writes."""
+
+    _fields_ = [("layers", ctypes.POINTER(Layer)), ("num_layers", c_i64), ("hidden", c_i64), ("heads", c_i64),
+                ("kv_heads", c_i64), ("head_dim", c_i64), ("intermediate", c_i64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("x", c_ptr), ("rope", c_ptr), ("positions", c_ptr),
+                ("rope_positions", c_i64), ("k_cache", c_ptr), ("v_cache", c_ptr), ("kv_layer", c_i64),
+                ("kv_batch", c_i64), ("kv_head", c_i64), ("start", c_i64), ("mask", c_ptr), ("batch", c_i64),
+                ("length", c_i64), ("final_norm", c_ptr), ("out", c_ptr), ("work", c_ptr), ("scores", c_ptr),
+                ("linear_scratch", c_ptr), ("threads", c_i64)]
+
+
+LAYER_SLOTS = tuple(name for name, _ in Layer._fields_)  # a layer's tensors, in the C struct's order
+LINEAR_SLOTS = frozenset(name for name, kind in Layer._fields_ if kind is Weight)
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes `RowExactKernels.forward` needs besides the weights."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+class RowExactKernels:
+    """The compiled row-exact kernels, over CPU tensors in bf16 or fp32 (no autograd)."""
+
+    name = "row-exact"
+
+    # Stage names of the fused forward's profile (the STAGE_ enum in rowexact.c).
+    STAGES = ("norm", "qkv", "rope_store", "attention", "o", "gate_up", "silu_mul", "down")
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.library, self.path = library, path
+        i64, f32, ptr, i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+        for suffix in ("bf16", "f32"):
+            getattr(library, f"d3d_linear_{suffix}").argtypes = [ptr, i64, ctypes.POINTER(Weight), ptr, ptr, ptr,
+                                                                 i64, i64, i64, ptr, i32]
+            getattr(library, f"d3d_rope_store_{suffix}").argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                                                      i64, i64, i64, i64, i64]
+            getattr(library, f"d3d_attention_{suffix}").argtypes = [
+                ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32]
+            getattr(library, f"d3d_rms_norm_{suffix}").argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
+            getattr(library, f"d3d_silu_mul_{suffix}").argtypes = [ptr, ptr, i64, i64, i32]
+            getattr(library, f"d3d_forward_{suffix}").argtypes = [ctypes.POINTER(ForwardArgs)]
+        library.d3d_packed_linear.argtypes = [i32]
+        library.d3d_linear_scratch.argtypes = [i64, i64, i32]
+        library.d3d_linear_scratch.restype = i64
+        library.d3d_dequantize.argtypes = [ptr, i64, ptr, i64, i64]
+        library.d3d_dequantize_reference.argtypes = [ptr, i64, ptr, i64, i64]
+        for suffix in ("bf16", "f32"):
+            getattr(library, f"d3d_linear_reference_{suffix}").argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+        library.d3d_struct_sizes.argtypes = [i32]
+        library.d3d_struct_sizes.restype = i64
+        if (library.d3d_struct_sizes(0), library.d3d_struct_sizes(1)) != (ctypes.sizeof(ForwardArgs), ctypes.sizeof(Layer)):
+            raise KernelBuildError("the kernels' argument structs do not match d3d/kernels/binding.py")
+        self._functions: dict[tuple[str, torch.dtype], Any] = {}  # (kind, dtype) → C function
+        self.packs = {dtype: bool(library.d3d_packed_linear(dtype == torch.bfloat16))
+                      for dtype in (torch.bfloat16, torch.float32)}
+        # id(weight) → (weakref to it, its version when the stream was made, the stream); an entry
+        # goes when its weight does, and is dropped after an in-place update of the weight
+        self._streams: dict[int, tuple[weakref.ref, int, WeightStream]] = {}
+        self.epoch = 0  # bumped whenever a weight is given a stream of its own (LayerTable rebuilds)
+        self.arena = HugePageArena()
+        library.d3d_kernel_path.restype = ctypes.c_char_p
+        self.path_name = library.d3d_kernel_path().decode()
+
+    def stage_seconds(self, reset: bool = False) -> dict[str, float]:
+        """Seconds the fused forward spent per stage so far (zeros unless built with `profile`)."""
+        table = (ctypes.c_double * len(self.STAGES)).in_dll(self.library, "d3d_stage_seconds")
+        spent = dict(zip(self.STAGES, table))
+        if reset:
+            ctypes.memset(table, 0, ctypes.sizeof(table))
+        return spent
+
+    # One library per process: a copied or pickled decoder shares it.
+    def __deepcopy__(self, memo: dict) -> "RowExactKernels":
+        return self
+
+    def __reduce__(self):
+        return row_exact_kernels, ()
+
+    def _fn(self, kind: str, dtype: torch.dtype):
+        try:
+            return self._functions[kind, dtype]
+        except KeyError:
+            if dtype not in (torch.bfloat16, torch.float32):
+                raise TypeError(f"row-exact kernels run bf16 or fp32, not {dtype}") from None
+            suffix = "bf16" if dtype == torch.bfloat16 else "f32"
+            function = self._functions[kind, dtype] = getattr(self.library, f"d3d_{kind}_{suffix}")
+            return function
+
+    # ---- weight streams ----
+
+    def _remember(self, weight: torch.Tensor, stream: WeightStream) -> WeightStream:
+        key = id(weight)
+        self._streams[key] = (weakref.ref(weight, lambda _, key=key: self._streams.pop(key, None)),
+                              weight._version, stream)
+        return stream
+
+    def stream(self, weight: torch.Tensor) -> WeightStream:
+        """What the linear kernels read for `weight` (N, K): a stream given to it (`use_stream`),
+        else its column-packed copy where this build packs its dtype, else the weight itself.
+        A weight always takes the same stream whatever the row count: that is the invariant."""
+        entry = self._streams.get(id(weight))
+        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+            return entry[2]
+        rows = weight.shape[0]
+        if self.packs[weight.dtype] and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
+            return self._remember(weight, WeightStream.whole("packed", column_packed(weight, self.arena), rows))
+        return WeightStream.whole("plain", weight, rows)
+
+    def use_stream(self, weight: torch.Tensor, stream: WeightStream) -> None:
+        """Have the kernels read `stream` for `weight` from now on, until the weight changes in place.
+
+        A quantized stream must decode to exactly the weight's values (checked here, every block):
+        otherwise it would be a different model, and it is refused with ValueError."""
+        rows, width = weight.shape
+        if not stream.quantized:
+            raise ValueError("only quantized streams are given to weights; plain and packed ones are made here")
+        if weight.dtype != torch.bfloat16:
+            raise ValueError(f"a {stream.source} stream decodes to bf16 values; this weight is {weight.dtype}")
+        if sum(part.rows for part in stream.parts) != rows:
+            raise ValueError(f"a {stream.source} stream of {sum(p.rows for p in stream.parts)} rows for {rows}")
+        first = 0
+        for part in stream.parts:
+            check_blocks(part, width)
+            differ = int((self.dequantize(part.data, part.format, part.rows, width)
+                          != weight[first:first + part.rows]).sum())
+            if differ:
+                raise ValueError(f"the {part.source or part.format} stream decodes to {differ} values other "
+                                 f"than the weight's (rows {first}-{first + part.rows - 1} of {rows} x {width})")
+            first += part.rows
+        self._remember(weight, stream)
+        self.epoch += 1
+
+    def dequantize(self, data: torch.Tensor, format: str, rows: int, width: int, reference: bool = False) -> torch.Tensor:
+        """The bf16 values (rows, width) the kernels compute with for quantized blocks in `format`;
+        `reference`: by the scalar decoder that defines them (the vector decoders must agree)."""
+        out = torch.empty(rows, width, dtype=torch.bfloat16)
+        function = self.library.d3d_dequantize_reference if reference else self.library.d3d_dequantize
+        function(data.data_ptr(), WEIGHT_FORMATS[format], out.data_ptr(), rows, width)
+        return out
+
+    def _weight(self, weight: torch.Tensor) -> tuple[Weight, WeightStream]:
+        stream = self.stream(weight)
+        return Weight.of(stream), stream
+
+    def _scratch(self, rows: int, width: int) -> torch.Tensor:
+        return torch.empty(self.library.d3d_linear_scratch(rows, width, torch.get_num_threads()), dtype=torch.float32)
+
+    # ---- the operations ----
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        *lead, width = x.shape
+        x2 = x.reshape(-1, width)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        assert weight.is_contiguous() and weight.shape[1] == width and weight.dtype == x.dtype
+        out = torch.empty(*lead, weight.shape[0], dtype=x.dtype)
+        if residual is not None:
+            residual = residual.contiguous()
+            assert residual.shape == out.shape and residual.dtype == out.dtype
+        descriptor, _ = self._weight(weight)
+        scratch = self._scratch(x2.shape[0], width)
+        self._fn("linear", x.dtype)(x2.data_ptr(), x2.stride(0), ctypes.byref(descriptor), _ptr(bias), _ptr(residual),
+                                    out.data_ptr(), x2.shape[0], weight.shape[0], width, scratch.data_ptr(),
+                                    torch.get_num_threads())
+        return out
+
+    def linear_reference(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (M, K) @ weight (N, K)ᵀ by the reference lanes (rowexact's portable C), whatever this
+        build's own path: where a weight takes the lanes, every lanes kernel must give these bits."""
+        x, weight = x.contiguous(), weight.contiguous()
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+        self._fn("linear_reference", x.dtype)(x.data_ptr(), x.shape[1], weight.data_ptr(), _ptr(bias), None,
+                                              out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1],
+                                              torch.get_num_threads())
+        return out
+
+    def forward(self, table: "LayerTable", shape: DecoderShape, x: torch.Tensor, rope: torch.Tensor,
+                positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                mask: torch.Tensor | None, final_norm: torch.Tensor,
+                capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every layer and the final norm over x (B, T, hidden) in one C call; returns the normed hidden
+        states and, for each layer index in `capture` (ascending), the residual stream after that layer.
+        The same kernels as the per-op calls, so the same bits (tested); capturing splits the call at
+        the captured layers and changes no bit either.
+
+        rope: (2, P, D) cos/sin tables in x's dtype; positions (B, T) rows of them, below P. keys,
+        values: the KV cache (L, B, H_kv, capacity, D); the new tokens' go to slots start … start+T-1.
+        """
+        batch, length, hidden = x.shape
+        assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == x.dtype
+        assert keys.shape[1] == batch and start + length <= keys.shape[3], "KV slots out of range"
+        keys_seen = start + length
+        x = x.contiguous().clone()  # the residual stream, updated in place by the kernel
+        positions = positions.contiguous()
+        if mask is not None:
+            mask = mask.to(torch.uint8).contiguous()
+            assert mask.shape == (batch, length, keys_seen), f"mask {tuple(mask.shape)}"
+        rows, heads, dim = batch * length, shape.heads, shape.head_dim
+        assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
+        width = (heads + 2 * shape.kv_heads) * dim
+        work = torch.empty(rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), dtype=x.dtype)
+        scores = torch.empty(rows * heads * keys_seen, dtype=torch.float32)
+        scratch = self._scratch(rows, max(hidden, heads * dim, shape.intermediate))
+        out = torch.empty_like(x)
+        captured, first = [], 0
+        for last in [*capture, table.layers - 1]:  # layers first … last in one call
+            if last < first:  # the last layer was captured: nothing left to run
+                continue
+            args = ForwardArgs(
+                ctypes.cast(ctypes.addressof(table.structs) + first * ctypes.sizeof(Layer), ctypes.POINTER(Layer)),
+                last + 1 - first, hidden, heads, shape.kv_heads, dim, shape.intermediate, shape.eps, dim ** -0.5,
+                x.data_ptr(), rope.data_ptr(), positions.data_ptr(), rope.shape[1], keys[first].data_ptr(),
+                values[first].data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), start, _ptr(mask),
+                batch, length, final_norm.data_ptr(), out.data_ptr(), work.data_ptr(), scores.data_ptr(),
+                scratch.data_ptr(), torch.get_num_threads())
+            self._fn("forward", x.dtype)(ctypes.byref(args))
+            if last in capture:
+                captured.append(x.clone())
+            first = last + 1
+        return out, captured
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                   slots: KVSlots | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`TorchKernels.rope_store` in one call, the same bits (IEEE products and sums, rounded alike)."""
+        if slots is None:
+            return TorchKernels.rope_store(qkv, cos, sin, heads, kv_heads, slots)
+        keys, values, start = slots  # (B, H_kv, capacity, D), contiguous
+        batch, length, width = qkv.shape
+        dim = width // (heads + 2 * kv_heads)
+        assert keys.is_contiguous() and values.is_contiguous() and start + length <= keys.shape[2]
+        qkv = qkv.contiguous()
+        q = torch.empty(batch, length, heads, dim, dtype=qkv.dtype)
+        cos, sin = cos.reshape(batch * length, dim).contiguous(), sin.reshape(batch * length, dim).contiguous()
+        self._fn("rope_store", qkv.dtype)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                                          keys.data_ptr(), values.data_ptr(), batch, length, heads, kv_heads, dim,
+                                          start, keys.stride(0), keys.stride(1))
+        end = start + length
+        return q, keys[:, :, :end], values[:, :, :end]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q (B, T, H, D) over k/v (B, H_kv, S, D) → (B, T, H, D); mask (B, T, S), None = causal."""
+        batch, length, heads, dim = q.shape
+        kv_heads, keys = k.shape[1], k.shape[2]
+        if k.stride(-1) != 1 or k.stride(-2) != dim or k.stride() != v.stride():  # a cache slice passes as is
+            k, v = k.contiguous(), v.contiguous()
+        assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
+        q = q.contiguous()
+        if mask is not None:
+            mask = mask.to(torch.uint8).contiguous()
+            assert mask.shape == (batch, length, keys), f"mask {tuple(mask.shape)}"
+        out = torch.empty_like(q)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(batch * length * heads * keys, dtype=torch.float32)
+        self._fn("attention", q.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(),
+                                       batch, length, heads, kv_heads, keys, dim, k.stride(0), k.stride(1),
+                                       dim ** -0.5, scratch.data_ptr(), threads)
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._fn("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                                      x.shape[-1], eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        *lead, width = gate_up.shape
+        out = torch.empty(*lead, width // 2, dtype=gate_up.dtype)
+        self._fn("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // width,
+                                            width // 2, torch.get_num_threads())
+        return out
+
+
+class LayerTable:
+    """The C forward's table of every layer's tensors, with the streams its linears read.
+
+    Built once and reused while `current()` holds: the same tensors, unchanged in place (their
+    version counters), not moved (their data pointers), and no stream given since (`epoch`).
+    """
+
+    def __init__(self, kernels: RowExactKernels, layers: list[dict[str, torch.Tensor | None]]) -> None:
+        self.kernels, self.layers = kernels, len(layers)
+        self.structs = (Layer * len(layers))()
+        self.tensors: list[torch.Tensor] = []
+        self.keep: list[Any] = []  # what the pointers point into
+        for struct, row in zip(self.structs, layers):
+            assert set(row) == set(LAYER_SLOTS), sorted(set(row) ^ set(LAYER_SLOTS))
+            for slot, tensor in row.items():
+                if tensor is None:
+                    continue
+                assert tensor.is_contiguous(), slot
+                self.tensors.append(tensor)
+                if slot in LINEAR_SLOTS:
+                    descriptor, stream = kernels._weight(tensor)
+                    self.keep.append(stream)
+                    setattr(struct, slot, descriptor)
+                else:
+                    setattr(struct, slot, tensor.data_ptr())
+        self.stamp = self._stamp()
+
+    def _stamp(self) -> tuple[int, list[tuple[int, int]]]:
+        return self.kernels.epoch, [(t._version, t.data_ptr()) for t in self.tensors]
+
+    def current(self) -> bool:
+        return self._stamp() == self.stamp
+
+
+_lock = threading.Lock()
+_loaded: RowExactKernels | KernelBuildError | None = None
+
+
+def row_exact_kernels() -> RowExactKernels:
+    """The compiled kernels for this machine, built on first call; raises KernelBuildError."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            # torch's own libgomp is loaded first, so the kernels share its OpenMP thread pool.
+            try:
+                path = build()
+                _loaded = RowExactKernels(ctypes.CDLL(str(path)), path)
+            except (KernelBuildError, OSError) as error:
+                _loaded = error if isinstance(error, KernelBuildError) else KernelBuildError(str(error))
+        if isinstance(_loaded, KernelBuildError):
+            raise _loaded
+        return _loaded
+
+
+__all__ = ["DecoderShape", "LayerTable", "RowExactKernels", "row_exact_kernels", "LAYER_SLOTS",
+           "LINEAR_SLOTS"]

@@ -1,0 +1,93 @@
+/* ---------------------------------------------------------------------------------------------
+ * RMSNorm with transformers' rounding: y = weight * to_dtype(x * rsqrt(mean(x²) + eps)), the
+ * normalisation in fp32 (in place allowed: y = x). SwiGLU: y = to_dtype(silu(gate)) * up for
+ * gate_up = [gate | up] (M, 2I), elementwise.
+ * ------------------------------------------------------------------------------------------- */
+
+#define SILU_CHUNK 256  /* elements of one row per work item: a 1-row call still splits */
+
+#define NORMS(SUFFIX, T_ELEM, LOAD, STORE)                                                           \
+static inline void rms_norm_row_##SUFFIX(const T_ELEM *xr, const T_ELEM *weight, T_ELEM *yr, int64_t D, \
+                                         float eps) {                                                \
+    float acc[LANES] = {0};                                                                          \
+    int64_t d = 0;                                                                                   \
+    for (; d + LANES <= D; d += LANES)                                                               \
+        for (int l = 0; l < LANES; l++) { float f = LOAD(xr[d + l]); acc[l] = fmaf(f, f, acc[l]); }  \
+    for (int l = 0; d + l < D; l++) { float f = LOAD(xr[d + l]); acc[l] = fmaf(f, f, acc[l]); }      \
+    float r = 1.0f / sqrtf(fold_lanes(acc) / (float)D + eps);                                        \
+    for (d = 0; d < D; d++) yr[d] = STORE(LOAD(weight[d]) * LOAD(STORE(LOAD(xr[d]) * r)));           \
+}                                                                                                    \
+static void rms_norm_body_##SUFFIX(const T_ELEM *x, const T_ELEM *weight, T_ELEM *y, int64_t M,      \
+                                   int64_t D, float eps) {                                           \
+    _Pragma("omp for schedule(static)")                                                              \
+    for (int64_t m = 0; m < M; m++) rms_norm_row_##SUFFIX(x + m * D, weight, y + m * D, D, eps);     \
+}                                                                                                    \
+void d3d_rms_norm_##SUFFIX(const T_ELEM *x, const T_ELEM *weight, T_ELEM *y, int64_t M, int64_t D,   \
+                           float eps, int threads) {                                                 \
+    _Pragma("omp parallel num_threads(threads) if(M > 1)")                                           \
+    rms_norm_body_##SUFFIX(x, weight, y, M, D, eps);                                                 \
+}                                                                                                    \
+static void silu_mul_body_##SUFFIX(const T_ELEM *gate_up, T_ELEM *y, int64_t M, int64_t I) {         \
+    int64_t chunks = (I + SILU_CHUNK - 1) / SILU_CHUNK;                                              \
+    _Pragma("omp for schedule(static)")                                                              \
+    for (int64_t job = 0; job < M * chunks; job++) {                                                 \
+        int64_t m = job / chunks, i0 = (job % chunks) * SILU_CHUNK;                                  \
+        int64_t i1 = i0 + SILU_CHUNK < I ? i0 + SILU_CHUNK : I;                                      \
+        for (int64_t i = i0; i < i1; i++) {                                                          \
+            float g = LOAD(gate_up[m * 2 * I + i]);                                                  \
+            float silu = LOAD(STORE(g / (1.0f + exp_fixed(-g))));                                    \
+            y[m * I + i] = STORE(silu * LOAD(gate_up[m * 2 * I + I + i]));                           \
+        }                                                                                            \
+    }                                                                                                \
+}                                                                                                    \
+void d3d_silu_mul_##SUFFIX(const T_ELEM *gate_up, T_ELEM *y, int64_t M, int64_t I, int threads) {    \
+    _Pragma("omp parallel num_threads(threads) if(M > 1)")                                           \
+    silu_mul_body_##SUFFIX(gate_up, y, M, I);                                                        \
+}
+
+NORMS(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+NORMS(f32, float, IDENTITY, IDENTITY)
+
+/* ---------------------------------------------------------------------------------------------
+ * RoPE and the KV store: from qkv (M, (H + 2 Hkv) D) rows, M = B*T, write q rotated to
+ * q_out (M, H, D) and k rotated, v as is into the cache slots start … start+T-1 of batch row b at
+ * k_cache + b*kv_batch + g*kv_head + slot*D. Rotation with PyTorch's rounding:
+ * to_dtype(to_dtype(x*cos) + to_dtype(rotate_half(x)*sin)). Row m's cos/sin are row m of cos_/sin_
+ * (M, D), or with `positions`, row positions[m] of tables cos_/sin_ (P, D).
+ * ------------------------------------------------------------------------------------------- */
+
+#define ROPE_STORE(SUFFIX, T_ELEM, LOAD, STORE)                                                      \
+static inline void rotate_##SUFFIX(const T_ELEM *x, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *out, \
+                                   int64_t D) {                                                      \
+    int64_t half = D / 2;                                                                            \
+    for (int64_t d = 0; d < D; d++) {                                                                \
+        float rot = d < half ? -LOAD(x[d + half]) : LOAD(x[d - half]);                               \
+        float a = LOAD(STORE(LOAD(x[d]) * LOAD(cos_[d]))), b = LOAD(STORE(rot * LOAD(sin_[d])));     \
+        out[d] = STORE(a + b);                                                                       \
+    }                                                                                                \
+}                                                                                                    \
+static void rope_store_body_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM *sin_,      \
+                                     const int64_t *positions, T_ELEM *q_out, T_ELEM *k_cache,       \
+                                     T_ELEM *v_cache, int64_t B, int64_t T, int64_t H, int64_t Hkv,  \
+                                     int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head) {  \
+    int64_t width = (H + 2 * Hkv) * D;                                                               \
+    for (int64_t m = 0; m < B * T; m++) {                                                            \
+        int64_t b = m / T, slot = start + m % T, row_at = (positions ? positions[m] : m) * D;        \
+        const T_ELEM *row = qkv + m * width, *c = cos_ + row_at, *s = sin_ + row_at;                 \
+        for (int64_t h = 0; h < H; h++) rotate_##SUFFIX(row + h * D, c, s, q_out + (m * H + h) * D, D); \
+        for (int64_t g = 0; g < Hkv; g++) {                                                          \
+            int64_t at = b * kv_batch + g * kv_head + slot * D;                                      \
+            rotate_##SUFFIX(row + (H + g) * D, c, s, k_cache + at, D);                               \
+            memcpy(v_cache + at, row + (H + Hkv + g) * D, D * sizeof(T_ELEM));                       \
+        }                                                                                            \
+    }                                                                                                \
+}                                                                                                    \
+void d3d_rope_store_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *q_out, \
+                             T_ELEM *k_cache, T_ELEM *v_cache, int64_t B, int64_t T, int64_t H,      \
+                             int64_t Hkv, int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head) { \
+    rope_store_body_##SUFFIX(qkv, cos_, sin_, NULL, q_out, k_cache, v_cache, B, T, H, Hkv, D, start, \
+                             kv_batch, kv_head);                                                     \
+}
+
+ROPE_STORE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+ROPE_STORE(f32, float, IDENTITY, IDENTITY)

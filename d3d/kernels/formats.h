@@ -1,0 +1,181 @@
+/* Weight formats the linear kernels read, and how each one decodes to the model's values.
+ *
+ * A weight is a (N, K) matrix — N output columns, K inputs — held in one of these layouts
+ * (`d3d_weight.format`; mirrored by WEIGHT_FORMATS in d3d/kernels/binding.py):
+ *
+ *   PLAIN   the dtype's own (N, K) row-major matrix (bf16 or fp32);
+ *   PACKED  the AVX-512 column-packed copy of a PLAIN matrix (see linear.h);
+ *   U4      GGUF Q4_0, Q4_1 and Q4_K, repacked at load: per 32 weights of a row, an fp32 scale s, an
+ *           fp32 offset o and 16 bytes of 4-bit codes q (byte j holds weight j in its low nibble,
+ *           weight j + 16 in its high one); the weight is bf16(fma(s, q, o));
+ *   I8      GGUF Q8_0: per 32 weights an fp32 scale s and 32 signed bytes q; the weight is bf16(s·q);
+ *   U6      GGUF Q6_K: per 32 weights two fp32 scales (one per 16), 16 bytes of low nibbles laid
+ *           out as U4's and 8 bytes of high bit pairs (byte i holds weight 8j + i's in bits 2j, 2j+1);
+ *           q = (low | high << 4) − 32 and the weight is bf16(s·q).
+ *
+ * Each quantized value is the GGUF reference dequantization (gguf-py's, which transformers and
+ * so d3d's loader use) rounded to bf16, by construction: the reference computes d·q + m (Q4_1),
+ * d·(q − 8) (Q4_0), (d·sc)·q − dmin·m (Q4_K), x·d (Q8_0) and (d·sc)·q (Q6_K) in fp32, one rounding
+ * per operation. Where the reference's product is exact in fp32 (4-bit codes times an fp16 scale,
+ * or a 6-bit sub-scale times one), its two roundings are the single rounding of an fma; the
+ * repacked scale and offset are those exact products, computed once at load. The loader checks
+ * every block against the weights it loaded anyway (d3d_dequantize) before a format is used.
+ *
+ * The bf16 rounding: round to nearest even, as torch's .to(bfloat16). The vector decoders use
+ * Veltkamp's split, c = v·65537, v' = c − (c − v), which rounds v to 8 significant bits, nearest
+ * even, for every |v| in [1e-30, 1e30] (checked exhaustively over all floats in that range) — and
+ * every decoded weight is 0 or at least 2^-24 in magnitude, being a sum of fp16 multiples.
+ */
+
+enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4 };
+
+#define CHUNK 32  /* weights of a row per block of every quantized format */
+
+typedef struct { float scale, offset; uint8_t q[16]; } block_u4;
+typedef struct { float scale; int8_t q[32]; } block_i8;
+typedef struct { float scale[2]; uint8_t low[16], high[8]; } block_u6;
+
+/* What the linear kernels are handed for one weight: up to MAX_PARTS runs of rows, each in its
+ * own format (a fused q|k|v projection whose parts a GGUF quantized differently, as Q4_K_M files
+ * do). Every run but the last holds a multiple of 4 rows; a plain or packed weight is one run. */
+#define MAX_PARTS 3
+typedef struct {
+    const void *data;
+    int64_t format, rows;
+} d3d_part;
+typedef struct {
+    d3d_part parts[MAX_PARTS];
+} d3d_weight;
+
+static inline int is_quantized(int64_t format) { return format >= D3D_U4; }
+
+static inline int64_t block_bytes(int64_t format) {
+    return format == D3D_U4 ? (int64_t)sizeof(block_u4) : format == D3D_I8 ? (int64_t)sizeof(block_i8)
+                                                                             : (int64_t)sizeof(block_u6);
+}
+
+/* The part holding row n, and n's index within it. */
+static inline const d3d_part *part_of(const d3d_weight *w, int64_t *n) {
+    int p = 0;
+    while (p + 1 < MAX_PARTS && *n >= w->parts[p].rows && w->parts[p + 1].rows) *n -= w->parts[p++].rows;
+    return &w->parts[p];
+}
+
+/* Block b of row n of a quantized weight (K wide), and its format. */
+static inline const void *block_at(const d3d_weight *w, int64_t n, int64_t b, int64_t K, int64_t *format) {
+    const d3d_part *part = part_of(w, &n);
+    *format = part->format;
+    return (const char *)part->data + (n * (K / CHUNK) + b) * block_bytes(part->format);
+}
+
+static inline int nibble(const uint8_t *q, int e) { return e < 16 ? q[e] & 15 : q[e - 16] >> 4; }
+
+static void decode_block_scalar(int64_t format, const void *block, float out[CHUNK]) {
+    if (format == D3D_U4) {
+        const block_u4 *b = block;
+        for (int e = 0; e < CHUNK; e++) out[e] = bf16_to_f32(f32_to_bf16(fmaf(b->scale, (float)nibble(b->q, e), b->offset)));
+    } else if (format == D3D_I8) {
+        const block_i8 *b = block;
+        for (int e = 0; e < CHUNK; e++) out[e] = bf16_to_f32(f32_to_bf16(b->scale * (float)b->q[e]));
+    } else {
+        const block_u6 *b = block;
+        for (int e = 0; e < CHUNK; e++) {
+            int q = (nibble(b->low, e) | (((b->high[e % 8] >> (2 * (e / 8))) & 3) << 4)) - 32;
+            out[e] = bf16_to_f32(f32_to_bf16(b->scale[e / 16] * (float)q));
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define D3D_AVX2 1
+/* ---- AVX2 primitives: 8 fp32 lanes ---- */
+typedef __m256 v8;
+#define v8_zero() _mm256_setzero_ps()
+#define v8_load(p) _mm256_loadu_ps(p)
+#define v8_store(p, v) _mm256_storeu_ps(p, v)
+#define v8_fma(a, b, acc) _mm256_fmadd_ps(a, b, acc)  /* a·b + acc, one rounding */
+#define v8_splat(p) _mm256_broadcast_ss(p)
+static inline __attribute__((always_inline)) v8 v8_round_bf16(v8 v) {  /* Veltkamp, see above */
+    v8 c = _mm256_mul_ps(v, _mm256_set1_ps(65537.0f));
+    return _mm256_sub_ps(c, _mm256_sub_ps(c, v));
+}
+static inline __attribute__((always_inline)) v8 v8_from_bf16(const uint16_t *p) {  /* 8 bf16, widened */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline __attribute__((always_inline)) __m256i v8_bytes(const uint8_t *p) {  /* 8 bytes, zero-extended */
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+/* Decoders: 32 weights (one block, or 32 plain elements) → 4 vectors of 8 in k order. */
+static inline __attribute__((always_inline)) void decode_u4(const void *block, v8 out[4]) {
+    const block_u4 *b = block;
+    v8 s = v8_splat(&b->scale), o = v8_splat(&b->offset);
+    __m256i lo = v8_bytes(b->q), hi = v8_bytes(b->q + 8), f = _mm256_set1_epi32(15);
+    out[0] = v8_round_bf16(v8_fma(s, _mm256_cvtepi32_ps(_mm256_and_si256(lo, f)), o));
+    out[1] = v8_round_bf16(v8_fma(s, _mm256_cvtepi32_ps(_mm256_and_si256(hi, f)), o));
+    out[2] = v8_round_bf16(v8_fma(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), o));
+    out[3] = v8_round_bf16(v8_fma(s, _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), o));
+}
+static inline __attribute__((always_inline)) void decode_i8(const void *block, v8 out[4]) {
+    const block_i8 *b = block;
+    v8 s = v8_splat(&b->scale);
+    for (int j = 0; j < 4; j++)
+        out[j] = v8_round_bf16(_mm256_mul_ps(s, _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->q + 8 * j))))));
+}
+static inline __attribute__((always_inline)) void decode_u6(const void *block, v8 out[4]) {
+    const block_u6 *b = block;
+    __m256i lo = v8_bytes(b->low), hi = v8_bytes(b->low + 8), top = v8_bytes(b->high);
+    __m256i f = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+    __m256i low[4] = {_mm256_and_si256(lo, f), _mm256_and_si256(hi, f), _mm256_srli_epi32(lo, 4), _mm256_srli_epi32(hi, 4)};
+    for (int j = 0; j < 4; j++) {
+        __m256i high = _mm256_and_si256(_mm256_srli_epi32(top, 2 * j), three);
+        __m256i q = _mm256_sub_epi32(_mm256_or_si256(low[j], _mm256_slli_epi32(high, 4)), bias);
+        out[j] = v8_round_bf16(_mm256_mul_ps(v8_splat(&b->scale[j / 2]), _mm256_cvtepi32_ps(q)));
+    }
+}
+static inline __attribute__((always_inline)) void decode_plain_bf16(const void *p, v8 out[4]) {
+    const uint16_t *w = p;
+    for (int j = 0; j < 4; j++) out[j] = v8_from_bf16(w + 8 * j);
+}
+static inline __attribute__((always_inline)) void decode_plain_f32(const void *p, v8 out[4]) {
+    const float *w = p;
+    for (int j = 0; j < 4; j++) out[j] = v8_load(w + 8 * j);
+}
+#endif
+
+/* out (N, K) bf16 = the values the kernels compute with for a quantized weight: the loader compares
+ * them with the weights it loaded, and refuses the format on any difference. */
+/* The 32 values of one block in k order, as the kernels decode them (each one a bf16 value). */
+static inline void decode_block(int64_t format, const void *block, float out[CHUNK]) {
+#ifdef D3D_AVX2
+    v8 vec[4];
+    if (format == D3D_U4) decode_u4(block, vec);
+    else if (format == D3D_I8) decode_i8(block, vec);
+    else decode_u6(block, vec);
+    for (int j = 0; j < 4; j++) v8_store(out + 8 * j, vec[j]);
+#else
+    decode_block_scalar(format, block, out);
+#endif
+}
+
+void d3d_dequantize(const void *data, int64_t format, uint16_t *out, int64_t N, int64_t K) {
+    const char *bytes = data;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < K / CHUNK; b++) {
+            float v[CHUNK];
+            decode_block(format, bytes + (n * (K / CHUNK) + b) * block_bytes(format), v);
+            for (int e = 0; e < CHUNK; e++) out[n * K + b * CHUNK + e] = f32_to_bf16(v[e]);
+        }
+}
+
+/* The same values by the scalar decoder (the definition the vector decoders must match). */
+void d3d_dequantize_reference(const void *data, int64_t format, uint16_t *out, int64_t N, int64_t K) {
+    const char *bytes = data;
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < K / CHUNK; b++) {
+            float v[CHUNK];
+            decode_block_scalar(format, bytes + (n * (K / CHUNK) + b) * block_bytes(format), v);
+            for (int e = 0; e < CHUNK; e++) out[n * K + b * CHUNK + e] = f32_to_bf16(v[e]);
+        }
+}

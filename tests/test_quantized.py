@@ -1,0 +1,154 @@
+"""GGUF blocks streamed by the kernels: every block decodes to the loader's bf16 value, and every
+linear over a quantized stream gives the bits of the same linear over the dequantized weight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from d3d.kernels import StreamPart, WeightStream, row_exact_kernels
+from d3d.kernels.packing import column_packed
+from d3d.quantized import REPACK, llama_row_order, repack
+
+TYPES = list(REPACK)
+SCALE_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}  # fp16 fields of a block
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return row_exact_kernels()
+
+
+def random_blocks(type_name: str, rows: int, width: int, seed: int, scales: list[float] | None = None) -> np.ndarray:
+    """GGUF rows (rows, bytes a row) of random codes, with fp16 scale fields drawn from `scales`
+    (default: typical weight scales of both signs)."""
+    _, per_block, size = REPACK[type_name]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * width // per_block, size), dtype=np.uint8)
+    choices = np.array(scales if scales is not None else [1e-3, -2e-3, 5e-4, 3e-2, -1e-2], np.float32)
+    for at in SCALE_AT[type_name]:
+        values = choices[rng.integers(0, len(choices), blocks.shape[0])].astype(np.float16)
+        blocks[:, at:at + 2] = values.reshape(-1, 1).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def loader_values(type_name: str, raw: np.ndarray) -> torch.Tensor:
+    """What d3d's loader makes of these blocks: gguf-py's reference dequantization, rounded to bf16."""
+    return torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32)).to(torch.bfloat16)
+
+
+def stream_of(kernels, type_name: str, raw: np.ndarray) -> WeightStream:
+    format, packed = repack(type_name, raw)
+    data = kernels.arena.copy(torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1))
+    return WeightStream.whole(format, data, raw.shape[0], type_name)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("scales", [None, [65504.0, -65504.0, 1.0], [2.0 ** -24, -(2.0 ** -24), 0.0, 6.1e-5]],
+                         ids=["typical", "largest", "smallest"])
+def test_every_block_decodes_to_the_loaders_value(kernels, type_name, scales):
+    """The kernels' decoders — vector and scalar reference — give gguf-py's dequantization rounded
+    to bf16 on every block, at typical and at extreme scales (fp16's largest and subnormal)."""
+    raw = random_blocks(type_name, 64, 512, seed=1, scales=scales)
+    expected = loader_values(type_name, raw)
+    format, packed = repack(type_name, raw)
+    data = torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1)
+    assert torch.equal(kernels.dequantize(data, format, 64, 512), expected)
+    assert torch.equal(kernels.dequantize(data, format, 64, 512, reference=True), expected)
+
+
+def test_a_wrong_decoding_is_refused(kernels):
+    """A stream whose blocks decode to other values than the weight's is refused (negative control:
+    one flipped code)."""
+    raw = random_blocks("Q4_1", 8, 64, seed=2)
+    weight = loader_values("Q4_1", raw)
+    raw = raw.copy()
+    raw[3, 10] ^= 0x11
+    with pytest.raises(ValueError, match="decodes to"):
+        kernels.use_stream(weight, stream_of(kernels, "Q4_1", raw))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("width", [256, 1536])
+def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_name, width):
+    """linear over the stream == linear over the bf16 weight it decodes to (this build's own bf16
+    path), for every row count, with bias and residual; and each row equals the row alone."""
+    outputs = 100  # not a multiple of 16 or 64: the last column blocks are partial
+    raw = random_blocks(type_name, outputs, width, seed=3)
+    weight = loader_values(type_name, raw)
+    plain = weight.clone()  # the same values, without a stream of its own
+    kernels.use_stream(weight, stream_of(kernels, type_name, raw))
+    assert kernels.stream(weight).quantized and not kernels.stream(plain).quantized
+    x = (torch.randn(17, width, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
+    bias = torch.randn(outputs, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    residual = torch.randn(17, outputs, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(17)])
+    for rows in (1, 2, 3, 5, 16, 17):
+        assert torch.equal(kernels.linear(x[:rows], weight, bias), kernels.linear(x[:rows], plain, bias)), rows
+        assert torch.equal(kernels.linear(x[:rows], weight, bias), alone[:rows]), rows
+        assert torch.equal(kernels.linear(x[:rows], weight, None, residual[:rows]),
+                           kernels.linear(x[:rows], plain, None, residual[:rows])), rows
+
+
+def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels):
+    """q | k | v quantized differently (as in Q4_K_M files: Q4_K, Q4_K, Q6_K) stream as runs of
+    rows in their own formats, with the bits of the dequantized fused weight."""
+    parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)]
+    raws = [random_blocks(type_name, rows, 256, seed=7 + i) for i, (type_name, rows) in enumerate(parts)]
+    weight = torch.cat([loader_values(type_name, raw) for (type_name, _), raw in zip(parts, raws)])
+    plain = weight.clone()
+    runs = []
+    for (type_name, rows), raw in zip(parts, raws):
+        format, packed = repack(type_name, raw)
+        runs.append(StreamPart(format, kernels.arena.copy(torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1)),
+                               rows, type_name))
+    kernels.use_stream(weight, WeightStream(tuple(runs)))
+    assert kernels.stream(weight).source == "Q4_K+Q6_K"
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    for rows in (1, 5):
+        assert torch.equal(kernels.linear(x[:rows], weight, None), kernels.linear(x[:rows], plain, None))
+
+
+def test_a_weight_changed_in_place_drops_its_stream(kernels):
+    """Healing or training a weight in place makes its quantized stream stale: the kernels read
+    the new values, never the old blocks."""
+    raw = random_blocks("Q8_0", 8, 64, seed=9)
+    weight = loader_values("Q8_0", raw)
+    kernels.use_stream(weight, stream_of(kernels, "Q8_0", raw))
+    weight.mul_(2)
+    assert not kernels.stream(weight).quantized
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    assert torch.equal(kernels.linear(x, weight, None), kernels.linear(x, weight.clone(), None))
+
+
+@pytest.mark.skipif(not hasattr(row_exact_kernels().library, "d3d_decode_panel"), reason="no AVX2 in this build")
+def test_the_avx512_panel_is_the_packed_layout(kernels):
+    """Where AVX-512 BF16 runs quantized weights through the packed tiles, each panel the decoder
+    writes must be the packed layout of the dequantized weight (checked here on any AVX2 CPU)."""
+    import ctypes
+
+    from d3d.kernels.binding import Weight
+
+    raw = random_blocks("Q4_1", 70, 96, seed=10)  # 70 rows: the last group is partly padding
+    weight = loader_values("Q4_1", raw)
+    stream = stream_of(kernels, "Q4_1", raw)
+    packed = column_packed(weight, kernels.arena)  # (groups, K/2, 16, 2), zero rows up to 128
+    lib = kernels.library
+    lib.d3d_decode_panel.argtypes = [ctypes.POINTER(Weight), ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_void_p]
+    panel = torch.empty(3, 48, 16, 2, dtype=torch.bfloat16)
+    lib.d3d_decode_panel(ctypes.byref(Weight.of(stream)), 2, 3, 70, 96, panel.data_ptr())
+    assert torch.equal(panel, packed[2:5])
+
+
+def test_llama_row_order_is_transformers_reverse_permutation():
+    """The row order matches transformers' _reverse_permute_weights on the file's rows."""
+    heads, rows = 3, 24
+    w = np.arange(rows)
+    dim = rows // heads // 2
+    expected = w.reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
+    assert np.array_equal(llama_row_order(rows, heads), expected)
+    assert sorted(llama_row_order(rows, heads)) == list(range(rows))
