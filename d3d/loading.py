@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from d3d.config import ModelConfig
 from d3d.models import Decoder
+from d3d.quantized import QUANTIZE_TO, WEIGHTS, quantize_weights, use_gguf_streams
 
 DEFAULT_TARGET = "default"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,6 +44,7 @@ class Target:
     name: str  # where it came from
     eos_token_ids: list[int] = field(default_factory=list)
     folder: str = ""  # the Hugging Face folder holding its weights (the conversion cache for a GGUF)
+    weights: str = ""  # how the kernels read its linear weights: "bf16", "GGUF Q4_1/Q8_0", …
 
     @property
     def fingerprint(self) -> str:
@@ -151,7 +153,7 @@ def _eos_ids(tokenizer: Any, generation_config: dict[str, Any] | None) -> list[i
     return ids
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype) -> Target:
+def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") -> Target:
     """A local Hugging Face folder: config.json, *.safetensors (single or sharded), tokenizer files."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -187,8 +189,12 @@ def load_hf_folder(folder: Path, dtype: torch.dtype) -> Target:
     # A target never trains: frozen weights let every forward of it run the row-exact kernels,
     # in any thread, grad mode or not (see Decoder.kernels_for).
     decoder = decoder.to(dtype).eval().requires_grad_(False)
+    described = str(dtype).removeprefix("torch.")
+    if weights in QUANTIZE_TO and decoder.row_exact is not None:
+        report = quantize_weights(decoder.row_exact, decoder.linear_weights(), QUANTIZE_TO[weights])
+        described = f"{report.summary()}, quantized at load"
     decoder.pack_weights()
-    return Target(decoder, tokenizer, str(folder), eos, str(folder))
+    return Target(decoder, tokenizer, str(folder), eos, str(folder), described)
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
@@ -221,25 +227,44 @@ def convert_gguf(gguf: Path, destination: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def load_gguf(gguf: Path, dtype: torch.dtype) -> Target:
+def load_gguf(gguf: Path, dtype: torch.dtype, weights: str = "stored") -> Target:
+    """A GGUF file, dequantized once into a cached Hugging Face folder; for a bf16 target the
+    kernels then read the file's own blocks (`weights` "stored"), which decode to the same values."""
     destination = _gguf_cache_dir(gguf)
     if not (destination / "model.safetensors").is_file():
         convert_gguf(gguf, destination)
-    target = load_hf_folder(destination, dtype)
+    target = load_hf_folder(destination, dtype, "stored" if weights == "dequantized" else weights)
     target.name = str(gguf)
+    decoder = target.decoder
+    if weights == "stored" and dtype == torch.bfloat16 and decoder.row_exact is not None:
+        report = use_gguf_streams(decoder.row_exact, decoder.linear_weights(), gguf, decoder.config, destination)
+        target.weights = report.summary()
+        decoder.pack_weights()  # the rest: packed or plain, as before
     return target
 
 
-def load_target(source: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16) -> Target:
-    """Load a target: None or "default" (embedded SmolLM2-135M-Instruct), a HF folder, or a .gguf file."""
+def load_target(source: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16,
+                weights: str = "stored") -> Target:
+    """Load a target: None or "default" (embedded SmolLM2-135M-Instruct), a HF folder, or a .gguf file.
+
+    `weights` (`d3d.quantized.WEIGHTS`): "stored", as the source stores them (a bf16 target from a
+    GGUF reads the file's quantized blocks; the logits are those of the dequantized weights, bit for
+    bit); "dequantized", a GGUF's weights read as dequantized bf16 copies (today's bytes, same
+    logits); or a GGUF type ("q8_0", "q4_1", "q4_0") to quantize a folder's weights to at load —
+    a different model, as llama.cpp's quantizer would make it.
+    """
+    if weights not in WEIGHTS:
+        raise LoadError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHTS)})")
+    if weights in QUANTIZE_TO and dtype != torch.bfloat16:
+        raise LoadError(f"--weights {weights} streams bf16 values: use --dtype bfloat16")
     if source is None or str(source) == DEFAULT_TARGET:
-        target = load_gguf(embedded_gguf_path(), dtype)
+        target = load_gguf(embedded_gguf_path(), dtype, weights)
         target.name = "SmolLM2-135M-Instruct (embedded)"
         return target
     path = Path(source).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, weights)
     if path.is_dir():
-        return load_hf_folder(path, dtype)
+        return load_hf_folder(path, dtype, weights)
     raise LoadError(f"target {source!r} is neither a .gguf file nor a Hugging Face folder "
                     "(nothing is downloaded: give a local path, or 'default')")

@@ -211,6 +211,15 @@ class Decoder(nn.Module):
         weights.setdefault("lm_head.weight", self.head_weight)
         return weights
 
+    def streamed_weights(self) -> str:
+        """How the kernels read the linear weights: the dtype, or the GGUF types whose blocks they
+        stream ("Q4_1/Q8_0") — part of what a measurement on this decoder depends on."""
+        if self.row_exact is None or self.device.type != "cpu":
+            return str(self.dtype).removeprefix("torch.")
+        sources = sorted({stream.source for stream in map(self.row_exact.stream, self.linear_weights().values())
+                          if stream.quantized})
+        return "/".join(sources) if sources else str(self.dtype).removeprefix("torch.")
+
     def pack_weights(self) -> float:
         """Prepare every weight's stream for the row-exact linear now rather than on first use;
         seconds taken."""

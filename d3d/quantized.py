@@ -20,6 +20,8 @@ This module reads and repacks; it runs nothing.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,6 +187,41 @@ def plan_streams(path: str | Path, config: ModelConfig) -> StreamPlan:
     return plan
 
 
+STREAMS_FILE = "streams/v1.safetensors"  # the repacked blocks, in a GGUF's conversion cache
+
+
+def cached_plan(path: str | Path, config: ModelConfig, folder: Path) -> StreamPlan:
+    """`plan_streams`, read from `folder / STREAMS_FILE` when an earlier load wrote it (reading a
+    GGUF's metadata with gguf-py takes seconds; the repacked blocks load in a fraction of one)."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
+
+    file = Path(folder) / STREAMS_FILE
+    try:
+        with safe_open(str(file), "pt") as handle:
+            meta = json.loads(handle.metadata()["plan"])
+            plan = StreamPlan(skipped=meta["skipped"])
+            for name, parts in meta["streams"].items():
+                plan.streams[name] = WeightStream(tuple(
+                    StreamPart(format, handle.get_tensor(f"{name}/{i}"), rows, source)
+                    for i, (format, rows, source) in enumerate(parts)))
+            return plan
+    except (OSError, SafetensorError, KeyError, ValueError, TypeError):
+        pass
+    plan = plan_streams(path, config)
+    tensors = {f"{name}/{i}": part.data for name, stream in plan.streams.items() for i, part in enumerate(stream.parts)}
+    meta = {"streams": {name: [(p.format, p.rows, p.source) for p in stream.parts] for name, stream in plan.streams.items()},
+            "skipped": plan.skipped}
+    staging = file.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(staging), metadata={"plan": json.dumps(meta)})
+        os.replace(staging, file)  # atomic: readers see all of it or none
+    except OSError:  # a read-only cache: plan again next time
+        staging.unlink(missing_ok=True)
+    return plan
+
+
 @dataclass
 class StreamReport:
     """What a decoder streams after `use_gguf_streams`: per source type, the weights and bytes."""
@@ -202,10 +239,11 @@ class StreamReport:
 
 
 def use_gguf_streams(kernels: RowExactKernels, weights: dict[str, torch.Tensor], path: str | Path,
-                     config: ModelConfig) -> StreamReport:
+                     config: ModelConfig, folder: Path | None = None) -> StreamReport:
     """Give every weight of `weights` (native name → the decoder's bf16 tensor) the GGUF's stream
-    of it, where the kernels decode it to exactly the tensor's values; report what streams."""
-    plan = plan_streams(path, config)
+    of it, where the kernels decode it to exactly the tensor's values; report what streams.
+    `folder`: where the repacked blocks are cached (None: not cached)."""
+    plan = plan_streams(path, config) if folder is None else cached_plan(path, config, folder)
     report = StreamReport(refused=dict(plan.skipped))
     for name, stream in plan.streams.items():
         weight = weights.get(name)
@@ -220,6 +258,41 @@ def use_gguf_streams(kernels: RowExactKernels, weights: dict[str, torch.Tensor],
             report.refused[name] = str(error)
             continue
         report.streamed[name] = stream.source
+        report.stream_bytes += stream.nbytes
+        report.bf16_bytes += weight.numel() * 2
+    return report
+
+
+# --weights: how a target's linear weights are stored for the kernels
+WEIGHTS = ("stored", "dequantized", "q8_0", "q4_1", "q4_0")
+QUANTIZE_TO = {"q8_0": "Q8_0", "q4_1": "Q4_1", "q4_0": "Q4_0"}  # the GGUF types gguf-py can quantize to
+
+
+def quantize_weights(kernels: RowExactKernels, weights: dict[str, torch.Tensor], type_name: str) -> StreamReport:
+    """Quantize every weight (native name → bf16 tensor, changed in place) to a GGUF type with
+    gguf-py's quantizer, as llama.cpp would, and stream the blocks: a different model from the
+    source's (each weight becomes its dequantized blocks), decoded exactly as a GGUF's would be."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[type_name]
+    report = StreamReport()
+    done: set[int] = set()
+    for name, weight in weights.items():
+        if id(weight) in done:  # a tied head is the embedding
+            continue
+        done.add(id(weight))
+        if weight.shape[1] % 32:
+            report.refused[name] = f"its width {weight.shape[1]} is not a multiple of {type_name}'s 32-weight blocks"
+            continue
+        raw = quantize(weight.detach().float().numpy(), qtype)
+        with torch.no_grad():
+            weight.copy_(torch.from_numpy(dequantize(raw, qtype).astype(np.float32)).to(weight.dtype))
+        format, packed = repack(type_name, raw)
+        stream = WeightStream.whole(format, kernels.arena.copy(torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1)),
+                                    weight.shape[0], type_name)
+        kernels.use_stream(weight, stream)
+        report.streamed[name] = type_name
         report.stream_bytes += stream.nbytes
         report.bf16_bytes += weight.numel() * 2
     return report

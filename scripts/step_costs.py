@@ -1,6 +1,7 @@
 """Time the target's one-token step and a 17-token verification forward, and check they agree bit for bit.
 
-Usage: python scripts/step_costs.py [--dtype bfloat16|float32] [--context 256] [--repeats 15] [--threads N]
+Usage: python scripts/step_costs.py [--dtype bfloat16|float32] [--weights stored|dequantized|q8_0|…] [--context 256]
+       [--repeats 15] [--threads N]
 Prints one JSON line. Works on any d3d checkout (PYTHONPATH=OTHER_CHECKOUT to time another
 version on the same machine), so before/after figures come from the same script.
 """
@@ -32,10 +33,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (0: torch's default)")
+    parser.add_argument("--weights", default="stored", help="how the kernels read the weights (d3d.quantized.WEIGHTS)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    decoder = load_target(dtype=getattr(torch, args.dtype)).decoder
+    try:
+        target = load_target(dtype=getattr(torch, args.dtype), weights=args.weights)
+    except TypeError:  # a checkout from before --weights
+        target = load_target(dtype=getattr(torch, args.dtype))
+    decoder = target.decoder
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, decoder.config.vocab_size, (1, args.context), generator=generator)
     block = torch.randint(0, decoder.config.vocab_size, (1, 17), generator=generator)
@@ -57,7 +63,8 @@ def main() -> None:
     identical_rows = int((together == torch.stack(singles)).all(-1).sum())
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
-    print(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(), "dtype": args.dtype, "context": args.context,
+    print(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(), "dtype": args.dtype,
+                      "weights": getattr(target, "weights", "") or args.dtype, "context": args.context,
                       "step_ms": round(step, 2), "verify17_ms": round(verify, 2),
                       "verify17_in_steps": round(verify / step, 2), "ar_tokens_per_s": round(1000 / step, 1),
                       "rows_identical_to_steps": f"{identical_rows}/17"}))

@@ -152,3 +152,37 @@ def test_llama_row_order_is_transformers_reverse_permutation():
     expected = w.reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
     assert np.array_equal(llama_row_order(rows, heads), expected)
     assert sorted(llama_row_order(rows, heads)) == list(range(rows))
+
+
+@pytest.mark.slow
+def test_the_embedded_gguf_streams_its_own_blocks_with_the_dequantized_logits():
+    """The embedded SmolLM2 (Q4_1 layers, Q8_0 head) in bf16: every linear weight streams the file's
+    blocks, and the logits — a prefill, then a 17-token verification and its 17 one-token steps —
+    are bit-identical to those of the dequantized bf16 weights."""
+    from d3d.loading import load_target
+
+    stored, dequantized = load_target(weights="stored"), load_target(weights="dequantized")
+    assert stored.weights == "GGUF Q4_1/Q8_0" and dequantized.weights == "bfloat16"
+    weights = stored.decoder.linear_weights()
+    assert all(stored.decoder.row_exact.stream(w).quantized for w in weights.values()), "a weight kept bf16"
+    assert stored.decoder.streamed_weights() == "Q4_1/Q8_0"
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 49152, (1, 40), generator=generator)
+    block = torch.randint(0, 49152, (1, 17), generator=generator)
+    results = []
+    with torch.no_grad():
+        for target in (stored, dequantized):
+            decoder = target.decoder
+            cache = decoder.new_cache(64)
+            first = decoder(prompt, cache=cache)
+            cache.commit()
+            together = decoder(block, cache=cache)[0]
+            cache.commit(0)
+            steps = []
+            for i in range(17):
+                steps.append(decoder(block[:, i:i + 1], cache=cache)[0, 0])
+                cache.commit()
+            results.append((first, together, torch.stack(steps)))
+    (first, together, steps), (first_bf16, together_bf16, steps_bf16) = results
+    assert torch.equal(together, steps), "a 17-row forward differs from its one-token steps"
+    assert torch.equal(first, first_bf16) and torch.equal(together, together_bf16) and torch.equal(steps, steps_bf16)

@@ -192,9 +192,9 @@ class RowExactKernels:
         first = 0
         for part in stream.parts:
             check_blocks(part, width)
-            differ = int((self.dequantize(part.data, part.format, part.rows, width)
-                          != weight[first:first + part.rows]).sum())
-            if differ:
+            decoded, held = self.dequantize(part.data, part.format, part.rows, width), weight[first:first + part.rows]
+            if not torch.equal(decoded.view(torch.int16), held.view(torch.int16)):  # bit for bit
+                differ = int((decoded.view(torch.int16) != held.view(torch.int16)).sum())
                 raise ValueError(f"the {part.source or part.format} stream decodes to {differ} values other "
                                  f"than the weight's (rows {first}-{first + part.rows - 1} of {rows} x {width})")
             first += part.rows
