@@ -27,9 +27,9 @@ device, a CUDA stream with idle SMs, or many cores.
 
 Lossless in every case: the target verifies every draft, and at T > 0 each draft is drawn from a
 distribution fixed before its verification, which is all rejection sampling needs. The engine
-reuses `d3d.engine`'s `Sequence`, `prefill` and `verify_block` and drafts through a
-`d3d.sources.DrafterSource` (its block logits, vocabulary check and name); only the drafting
-schedule differs from `speculative_generate`. It is not a batch engine and uses no context lookup.
+reuses the sync engine's pieces — `d3d.sequence.Sequence`, `d3d.target_step`'s `prefill` and
+`verify_block` — and drafts through a `d3d.sources.DrafterSource` (its block logits, vocabulary
+check and name); only the drafting schedule differs from `speculative_generate`. It is not a batch engine and uses no context lookup.
 """
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig, _JsonMixin
 from d3d.drafter import Drafter
-from d3d.engine import Sequence, Step, prefill, verify_block
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities
+from d3d.sequence import Sequence, Step
 from d3d.sources import DrafterSource, check_vocabulary, drafts_from_logits
 from d3d.stats import SpecStats
+from d3d.target_step import prefill, verify_block
 from d3d.timeline import Span
 
 Branch = tuple[int, int]  # (num_accepted k, bonus guess b)

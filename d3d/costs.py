@@ -3,7 +3,7 @@
 The gate (`d3d.gate`) weighs the tokens a draft is expected to commit against what it costs: a
 verification of k drafts is one (k + 1)-row target forward, a drafter proposal one block pass.
 Both are measured here in one-token target steps, for every k, by timing the real forwards the
-engine runs (`engine.score_block`, `Drafter.draft` over the rows k drafts need, or for an AR
+engines run (`target_step.score_block`, `Drafter.draft` over the rows k drafts need, or for an AR
 drafter k sequential `Drafter.next_logits` passes, as `sources.ARDrafterSource` runs them) after a
 context of a typical mid-generation length (`CONTEXT`; at 128 tokens a 6-row verification
 measured 1.30 steps, at 300 1.40, on the project's AMD EPYC): each round times every row count back
@@ -45,6 +45,7 @@ from d3d.drafter import Drafter
 from d3d.exactness import machine_key
 from d3d.loading import cache_root
 from d3d.models import Decoder
+from d3d.target_step import score_block
 
 CONTEXT = 256  # tokens before the timed forwards: about a benchmark generation's middle
 MEASUREMENT = 3  # bump when what is timed changes (e.g. the drafter's head kernel), to measure afresh
@@ -134,8 +135,6 @@ def _after_context(target: Decoder, context: int, extra: int, seed: int) -> tupl
 
 def _verification(target: Decoder, cache: KVCache, block: torch.Tensor) -> Callable[[], None]:
     """A verification of `block` (1, rows) after the cache, leaving the cache as it was."""
-    from d3d.engine import score_block  # the engine imports this module
-
     def run():
         score_block(target, cache, block)
         cache.commit(0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from d3d.engine import Step
+from d3d.sequence import Step
 from d3d.stats import SpecStats
 
 Labels = tuple[str, ...]

@@ -40,13 +40,13 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from d3d.config import ConfigError
-from d3d.engine import PromptError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
 from d3d.guard import Guard
 from d3d.metrics import CONTENT_TYPE, ServerMetrics
 from d3d.openai_schema import (ApiError, ChatRequest, CompletionRequest, Job, api_error, chat_job, completion_job,
                                http_error, invalid_request, server_error)
 from d3d.scheduler import DeadlineExceeded, MainThread, QueueFull, Scheduler, Unavailable, WorkerThreads
+from d3d.sequence import PromptError
 from d3d.stats import SpecStats
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # ours → OpenAI's

@@ -3,7 +3,7 @@
 A source proposes up to k drafts after the committed tokens: draft_tokens (K,) on the target's
 device and draft_probs (K, V), the distribution each draft was drawn from — or None when the drafts
 are a deterministic function of the tokens (context lookup; any source under greedy decoding),
-whose q is a point mass that verification builds itself (`engine.verify_block`). A source also
+whose q is a point mass that verification builds itself (`target_step.verify_block`). A source also
 names itself (the gate's key and `Step.source`), says what drafting k costs in one-token target
 steps measured on this machine (`d3d.costs`), and which vocabulary it drafts from, checked once
 against the target's (`check_vocabulary`).

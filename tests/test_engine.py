@@ -11,8 +11,9 @@ import torch
 from conftest import sampling_pair, make_adversary, make_decoder, make_oracle, perturb_drafter, tiny_config
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
-from d3d.engine import PromptError, reference_generate, speculative_generate
+from d3d.engine import reference_generate, speculative_generate
 from d3d.sampling import probabilities
+from d3d.sequence import PromptError
 
 
 def run(steps) -> tuple[list[int], list, str | None]:

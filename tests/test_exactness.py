@@ -10,7 +10,7 @@ import torch
 from conftest import make_adversary, make_decoder, make_oracle, tiny_config
 from d3d import exactness
 from d3d.config import GenerationConfig
-from d3d.engine import reference_generate, score_block, speculative_generate
+from d3d.engine import reference_generate, speculative_generate
 from d3d.exactness import InvarianceReport, cached_check, check_row_invariance, verify_mode
 from d3d.lookup import LookupConfig
 from d3d.models import Decoder
@@ -53,26 +53,6 @@ def test_the_report_is_cached_per_machine_and_shape(tmp_path):
 
 def failing_report(decoder: Decoder) -> InvarianceReport:
     return InvarianceReport("test", "float32", list(range(1, 18)), {"16": 3})
-
-
-@torch.no_grad()
-def test_score_block_row_by_row_gives_the_batched_logits_and_cache(monkeypatch):
-    """The fallback leaves the cache as one forward would: T pending slots holding the same K/V."""
-    decoder = make_decoder(tiny_config())
-    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
-    caches = [decoder.new_cache(32), decoder.new_cache(32)]
-    for cache in caches:
-        decoder(torch.tensor([[1, 2, 3]]), cache=cache)
-        cache.commit()
-    batched = score_block(decoder, caches[0], ids)
-    monkeypatch.setattr(exactness, "cached_check", failing_report)
-    exactness._modes.clear()
-    row_by_row = score_block(decoder, caches[1], ids)
-    assert torch.equal(batched, row_by_row)
-    assert caches[1].length == 3 and caches[1].pending == 6
-    caches[0].commit(4)
-    caches[1].commit(4)
-    assert torch.equal(caches[0].keys[:, :, :, :7], caches[1].keys[:, :, :, :7])
 
 
 def test_fallback_is_announced_once_and_stays_exact(monkeypatch, capsys, prompt):

@@ -13,9 +13,9 @@ import torch
 
 from conftest import make_decoder, tiny_config
 from d3d.drafter import Drafter
-from d3d.engine import PromptError, Step
 from d3d.generation import METHODS, Chunk, Pipeline
 from d3d.loading import Target
+from d3d.sequence import PromptError, Step
 from d3d.stats import SpecStats
 
 SPECIALS = ["<bos>", "<eos>", "<user>", "<assistant>"]  # ids 0 … 3

@@ -40,8 +40,8 @@ import pytest
 import torch
 
 import d3d.async_engine
-import d3d.engine
 import d3d.sources
+import d3d.target_step
 from conftest import make_decoder, perturb_drafter, tiny_config
 from d3d.async_engine import AsyncConfig, async_generate
 from d3d.config import GenerationConfig, SamplingConfig
@@ -163,7 +163,7 @@ def report_unfiltered_q(monkeypatch) -> None:
 
 def recover_from_p(monkeypatch) -> None:
     """Bug: after a rejection the recovered token is drawn from p, not from max(0, p - q) normalised."""
-    real = d3d.engine.verify_sampling
+    real = d3d.target_step.verify_sampling
 
     def verify_sampling(draft_tokens, draft_probs, target_probs, generator=None):
         verdict = real(draft_tokens, draft_probs, target_probs, generator)
@@ -171,7 +171,7 @@ def recover_from_p(monkeypatch) -> None:
             return verdict
         redrawn = torch.multinomial(target_probs[verdict.num_accepted], 1, generator=generator)
         return Verdict(verdict.num_accepted, int(redrawn))
-    monkeypatch.setattr(d3d.engine, "verify_sampling", verify_sampling)
+    monkeypatch.setattr(d3d.target_step, "verify_sampling", verify_sampling)
 
 
 BUGS = {"unfiltered_q": report_unfiltered_q, "resample_p": recover_from_p}
@@ -241,7 +241,7 @@ class DraftSpy:
         self.drawn: tuple[torch.Tensor, torch.Tensor] | None = None  # (probs, tokens) of the latest block draw
         self.checked: Counter = Counter()
         self.mismatches: list[str] = []
-        real_sample, real_verify = d3d.engine.sample, d3d.engine.verify_sampling
+        real_sample, real_verify = d3d.target_step.sample, d3d.target_step.verify_sampling
 
         def sample(probs, generator=None):
             tokens = real_sample(probs, generator)
@@ -253,16 +253,16 @@ class DraftSpy:
             self.inspect(draft_tokens, draft_probs)
             self.drawn = None
             return real_verify(draft_tokens, draft_probs, target_probs, generator)
-        monkeypatch.setattr(d3d.engine, "sample", sample)
+        monkeypatch.setattr(d3d.target_step, "sample", sample)
         monkeypatch.setattr(d3d.sources, "sample", sample)  # where the drafting sources draw
-        monkeypatch.setattr(d3d.engine, "verify_sampling", verify_sampling)
+        monkeypatch.setattr(d3d.target_step, "verify_sampling", verify_sampling)
 
     def inspect(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor) -> None:
         if not draft_tokens.numel():
             return
         if self.drawn is None:  # nothing drawn since the last verification: deterministic lookup drafts
             source = "lookup"
-            right = torch.equal(draft_probs, d3d.engine.one_hot(draft_tokens, draft_probs.shape[-1]))
+            right = torch.equal(draft_probs, d3d.target_step.one_hot(draft_tokens, draft_probs.shape[-1]))
         else:
             source = "drafter"
             probs, tokens = self.drawn
@@ -332,7 +332,7 @@ def speculative_law(target, drafter: Drafter, bug: str | None, lookup: LookupCon
         wanted = num_drafts if gate is None else gate.num_drafts("drafter", num_drafts)
         source = "lookup" if found else "drafter" if wanted > 0 else "none"
         if found:
-            drawn = told = d3d.engine.one_hot(torch.tensor(found), vocab_size).double()
+            drawn = told = d3d.target_step.one_hot(torch.tensor(found), vocab_size).double()
         else:
             logits = drafter.draft(drafter.new_cache(end), tokens, wanted)[:wanted]  # as the engine drafts
             drawn = probabilities(logits, config).double()

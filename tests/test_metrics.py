@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from d3d.engine import Step
 from d3d.metrics import Counter, Histogram, ServerMetrics, render
+from d3d.sequence import Step
 from d3d.stats import SpecStats
 
 NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"

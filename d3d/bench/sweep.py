@@ -31,8 +31,9 @@ from d3d.config import ConfigError, GenerationConfig
 from d3d.costs import forward_costs
 from d3d.devices import synchronize
 from d3d.drafter import Drafter
-from d3d.engine import Step, generate_from_sources, reference_generate
+from d3d.engine import generate_from_sources, reference_generate
 from d3d.models import Decoder
+from d3d.sequence import Step
 from d3d.simulate import SimulatedDrafter, corruption_rate_for
 from d3d.sources import DrafterSource
 

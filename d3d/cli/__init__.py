@@ -19,16 +19,39 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
+from pathlib import Path
 
-from d3d.bench.datasets import DatasetError
 from d3d.cli import bench, generate, ship, train
 from d3d.config import ConfigError, SamplingConfig
-from d3d.engine import PromptError
 from d3d.loading import LoadError
+from d3d.prompts import DatasetError
+from d3d.sequence import PromptError
+
+
+def version() -> str:
+    """"d3d VERSION (where the package lives)": which install a command runs, checkout or site-packages."""
+    try:
+        number = metadata.version("d3d-decoding")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        number = "unknown (not installed)"
+    return f"d3d {number} ({Path(__file__).resolve().parents[1]})"
+
+
+class PrintVersion(argparse.Action):
+    """`--version`, printed as is (argparse's own action wraps a long path across lines)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and where d3d is installed, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="d3d", description="Lossless speculative decoding with a D3D drafter.")
+    parser.add_argument("--version", action=PrintVersion)
     commands = parser.add_subparsers(dest="command", required=True)
     for module in (generate, train, ship, bench):  # `d3d --help` lists them in this order
         module.add_commands(commands)
