@@ -30,12 +30,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from d3d.cache import KVCache
 from d3d.config import BlockAttention, ConfigError, DrafterConfig, DrafterKind, LabelShift
 from d3d.dflash import FeatureProjection, conditioned_hidden, default_feature_layers, inject, require_features
+from d3d.files import save_tensors
 from d3d.loading import LoadError, check_finite, check_state, read_safetensors
 from d3d.masks import causal_mask, draft_mask, packed_mask
 from d3d.models import Decoder
@@ -174,7 +174,7 @@ class Drafter(nn.Module):
         folder.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to(dtype if dtype and v.is_floating_point() else v.dtype).contiguous().cpu()
                  for k, v in self.own_state().items()}  # ids (the draft vocabulary) keep their integer type
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": FORMAT})
+        save_tensors(state, folder / "model.safetensors", metadata={"format": FORMAT})
         document = {"format": FORMAT, "format_version": FORMAT_VERSION, **self.config.to_dict()}
         (folder / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True))
 

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import save_file
 
 from d3d.config import ConfigError, ModelConfig
 from d3d.drafter import Drafter
+from d3d.files import save_tensors
 from d3d.loading import Target, native_to_hf
 from d3d.masks import causal_mask
 from d3d.models import Decoder
@@ -45,7 +45,7 @@ from d3d.models import Decoder
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 MASK_CONFIG_KEY = "pard_token"  # the draft config entry vLLM's parallel drafting reads the mask id from
-EXPORT_CONFIG_KEY = "d3d_export"  # where an exported drafter's config.json records what it came from
+EXPORT_CONFIG_KEY = "d3d_export"  # where an exported folder's config.json records what it came from
 DraftMethod = Literal["draft_model", "parallel_draft"]
 
 
@@ -93,7 +93,7 @@ def write_folder(folder: str | Path, state: dict[str, torch.Tensor], config: dic
                  tokenizer: Any = None) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.cpu() for k, v in state.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors({k: v.cpu() for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):  # the folder then stands alone
         tokenizer.save_pretrained(folder)
@@ -122,15 +122,31 @@ def special_ids(tokenizer: Any, eos_token_ids: Iterable[int] = ()) -> dict[str, 
     return ids
 
 
-def export_target(target: Target, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+def export_target(target: Target, folder: str | Path, dtype: torch.dtype | None = None,
+                  source: str | None = None) -> Path:
     """Write the target as a Hugging Face folder: its weights as d3d runs them (in `dtype`, default: the
-    dtype it was loaded in), config, generation config and tokenizer."""
+    dtype it was loaded in), config, generation config and tokenizer. config.json records what it was
+    exported from (`source`, as given to `load_target`: "default" for the embedded target) and its
+    tokenizer's fingerprint, so that d3d finds the drafter shipped for that target (`exported_from`)."""
     dtype = dtype or target.decoder.dtype
     ids = special_ids(target.tokenizer, target.eos_token_ids)
-    config = {**hf_config(target.decoder.config, dtype), **ids}
+    record = {"target": target.name, "source": source, "tokenizer_fingerprint": target.fingerprint}
+    config = {**hf_config(target.decoder.config, dtype), **ids, EXPORT_CONFIG_KEY: record}
     folder = write_folder(folder, decoder_state(target.decoder, dtype), config, target.tokenizer)
     (folder / "generation_config.json").write_text(json.dumps(ids, indent=2, sort_keys=True))
     return folder
+
+
+def exported_from(target: Target) -> str | None:
+    """The source a target folder was exported from by `export_target` ("default": the embedded
+    target), when its config.json says so and its tokenizer is still the one exported; else None."""
+    try:
+        record = json.loads((Path(target.folder) / "config.json").read_text()).get(EXPORT_CONFIG_KEY)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    if not isinstance(record, dict) or record.get("tokenizer_fingerprint") != target.fingerprint:
+        return None
+    return record.get("source")
 
 
 # -- the mask token --------------------------------------------------------------------------------

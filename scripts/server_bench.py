@@ -35,8 +35,8 @@ from pathlib import Path
 
 import httpx
 
-from d3d.bench.datasets import Prompt, load_dataset, sample_prompts
 from d3d.devtools import Chromium, find_chromium
+from d3d.prompts import Prompt, load_dataset, sample_prompts
 
 START, END = "<!-- server-bench:start -->", "<!-- server-bench:end -->"
 METHODS = ("speculative", "ar")

@@ -18,9 +18,9 @@ import statistics
 
 import torch
 
-from d3d.bench.datasets import load_dataset, sample_prompts
 from d3d.exactness import cpu_name
 from d3d.generation import Pipeline
+from d3d.prompts import load_dataset, sample_prompts
 
 
 def split(pipeline: Pipeline, ids: list[int], config, method: str, groups: dict) -> None:

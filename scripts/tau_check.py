@@ -14,9 +14,9 @@ import argparse
 
 import torch
 
-from d3d.bench.datasets import load_dataset, sample_prompts
 from d3d.estimate import teacher_forced_tau
 from d3d.generation import Pipeline
+from d3d.prompts import load_dataset, sample_prompts
 
 
 @torch.no_grad()

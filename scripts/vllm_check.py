@@ -75,7 +75,7 @@ def speculative_config(export: Path, num_speculative_tokens: int | None) -> dict
 
 
 def prompts(count: int, seed: int) -> list[dict]:
-    from d3d.bench.datasets import load_dataset, sample_prompts
+    from d3d.prompts import load_dataset, sample_prompts
 
     chosen = []
     for name in ("humaneval", "mtbench"):

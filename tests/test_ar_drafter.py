@@ -29,8 +29,8 @@ from d3d.costs import forward_costs
 from d3d.drafter import Drafter
 from d3d.engine import generate_from_sources, reference_generate, speculative_generate
 from d3d.estimate import teacher_forced_tau
+from d3d.export import export_hf, hf_config
 from d3d.generation import Pipeline
-from d3d.hf_export import export_hf, hf_config
 from d3d.loading import LoadError, Target
 from d3d.masks import causal_mask
 from d3d.sources import ARDrafterSource, DrafterSource, default_sources

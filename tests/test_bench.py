@@ -13,13 +13,14 @@ import json
 import pytest
 import torch
 
+from d3d.bench.harness import BenchConfig, first_mismatch, is_looping, run_benchmark
 import d3d.bench.harness as harness
 import d3d.bench.methods
+from d3d.bench.methods import build_methods
+from d3d.bench.report import markdown, plots
+from d3d.bench.runs import MethodRun
 import d3d.generation
 import d3d.loading
-from d3d.bench.harness import BenchConfig, first_mismatch, is_looping, run_benchmark
-from d3d.bench.methods import MethodRun, build_methods
-from d3d.bench.report import markdown, plots
 from conftest import make_decoder, tiny_config
 from d3d.cli import main
 from d3d.config import ConfigError
@@ -253,6 +254,27 @@ def test_cli_bench_unknown_dataset_is_a_usage_error(capsys, tiny_default, tmp_pa
                  "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and "unknown dataset 'nope'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["--prompts", "--datasets"])
+def test_cli_bench_a_missing_prompt_file_is_named_before_the_model_loads(capsys, monkeypatch, tmp_path, flag):
+    """`--prompts missing.jsonl` (or a path in --datasets): exit 2 naming the file's path, not "unknown
+    dataset", and no model is loaded first."""
+    monkeypatch.setattr("d3d.cli.bench.load_pipeline", lambda args: pytest.fail("loaded a model before checking"))
+    missing = tmp_path / "missing.jsonl"
+    code = main(["bench", flag, str(missing), "--methods", "ar", "--drafter", "none", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"no prompt file at {missing}" in err and "unknown dataset" not in err
+    assert "Traceback" not in err
+
+
+def test_cli_bench_a_bad_prompt_line_is_named_before_the_model_loads(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("d3d.cli.bench.load_pipeline", lambda args: pytest.fail("loaded a model before checking"))
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n{oops\n")
+    code = main(["bench", "--prompts", str(path), "--methods", "ar", "--drafter", "none", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{path}:2: not valid JSON" in err
 
 
 def test_a_challenger_drafter_runs_as_method_at_label(tmp_path):

@@ -312,17 +312,23 @@ def test_data_on_tiny_target(capsys, tiny_default, tmp_path):
     assert code == 0
     assert json.loads(out.strip().splitlines()[-1]) == {"num_prompts": 5, "shards_done": 3, "num_shards": 3,
                                                          "response_tokens": 15}
-    # A different config in the same folder is a usage error, not a traceback.
+    # A different config in the same folder is a usage error naming the option, before any model loads.
+    loaded = len(tiny_default)
     code, _, err = run_cli(capsys, *argv[:-1], "3")
-    assert_usage_error(code, err, "another config")
+    assert_usage_error(code, err, "another config", "--batch-size 2 there, 3 now")
+    assert len(tiny_default) == loaded
 
 
-@pytest.mark.parametrize("argv, fragment", [(["--sources", "nope"], "unknown prompt source"),
-                                            (["--shard-size", "0"], "shard_size")])
-def test_data_bad_arguments(capsys, tiny_default, tmp_path, argv, fragment):
-    """data with an unknown source or a zero shard size: exit 2 with the reason."""
+@pytest.mark.parametrize("argv, fragments", [(["--sources", "nope"], ["unknown prompt source", "no file"]),
+                                             (["--sources", "MISSING"], ["unknown prompt source", "missing.jsonl"]),
+                                             (["--shard-size", "0"], ["shard_size"])])
+def test_data_bad_arguments(capsys, tiny_default, tmp_path, argv, fragments):
+    """data with an unknown source, a missing prompt file or a zero shard size: exit 2 with the reason
+    (the missing file's path), before any model is loaded."""
+    argv = [str(tmp_path / "missing.jsonl") if a == "MISSING" else a for a in argv]
     code, _, err = run_cli(capsys, "data", "--out", str(tmp_path / "out"), *argv)
-    assert_usage_error(code, err, fragment)
+    assert_usage_error(code, err, *fragments)
+    assert tiny_default == []
 
 
 # -- the real embedded target -------------------------------------------------------------------

@@ -17,8 +17,9 @@ from d3d.drafter import Drafter
 from d3d.loading import Target
 from d3d.train import distill
 from d3d.train.batch import IGNORE, collate, pack_example
-from d3d.train.data import DataConfig, generate_batch, generate_data, read_shards
+from d3d.train.data import DataConfig, generate_batch, generate_data
 from d3d.train.distill import TopK, keep_top, teacher_forced
+from d3d.train.shards import read_shards
 from d3d.train.trainer import TrainConfig, Trainer, distill_kl, drafter_loss, load_sequences
 from test_data import CharTokenizer
 

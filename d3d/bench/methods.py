@@ -5,8 +5,8 @@ the wall time, the time to the first token (the prefill) and — for speculative
 engine's SpecStats. d3d's own methods run through `Pipeline.steps`; the transformers baselines
 (plain `generate`, prompt lookup) run on a transformers model holding the very same weights, so
 they are what users of transformers get; the llama.cpp baselines (plain, lookup) run llama.cpp's
-server on the BF16 GGUF of the embedded target (`d3d.bench.llamacpp`; opt-in, built by
-scripts/llamacpp.sh).
+server on the BF16 GGUF of the embedded target, and `llamacpp_gguf` on the very GGUF file d3d
+loads the target from (`d3d.bench.llamacpp`; opt-in, built by scripts/llamacpp.sh).
 """
 
 from __future__ import annotations
@@ -14,20 +14,21 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from d3d.async_engine import async_generate
+from d3d.bench import llamacpp
+from d3d.bench.runs import Method, MethodRun
 from d3d.config import ConfigError, GenerationConfig
-from d3d.engine import Step
 from d3d.generation import Pipeline
+from d3d.sequence import Step
 from d3d.stats import SpecStats
 
 OURS = ("ar", "lookup", "drafter", "speculative", "async", "async_reanchor", "ar_drafter")
 NEED_DRAFTER = ("drafter", "speculative", "async", "async_reanchor")
 TRANSFORMERS = ("hf", "hf_lookup", "hf_ar_drafter")
-LLAMACPP = ("llamacpp", "llamacpp_lookup")
+LLAMACPP = ("llamacpp", "llamacpp_lookup", "llamacpp_gguf")
 ALL_METHODS = OURS + TRANSFORMERS + LLAMACPP
 DESCRIPTIONS = {
     "ar": "d3d plain AR decoding (the reference)",
@@ -40,21 +41,9 @@ DESCRIPTIONS = {
     "ar_drafter": "d3d speculative, the AR-drafter baseline (classic SD: k one-token drafter passes, gated)",
     "hf": "transformers generate (AR)",
     "hf_lookup": "transformers prompt lookup decoding (prompt_lookup_num_tokens=10)",
-    "hf_ar_drafter": "transformers assisted generation, the AR drafter as assistant_model (d3d.hf_export)",
-    # "llamacpp", "llamacpp_lookup": `d3d.bench.llamacpp.describe` (names the build and threads)
+    "hf_ar_drafter": "transformers assisted generation, the AR drafter as assistant_model (d3d.export)",
+    # "llamacpp", "llamacpp_lookup", "llamacpp_gguf": `d3d.bench.llamacpp.describe` (names the build and threads)
 }
-
-
-@dataclass
-class MethodRun:
-    tokens: list[int]
-    seconds: float
-    stats: SpecStats = field(default_factory=SpecStats)
-    prefill_seconds: float | None = None  # up to the first new token (prompt + its sample); None: not measured
-    extra: dict[str, float] = field(default_factory=dict)  # figures only this method has (llama.cpp's drafts)
-
-
-Method = Callable[[list[int], GenerationConfig], MethodRun]
 
 
 def timed(steps: Callable[[], Iterator[Step]]) -> MethodRun:
@@ -98,10 +87,10 @@ def transformers_model(pipeline: Pipeline):
 
 
 def transformers_assistant(pipeline: Pipeline):
-    """The pipeline's AR drafter as a transformers CausalLM (`d3d.hf_export`), for `assistant_model`."""
+    """The pipeline's AR drafter as a transformers CausalLM (`d3d.export`), for `assistant_model`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from d3d.hf_export import hf_config, hf_state
+    from d3d.export import hf_config, hf_state
 
     drafter = pipeline.ar_drafter
     values = hf_config(drafter.config.model, drafter.decoder.dtype)
@@ -140,9 +129,7 @@ def base_method(name: str) -> str:
 def describe(name: str, drafters: dict[str, str]) -> str:
     base, _, label = name.partition("@")
     if base in LLAMACPP:
-        from d3d.bench.llamacpp import describe as describe_llamacpp
-
-        return describe_llamacpp(lookup=base == "llamacpp_lookup")
+        return llamacpp.describe(lookup=base == "llamacpp_lookup", own_gguf=base == "llamacpp_gguf")
     return DESCRIPTIONS[base] + (f"; drafter {drafters[label]}" if label else "")
 
 
@@ -152,10 +139,10 @@ def check_methods(names: list[str]) -> None:
     unknown = [n for n in names if n not in ALL_METHODS]
     if unknown:
         raise ConfigError(f"unknown methods {unknown}; choose from {', '.join(ALL_METHODS)}")
-    if any(n in LLAMACPP for n in names):
-        from d3d.bench.llamacpp import find_install
-
-        find_install()
+    if any(n in ("llamacpp", "llamacpp_lookup") for n in names):
+        llamacpp.find_install()  # the server and the embedded target's BF16 conversion
+    elif "llamacpp_gguf" in names:
+        llamacpp.find_server()  # it serves the target's own GGUF file
 
 
 def close_methods(methods: dict[str, Method]) -> None:
@@ -191,10 +178,10 @@ def add_methods(methods: dict[str, Method], pipeline: Pipeline, names: list[str]
     for name in names:
         if name in OURS:
             methods[name] = ours(pipeline, name)
+        elif name == "llamacpp_gguf":
+            methods[name] = llamacpp.llamacpp_gguf_method(pipeline.target)
         elif name in LLAMACPP:
-            from d3d.bench.llamacpp import llamacpp_method
-
-            methods[name] = llamacpp_method(pipeline.target, lookup=name == "llamacpp_lookup")
+            methods[name] = llamacpp.llamacpp_method(pipeline.target, lookup=name == "llamacpp_lookup")
         else:
             model = model or transformers_model(pipeline)
             pad = pipeline.target.tokenizer.pad_token_id

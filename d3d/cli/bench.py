@@ -13,6 +13,7 @@ import torch
 from d3d.cli.common import DTYPES, add_model_arguments, argv_is_cli, load_pipeline
 from d3d.config import ConfigError
 from d3d.generation import Pipeline, resolve_drafter
+from d3d.prompts import load_dataset, load_prompt_file, sample_prompts
 
 DEFAULT_BENCH_DATASETS = "humaneval,mtbench,math500"
 DEFAULT_BENCH_PROMPTS = 16  # per named dataset
@@ -42,6 +43,12 @@ def bench(args: argparse.Namespace) -> int:
     if args.quick:
         config.num_prompts = 2 if config.num_prompts is None else min(config.num_prompts, 2)
         config.max_new_tokens = min(config.max_new_tokens, 48)
+    # Every prompt set is read before the model loads: an unknown name, a missing package or prompt
+    # file, or a bad line is said at once (seconds), not after the load (tens of seconds).
+    for name in named:
+        load_dataset(name)
+    for path in args.prompts:
+        load_prompt_file(path)
     if args.simulate_tau:
         return simulate_tau(args, config)
     check_methods(config.methods)  # unknown names, llama.cpp not built: say so before loading anything
@@ -79,7 +86,6 @@ def bench(args: argparse.Namespace) -> int:
 def simulate_tau(args: argparse.Namespace, config) -> int:
     """`d3d bench --simulate-tau`: speedup against a set τ, sync and async, with the simulated
     drafter (d3d.simulate) charged the loaded drafter's cost; exits 1 if an output differs from AR."""
-    from d3d.bench.datasets import load_dataset, sample_prompts
     from d3d.bench.harness import machine, prompt_turns
     from d3d.bench.sweep import markdown, plot, run_sweep
 
@@ -141,7 +147,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                    help=f"per dataset (default: {DEFAULT_BENCH_PROMPTS}; all when only --prompts files are given)")
     p.add_argument("--methods", default="ar,hf,hf_lookup,lookup,drafter,speculative",
                    help="comma-separated; also async, async_reanchor, and llama.cpp's llamacpp, llamacpp_lookup "
-                        "(opt-in: build them with scripts/llamacpp.sh)")
+                        "(on the embedded target in BF16) and llamacpp_gguf (on the GGUF file d3d loads the target "
+                        "from) (opt-in: build them with scripts/llamacpp.sh)")
     p.add_argument("--quick", action="store_true", help="2 prompts per dataset (of HumanEval and MT-Bench by default), 48 tokens")
     p.add_argument("--out", default="runs/bench", help="folder for the JSON result")
     p.add_argument("--report", default="", help="write a Markdown report (+ PNG plots beside it) here")

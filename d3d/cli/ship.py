@@ -87,7 +87,7 @@ def export_command(args: argparse.Namespace) -> int:
             summary["drafter_max_logit_difference"] = check_logits(exported.folder, drafter, ids, masks,
                                                                    exported.mask_token_id)
     if not args.drafter_only:
-        folder = export_target(target, out / "target")
+        folder = export_target(target, out / "target", source=args.target)
         summary["target"] = str(folder)
         if args.check:
             summary["target_max_logit_difference"] = check_logits(folder, target.decoder, context.tolist())

@@ -13,16 +13,25 @@ from d3d.config import ConfigError
 
 def data(args: argparse.Namespace) -> int:
     """Generate the target's own greedy responses to training prompts (resumable)."""
+    from pathlib import Path
+
     from d3d.loading import load_target
-    from d3d.train.data import DataConfig, generate_data
+    from d3d.train.data import DataConfig, check_same_identity, check_sources, generate_data
 
     config = DataConfig(sources=args.sources.split(","), max_prompts=args.max_prompts,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                         shard_size=args.shard_size, batch_size=args.batch_size, seed=args.seed)
-    torch.set_num_threads(args.threads) if args.threads else None
-    target = load_target(args.target, DTYPES[args.dtype])
     if args.distill_top_k < 0:
         raise ConfigError("--distill-top-k must be >= 0")
+    # What can be refused without the model is refused before it loads (a resumed folder reads its
+    # own prompts.jsonl, not the sources).
+    out = Path(args.out)
+    if (out / "manifest.json").is_file():
+        check_same_identity(out, {"config": config.to_dict()})
+    if not (out / "prompts.jsonl").is_file():
+        check_sources(config)
+    torch.set_num_threads(args.threads) if args.threads else None
+    target = load_target(args.target, DTYPES[args.dtype])
     manifest = generate_data(target, args.out, config, distill_top_k=args.distill_top_k)
     print(json.dumps({k: manifest[k] for k in ("num_prompts", "shards_done", "num_shards", "response_tokens")}))
     return 0

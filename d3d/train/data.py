@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import os
 import random
 import sysconfig
 import time
@@ -33,13 +32,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from d3d.bench.datasets import DatasetError, benchmark_fingerprints, load_prompt_file, text_fingerprint
 from d3d.config import ConfigError, _JsonMixin
 from d3d.loading import Target
 from d3d.masks import causal_mask
 from d3d.models import Decoder
+from d3d.prompts import DatasetError, benchmark_fingerprints, load_prompt_file, text_fingerprint
 from d3d.train import distill
 from d3d.train.distill import TopK, keep_top
+from d3d.train.shards import jsonl_lines, write_atomic
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -258,16 +258,51 @@ def generate_batch(decoder: Decoder, prompts: list[list[int]], max_new_tokens: i
             for response, steps in zip(responses, chosen_from)]
 
 
-def jsonl_lines(path: Path) -> list[str]:
-    """Non-empty lines split on "\n" only: str.splitlines() would also split on U+2028 and
-    friends, which JSON strings may hold raw."""
-    return [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+def check_sources(config: DataConfig) -> None:
+    """Refuse a prompt source that is neither a known name nor a readable prompt file — before any
+    model is loaded (a prompt file's first bad line is named)."""
+    for source in config.sources:
+        if source in SOURCES:
+            continue
+        if not Path(source).is_file():
+            raise DatasetError(f"unknown prompt source {source!r}: use {', '.join(SOURCES)} or a JSONL path "
+                               f"(there is no file {Path(source).resolve()})")
+        load_prompt_file(source)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)
+def show(value: Any) -> str:
+    """A recorded option value as it is typed on the command line."""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def identity_differences(previous: dict[str, Any], identity: dict[str, Any]) -> list[str]:
+    """What a folder's recorded identity and this run's differ in: the options (as typed), the target."""
+    found = []
+    before, now = previous.get("config") or {}, identity["config"]
+    for key in sorted(set(before) | set(now)):
+        if before.get(key) != now.get(key):
+            found.append(f"--{key.replace('_', '-')} {show(before.get(key))} there, {show(now.get(key))} now")
+    if previous.get("target") != identity["target"]:
+        found.append(f"the target: {previous.get('target')} there, {identity['target']} now")
+    elif previous.get("tokenizer_fingerprint") != identity["tokenizer_fingerprint"]:
+        found.append("the target's tokenizer")
+    return found
+
+
+def check_same_identity(out: Path, identity: dict[str, Any]) -> None:
+    """Refuse to resume a folder made with other options or another target, naming what differs
+    (`identity` may leave the target out: the options alone are checked before a model is loaded)."""
+    try:
+        previous = json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{out / 'manifest.json'} cannot be read ({error}); use a new folder") from None
+    if "target" not in identity:
+        previous = {**previous, "target": None, "tokenizer_fingerprint": None}
+        identity = {**identity, "target": None, "tokenizer_fingerprint": None}
+    differences = identity_differences(previous, identity)
+    if differences:
+        raise ConfigError(f"{out} holds data made with another config or target ({'; '.join(differences)}): "
+                          "use a new folder or the same options")
 
 
 def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progress: bool = True,
@@ -282,10 +317,7 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
     manifest_path = out / "manifest.json"
     identity = {"config": config.to_dict(), "target": target.name, "tokenizer_fingerprint": target.fingerprint}
     if manifest_path.is_file():
-        previous = json.loads(manifest_path.read_text())
-        if {k: previous.get(k) for k in identity} != identity:
-            raise ConfigError(f"{out} holds data made with another config or target; "
-                              "use a new folder or the same options")
+        check_same_identity(out, identity)
     else:  # record the identity before anything else, so a rerun with other options is refused
         write_atomic(manifest_path, json.dumps({**identity, "shards_done": 0}, indent=2))
     prompts_path = out / "prompts.jsonl"
@@ -335,10 +367,3 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
     manifest.update(shards_done=len(done), response_tokens=tokens_done)
     write_atomic(manifest_path, json.dumps(manifest, indent=2))
     return manifest
-
-
-def read_shards(data_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """Every finished (prompt_ids, response_ids) record, in shard order."""
-    for path in sorted((Path(data_dir) / "shards").glob("shard-*.jsonl")):
-        for line in jsonl_lines(path):
-            yield json.loads(line)

@@ -27,11 +27,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from d3d.config import ConfigError
+from d3d.files import save_tensors
 from d3d.models import Decoder
+from d3d.train.shards import jsonl_lines
 
 
 @dataclass
@@ -68,9 +70,9 @@ def write(path: Path, records: list[TopK]) -> None:
     lengths = torch.tensor([0] + [len(r) for r in records], dtype=torch.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.tmp")
-    save_file({"ids": torch.cat([r.ids for r in records]).contiguous(),
-               "logprobs": torch.cat([r.logprobs for r in records]).float().contiguous(),
-               "offsets": lengths.cumsum(0)}, str(staging))
+    save_tensors({"ids": torch.cat([r.ids for r in records]).contiguous(),
+                  "logprobs": torch.cat([r.logprobs for r in records]).float().contiguous(),
+                  "offsets": lengths.cumsum(0)}, staging)
     os.replace(staging, path)  # a file exists completely or not at all
 
 
@@ -95,8 +97,6 @@ def teacher_forced(target: Decoder, prompt_ids: list[int], response_ids: list[in
 
 def add_missing(target: Decoder, data_dir: str | Path, k: int, progress: bool = True) -> int:
     """Write the distribution file of every finished shard that lacks one; returns how many."""
-    from d3d.train.data import jsonl_lines  # data imports this module
-
     shards = sorted((Path(data_dir) / "shards").glob("shard-*.jsonl"))
     missing = [s for s in shards if not path_for(s).is_file()]
     for shard in tqdm(missing, desc="target distributions (teacher-forced)", unit="shard", disable=not progress):

@@ -28,18 +28,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 from d3d.config import BlockAttention, ConfigError, DrafterKind, LabelShift, _JsonMixin
 from d3d.dflash import attach_features
 from d3d.drafter import Drafter
 from d3d.estimate import teacher_forced_tau
+from d3d.files import save_tensors
 from d3d.loading import Target
 from d3d.train.batch import IGNORE, MaskRatio, collate, pack_example, sample_anchors
 from d3d.train import distill
-from d3d.train.data import read_shards
 from d3d.train.distill import TopK
+from d3d.train.shards import read_shards
 
 
 @dataclass
@@ -286,7 +287,7 @@ class Trainer:
         for name, p in self.parameters.items():
             for key, value in self.optimizer.state.get(p, {}).items():
                 tensors[f"{name}/{key}"] = value.detach().clone().contiguous()
-        save_file(tensors, str(staging / "optimizer.safetensors"))
+        save_tensors(tensors, staging / "optimizer.safetensors")
         version, internal, gauss = self.rng.getstate()
         state = {"step": self.step, "epoch": self.epoch, "index": self.index, "tokens_seen": self.tokens_seen,
                  "config": self.config.to_dict(),
