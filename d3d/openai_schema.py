@@ -3,15 +3,20 @@ and the OpenAI-shaped error responses.
 
 Unknown fields are ignored, as OpenAI's servers do; parameters that would change the sampled
 distribution (penalties, logit_bias) or that one-sequence engines cannot give (n > 1, logprobs) are
-refused with an `ApiError` (HTTP 400), never silently ignored. The `d3d` field is this server's
-opt-in extension: another decoding method for one request, and per-step facts in the stream.
+refused with an `ApiError` (HTTP 400), never silently ignored. OpenAI's own limits hold too: a
+message's role is one OpenAI accepts (`ROLES`; a "developer" message is the system message of
+OpenAI's newer models and reaches the chat template as "system"; a "tool" message answers a tool
+call, and tool calling is refused), at most `MAX_STOP` stop strings, and text that is valid
+Unicode (JSON can carry a lone surrogate, "\ud800", which no tokenizer can encode). The `d3d` field
+is this server's opt-in extension: another decoding method for one request, and per-step facts in
+the stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +27,9 @@ from starlette.exceptions import HTTPException
 from d3d.generation import Method
 
 ONE_SEQUENCE = "the engine decodes one sequence at a time"
+Role = Literal["system", "user", "assistant", "developer", "tool"]  # the roles OpenAI's chat API accepts
+ROLES: tuple[str, ...] = get_args(Role)
+MAX_STOP = 4  # OpenAI's limit on stop sequences
 CHANGES_DISTRIBUTION = "it changes the distribution that lossless decoding reproduces exactly"
 
 # Parameters refused unless left at their defaults: (field, is it asked for?, why not).
@@ -89,7 +97,7 @@ class ContentPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
 
 
@@ -143,6 +151,10 @@ def make_job(request: SamplingRequest, chat: bool, prompt: str | list[dict[str, 
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if len(stop) > MAX_STOP:
+        raise ApiError(f"stop: at most {MAX_STOP} stop sequences, got {len(stop)}", param="stop")
+    for i, text in enumerate(stop):
+        check_text(text, "stop" if isinstance(request.stop, str) else f"stop[{i}]", "stop")
     options, extension = request.stream_options, request.d3d or Extension()
     if extension.steps and not request.stream:
         raise ApiError("d3d.steps: per-step facts come with streamed responses: set stream to true", param="d3d")
@@ -151,9 +163,21 @@ def make_job(request: SamplingRequest, chat: bool, prompt: str | list[dict[str, 
                bool(request.stream), bool(options and options.include_usage), extension.method, extension.steps)
 
 
+def check_text(text: str, where: str, param: str) -> None:
+    """Refuse text that is not valid Unicode: a lone surrogate (JSON's "\ud800") that no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ApiError(f"{where}: a lone surrogate (U+{ord(text[error.start]):04X} at character {error.start}) is not "
+                       "valid Unicode text", param=param) from None
+
+
 def chat_job(request: ChatRequest) -> Job:
     messages = []
     for i, message in enumerate(request.messages):
+        if message.role == "tool":
+            raise ApiError(f"messages[{i}].role: tool messages answer tool calls, and tool calling is not supported",
+                           param=f"messages.{i}.role", code="unsupported_parameter")
         content = message.content
         if isinstance(content, list):
             others = [part.type for part in content if part.type != "text"]
@@ -161,7 +185,9 @@ def chat_job(request: ChatRequest) -> Job:
                 raise ApiError(f"messages[{i}].content: only text parts are supported, got {others[0]!r}",
                                param=f"messages.{i}.content")
             content = "\n".join(part.text or "" for part in content)
-        messages.append({"role": message.role, "content": content or ""})
+        check_text(content or "", f"messages[{i}].content", f"messages.{i}.content")
+        # OpenAI: developer messages are the system instructions of its newer models
+        messages.append({"role": "system" if message.role == "developer" else message.role, "content": content or ""})
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     return make_job(request, True, messages, max_tokens)
 
@@ -172,6 +198,7 @@ def completion_job(request: CompletionRequest) -> Job:
         if len(prompt) != 1:
             raise ApiError(f"prompt: send one prompt per request ({ONE_SEQUENCE})", param="prompt")
         prompt = prompt[0]
+    check_text(prompt, "prompt", "prompt")
     return make_job(request, False, prompt, request.max_tokens)
 
 

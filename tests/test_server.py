@@ -265,6 +265,16 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
     (COMPLETIONS, '{"prompt": "hello", "stream": true, "temperature": Infinity}', "temperature", "finite"),
     (COMPLETIONS, '{"prompt": "hello", "top_p": NaN}', "top_p", "top_p"),
     (CHAT, {"messages": [{"role": "user", "content": "a" * 200}]}, "messages", "context"),
+    # OpenAI's limits: its roles, at most 4 stop strings; text that is valid Unicode
+    (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, "messages",
+     "messages.0.role: Input should be 'system', 'user', 'assistant', 'developer' or 'tool'"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}, "messages.1.role",
+     "tool calling is not supported"),
+    (COMPLETIONS, {"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop sequences, got 5"),
+    (CHAT, '{"messages": [{"role": "user", "content": "hi \\ud800 there"}]}', "messages.0.content",
+     "messages[0].content: a lone surrogate (U+D800 at character 3) is not valid Unicode text"),
+    (COMPLETIONS, '{"prompt": "a\\udc00b"}', "prompt", "prompt: a lone surrogate (U+DC00 at character 1)"),
+    (COMPLETIONS, '{"prompt": "hello", "stop": ["x", "\\ud800"]}', "stop", "stop[1]: a lone surrogate"),
 ])
 def test_bad_input_is_an_openai_400(http, path, body, param, fragment):
     """Malformed, missing, out-of-range or unsupported input: 400 in OpenAI's error shape, never a
@@ -281,6 +291,21 @@ def test_bad_input_is_an_openai_400(http, path, body, param, fragment):
     assert error["param"] == param
     assert fragment in error["message"], error["message"]
     assert "Traceback" not in response.text
+
+
+def test_a_developer_message_is_the_system_message_and_four_stops_are_fine(http, pipeline):
+    """OpenAI's "developer" role (its newer models' system message) reaches the chat template as
+    "system"; four stop strings are within OpenAI's limit."""
+    from d3d.openai_schema import ChatRequest, chat_job
+
+    developer = [{"role": "developer", "content": "be brief"}, *MESSAGES]
+    system = [{"role": "system", "content": "be brief"}, *MESSAGES]
+    assert chat_job(ChatRequest(messages=developer)).prompt == system
+    answer = http.post(CHAT, json={"messages": developer, "temperature": 0, "max_tokens": 8}).json()
+    assert answer["choices"][0]["message"]["content"] == expected(pipeline, system, max_new_tokens=8)[0]
+    four = http.post(COMPLETIONS, json={"prompt": PROMPT, "temperature": 0, "max_tokens": 8,
+                                        "stop": ["\u0000", "\u0001", "\u0002", "\u0003"]})
+    assert four.status_code == 200
 
 
 def test_the_server_keeps_serving_after_bad_input(http, pipeline):
