@@ -81,6 +81,20 @@ def measure_paths(target: Decoder) -> list[PathCost]:
     return paths
 
 
+def describe_weights(decoder: Decoder) -> str:
+    """What a one-token step reads of the linear weights, and in which form."""
+    weights = decoder.linear_weights().values()
+    if decoder.row_exact is None:
+        return f"{decoder.streamed_weights()}, {sum(w.numel() * w.element_size() for w in weights) / 1e6:.1f} MB a step"
+    read = sum(decoder.row_exact.stream(w).nbytes for w in weights)
+    copies = sum(w.numel() * w.element_size() for w in weights)
+    streamed = decoder.streamed_weights()
+    if streamed.startswith(("bfloat16", "float")):
+        return f"{streamed}, {read / 1e6:.1f} MB a step"
+    return (f"GGUF {streamed} blocks, decoded in registers to the bf16 weights: {read / 1e6:.1f} MB a step "
+            f"(bf16 copies: {copies / 1e6:.1f} MB; --weights dequantized)")
+
+
 def describe_machine() -> dict:
     try:
         started = time.perf_counter()
@@ -99,6 +113,7 @@ def format_report(machine: dict, results: dict[str, list[PathCost]]) -> str:
              "weight packing " + ", ".join(f"{k.removeprefix('pack_seconds_')} {v:.2f} s"
                                            for k, v in machine.items() if k.startswith("pack_seconds_"))
              + " (once per load)",
+             *(f"weights        {k.removeprefix('weights_')}: {v}" for k, v in machine.items() if k.startswith("weights_")),
              f"rows checked   1 … {MAX_ROWS}: each k-row forward against k one-token steps, bit for bit", ""]
     header = f"{'dtype':<9} {'path':<58} {'check':<22} {'step ms':>8} {'verify-17 ms':>13} {'verify/step':>12}"
     lines += [header, "-" * len(header)]
@@ -139,6 +154,7 @@ def doctor(target_source: str | None, dtypes: list[torch.dtype], drafter_source:
         fresh.load_state_dict(decoder.state_dict())
         machine[f"pack_seconds_{name}"] = round(fresh.pack_weights(), 3)
         del fresh
+        machine[f"weights_{name}"] = describe_weights(decoder)
         results[name] = measure_paths(decoder)
         drafter, _ = resolve_drafter(target, drafter_source, target_source, None)
         # Exactly the costs the default method's gate asks for (`engine.generate_from_sources`), so that

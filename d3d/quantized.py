@@ -6,7 +6,8 @@ them (through transformers, i.e. gguf-py's reference dequantization) to the mode
 reads. So for a bf16 target the kernels read the blocks themselves, repacked at load into their
 formats (d3d/kernels/formats.h):
 
-    GGUF Q4_0, Q4_1, Q4_K → u4 (per 32 weights: fp32 scale and offset, 4-bit codes)
+    GGUF Q4_1, Q4_K      → u4 (per 32 weights: fp32 scale and offset, 4-bit codes)
+    GGUF Q4_0            → s4 (per 32 weights: fp32 scale, 4-bit codes less 8)
     GGUF Q8_0            → i8 (per 32 weights: fp32 scale, 8-bit codes)
     GGUF Q6_K            → u6 (per 32 weights: two fp32 scales, 6-bit codes)
 
@@ -31,7 +32,7 @@ import torch
 from d3d.config import ModelConfig
 from d3d.kernels import RowExactKernels, StreamPart, WeightStream
 
-FORMAT_OF = {"Q4_0": "u4", "Q4_1": "u4", "Q4_K": "u4", "Q8_0": "i8", "Q6_K": "u6"}  # GGUF type → kernel format
+FORMAT_OF = {"Q4_0": "s4", "Q4_1": "u4", "Q4_K": "u4", "Q8_0": "i8", "Q6_K": "u6"}  # GGUF type → kernel format
 
 
 def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -49,10 +50,10 @@ def _u4_blocks(scale: np.ndarray, offset: np.ndarray, codes: np.ndarray) -> np.n
 
 
 def _repack_q4_0(blocks: np.ndarray) -> np.ndarray:
-    d = _fp16(blocks, 0)[:, 0]
-    qs = blocks[:, 2:18]
-    codes = np.concatenate([qs & 15, qs >> 4], axis=1)
-    return _u4_blocks(d, -8 * d, codes)  # d·(q − 8) = fma(d, q, −8d): every term exact
+    out = np.empty((blocks.shape[0], 20), np.uint8)
+    out[:, 0:4] = _fp16(blocks, 0).view(np.uint8)
+    out[:, 4:20] = blocks[:, 2:18]  # the same nibble layout
+    return out
 
 
 def _repack_q4_1(blocks: np.ndarray) -> np.ndarray:

@@ -5,9 +5,11 @@
  *
  *   PLAIN   the dtype's own (N, K) row-major matrix (bf16 or fp32);
  *   PACKED  the AVX-512 column-packed copy of a PLAIN matrix (see linear.h);
- *   U4      GGUF Q4_0, Q4_1 and Q4_K, repacked at load: per 32 weights of a row, an fp32 scale s, an
+ *   U4      GGUF Q4_1 and Q4_K, repacked at load: per 32 weights of a row, an fp32 scale s, an
  *           fp32 offset o and 16 bytes of 4-bit codes q (byte j holds weight j in its low nibble,
  *           weight j + 16 in its high one); the weight is bf16(fma(s, q, o));
+ *   S4      GGUF Q4_0: per 32 weights an fp32 scale s and 16 bytes of codes as U4's; the weight is
+ *           bf16(s·(q − 8)) — not fma(s, q, −8s), whose zero is +0 where the reference's is −0;
  *   I8      GGUF Q8_0: per 32 weights an fp32 scale s and 32 signed bytes q; the weight is bf16(s·q);
  *   U6      GGUF Q6_K: per 32 weights two fp32 scales (one per 16), 16 bytes of low nibbles laid
  *           out as U4's and 8 bytes of high bit pairs (byte i holds weight 8j + i's in bits 2j, 2j+1);
@@ -27,13 +29,14 @@
  * every decoded weight is 0 or at least 2^-24 in magnitude, being a sum of fp16 multiples.
  */
 
-enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4 };
+enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5 };
 
 #define CHUNK 32  /* weights of a row per block of every quantized format */
 
 typedef struct { float scale, offset; uint8_t q[16]; } block_u4;
 typedef struct { float scale; int8_t q[32]; } block_i8;
 typedef struct { float scale[2]; uint8_t low[16], high[8]; } block_u6;
+typedef struct { float scale; uint8_t q[16]; } block_s4;
 
 /* What the linear kernels are handed for one weight: up to MAX_PARTS runs of rows, each in its
  * own format (a fused q|k|v projection whose parts a GGUF quantized differently, as Q4_K_M files
@@ -51,7 +54,7 @@ static inline int is_quantized(int64_t format) { return format >= D3D_U4; }
 
 static inline int64_t block_bytes(int64_t format) {
     return format == D3D_U4 ? (int64_t)sizeof(block_u4) : format == D3D_I8 ? (int64_t)sizeof(block_i8)
-                                                                             : (int64_t)sizeof(block_u6);
+         : format == D3D_U6 ? (int64_t)sizeof(block_u6) : (int64_t)sizeof(block_s4);
 }
 
 /* The part holding row n, and n's index within it. */
@@ -77,6 +80,9 @@ static void decode_block_scalar(int64_t format, const void *block, float out[CHU
     } else if (format == D3D_I8) {
         const block_i8 *b = block;
         for (int e = 0; e < CHUNK; e++) out[e] = bf16_to_f32(f32_to_bf16(b->scale * (float)b->q[e]));
+    } else if (format == D3D_S4) {
+        const block_s4 *b = block;
+        for (int e = 0; e < CHUNK; e++) out[e] = bf16_to_f32(f32_to_bf16(b->scale * (float)(nibble(b->q, e) - 8)));
     } else {
         const block_u6 *b = block;
         for (int e = 0; e < CHUNK; e++) {
@@ -86,26 +92,7 @@ static void decode_block_scalar(int64_t format, const void *block, float out[CHU
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define D3D_AVX2 1
-/* ---- AVX2 primitives: 8 fp32 lanes ---- */
-typedef __m256 v8;
-#define v8_zero() _mm256_setzero_ps()
-#define v8_load(p) _mm256_loadu_ps(p)
-#define v8_store(p, v) _mm256_storeu_ps(p, v)
-#define v8_fma(a, b, acc) _mm256_fmadd_ps(a, b, acc)  /* a·b + acc, one rounding */
-#define v8_splat(p) _mm256_broadcast_ss(p)
-static inline __attribute__((always_inline)) v8 v8_round_bf16(v8 v) {  /* Veltkamp, see above */
-    v8 c = _mm256_mul_ps(v, _mm256_set1_ps(65537.0f));
-    return _mm256_sub_ps(c, _mm256_sub_ps(c, v));
-}
-static inline __attribute__((always_inline)) v8 v8_from_bf16(const uint16_t *p) {  /* 8 bf16, widened */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline __attribute__((always_inline)) __m256i v8_bytes(const uint8_t *p) {  /* 8 bytes, zero-extended */
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-}
-
+#ifdef D3D_AVX2
 /* Decoders: 32 weights (one block, or 32 plain elements) → 4 vectors of 8 in k order. */
 static inline __attribute__((always_inline)) void decode_u4(const void *block, v8 out[4]) {
     const block_u4 *b = block;
@@ -122,6 +109,13 @@ static inline __attribute__((always_inline)) void decode_i8(const void *block, v
     for (int j = 0; j < 4; j++)
         out[j] = v8_round_bf16(_mm256_mul_ps(s, _mm256_cvtepi32_ps(
             _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->q + 8 * j))))));
+}
+static inline __attribute__((always_inline)) void decode_s4(const void *block, v8 out[4]) {
+    const block_s4 *b = block;
+    v8 s = v8_splat(&b->scale);
+    __m256i lo = v8_bytes(b->q), hi = v8_bytes(b->q + 8), f = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    __m256i q[4] = {_mm256_and_si256(lo, f), _mm256_and_si256(hi, f), _mm256_srli_epi32(lo, 4), _mm256_srli_epi32(hi, 4)};
+    for (int j = 0; j < 4; j++) out[j] = v8_round_bf16(_mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], eight))));
 }
 static inline __attribute__((always_inline)) void decode_u6(const void *block, v8 out[4]) {
     const block_u6 *b = block;
@@ -152,6 +146,7 @@ static inline void decode_block(int64_t format, const void *block, float out[CHU
     v8 vec[4];
     if (format == D3D_U4) decode_u4(block, vec);
     else if (format == D3D_I8) decode_i8(block, vec);
+    else if (format == D3D_S4) decode_s4(block, vec);
     else decode_u6(block, vec);
     for (int j = 0; j < 4; j++) v8_store(out + 8 * j, vec[j]);
 #else

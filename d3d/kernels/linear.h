@@ -308,6 +308,7 @@ LANES_COLUMNS(lanes_columns_f32, decode_plain_f32)
 LANES_COLUMNS(lanes_columns_u4, decode_u4)
 LANES_COLUMNS(lanes_columns_i8, decode_i8)
 LANES_COLUMNS(lanes_columns_u6, decode_u6)
+LANES_COLUMNS(lanes_columns_s4, decode_s4)
 
 /* Scratch floats a lanes call takes: the rows in fp32, and per thread a strip and the results. */
 static int64_t lanes_scratch(int64_t M, int64_t K, int threads) { return M * K + threads * (4 * K + 4 * M); }
@@ -338,6 +339,7 @@ static __attribute__((unused)) void lanes_##SUFFIX##_body(const T_ELEM *x, int64
             case D3D_U4: lanes_columns_u4(xf, M, K, rows, chunk_bytes, strip, res); break;           \
             case D3D_I8: lanes_columns_i8(xf, M, K, rows, chunk_bytes, strip, res); break;           \
             case D3D_U6: lanes_columns_u6(xf, M, K, rows, chunk_bytes, strip, res); break;           \
+            case D3D_S4: lanes_columns_s4(xf, M, K, rows, chunk_bytes, strip, res); break;           \
             default: lanes_columns_##SUFFIX(xf, M, K, rows, chunk_bytes, strip, res);                \
         }                                                                                            \
         for (int64_t m = 0; m < M; m++)                                                              \

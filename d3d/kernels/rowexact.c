@@ -23,7 +23,8 @@
  *    lane l over k = l mod 16 — over bf16, fp32 or quantized weights decoded in registers;
  *  - anything else: the same lanes in portable C.
  *
- * Parts: formats.h (weight formats and their decoding), linear.h, attention.h, elementwise.h
+ * Parts: isa.h (instruction sets and their vector primitives), formats.h (weight formats and their
+ * decoding), linear.h, attention.h, elementwise.h
  * (RMSNorm, SwiGLU, RoPE and the KV store); this file holds the shared helpers and the whole
  * forward. Compiled on first use by d3d/kernels/build.py with the machine's C compiler
  * (-O3 -march=native -fopenmp) and called through ctypes (d3d/kernels/binding.py); it sees raw
@@ -37,9 +38,7 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define D3D_AVX512_BF16 1
-#endif
+#include "isa.h"
 
 #define LANES 16
 
