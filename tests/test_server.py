@@ -561,6 +561,49 @@ def test_serve_runs_the_engine_on_its_own_thread_until_interrupted(monkeypatch, 
     assert stream.rstrip().endswith("data: [DONE]")
 
 
+def test_warm_up_pays_the_one_time_costs_before_the_first_request(monkeypatch, tmp_path):
+    """warm_up runs the server's method, the drafter alone and plain decoding once; afterwards a
+    request's generation neither measures nor probes the gate's costs."""
+    import d3d.costs
+
+    monkeypatch.setenv("D3D_CACHE", str(tmp_path))
+    d3d.costs._measured.clear()
+    d3d.costs._probed.clear()
+    pipeline, methods = tiny_pipeline(eos_token_ids=[]), []
+    real_steps = d3d.generation.Pipeline.steps
+
+    def steps(self, prompt_ids, config, method="speculative"):
+        methods.append(method)
+        return real_steps(self, prompt_ids, config, method)
+
+    monkeypatch.setattr(d3d.generation.Pipeline, "steps", steps)
+    assert d3d_server.warm_up(pipeline, "speculative") > 0
+    assert methods == ["speculative", "drafter", "ar"]
+    monkeypatch.setattr(d3d.costs, "measure", lambda *args, **kwargs: pytest.fail("measured inside a request"))
+    monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda *args: pytest.fail("probed inside a request"))
+    assert expected(pipeline, PROMPT, chat=False, max_new_tokens=8)[2] == 8
+
+
+def test_serve_warms_up_before_it_listens(monkeypatch, tiny_loading, capsys):
+    order = []
+    monkeypatch.setattr(d3d_server, "warm_up", lambda pipeline, method: order.append(("warm", method)) or 0.5)
+
+    class Listener:
+        started = True
+        should_exit = False
+
+        def __init__(self, config) -> None:
+            pass
+
+        def run(self) -> None:
+            order.append("listen")
+
+    monkeypatch.setattr(d3d_server.uvicorn, "Server", Listener)
+    assert main(["serve", "--drafter", "none", "--method", "lookup", "--port", str(free_port())]) == 0
+    assert order == [("warm", "lookup"), "listen"]
+    assert "# warmed up in 0.5 s" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True),
                                              ("0.0.0.0", False), ("192.168.1.5", False), ("example.org", False)])
 def test_binding_beyond_loopback_without_a_key_warns(monkeypatch, capsys, host, loopback):
