@@ -13,6 +13,7 @@ import torch
 from d3d.async_engine import AsyncConfig
 from d3d.config import ConfigError
 from d3d.devices import resolve_device
+from d3d.exactness import kernel_name
 from d3d.generation import Pipeline, load_ar_drafter, resolve_drafter
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -37,8 +38,9 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
     d = pipeline.drafter
     where = pipeline.drafter_source if d is None else (
         f"{d.config.model.num_layers}-layer drafter, block {d.block_size}, {pipeline.drafter_source}")
-    print(f"# target: {pipeline.target.name} ({args.dtype}, {device}); drafter: {where}; "
-          f"loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    decoder = pipeline.target.decoder
+    print(f"# target: {pipeline.target.name} ({args.dtype}, {device}, {kernel_name(decoder, decoder.dtype)} kernels); "
+          f"drafter: {where}; loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return pipeline
 
 
