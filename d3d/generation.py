@@ -66,7 +66,8 @@ class Pipeline:
     @classmethod
     def load(cls, target: str | None = None, drafter: str | Path | None = "default",
              dtype: torch.dtype = torch.bfloat16, drafter_layers: list[int] | None = None,
-             ar_drafter: str | Path | None = None, async_config: AsyncConfig | None = None) -> "Pipeline":
+             ar_drafter: str | Path | None = None, async_config: AsyncConfig | None = None,
+             weights: str = "stored") -> "Pipeline":
         """Load a target and a drafter.
 
         `drafter`: a checkpoint folder; "default" for the shipped drafter when the target is the
@@ -74,8 +75,9 @@ class Pipeline:
         copied from `drafter_layers` of the target (all layers when None); None for no drafter.
         `ar_drafter`: an AR drafter checkpoint folder, for method "ar_drafter" (None: none).
         `async_config`: how method "async" drafts ahead (None: the defaults).
+        `weights`: how the kernels read the target's weights (`d3d.loading.load_target`).
         """
-        loaded = load_target(target, dtype)
+        loaded = load_target(target, dtype, weights)
         return cls(loaded, *resolve_drafter(loaded, drafter, target, drafter_layers),
                    ar_drafter=load_ar_drafter(loaded, ar_drafter), async_config=async_config)
 

@@ -385,7 +385,7 @@ def test_pipeline_method_async(setup):
 
 
 def test_cli_generate_async_compare_ar(capsys, monkeypatch):
-    monkeypatch.setattr(d3d.generation, "load_target", lambda source=None, dtype=None: tiny_target(eos_token_ids=[]))
+    monkeypatch.setattr(d3d.generation, "load_target", lambda source=None, dtype=None, weights="stored": tiny_target(eos_token_ids=[]))
     code = main(["generate", "hello", "--method", "async", "--compare-ar", "--json", "--drafter", "untrained",
                  "--drafter-layers", "0", "--dtype", "float32", "--max-new-tokens", "24"])
     out, err = capsys.readouterr()

@@ -208,7 +208,7 @@ def test_transformers_disagreement_is_reported_not_enforced(monkeypatch, tmp_pat
 @pytest.fixture
 def tiny_default(monkeypatch):
     """'default' target → the tiny random target (no EOS), as test_cli patches it."""
-    def load(source=None, dtype=torch.bfloat16):
+    def load(source=None, dtype=torch.bfloat16, weights="stored"):
         assert source is None or str(source) == "default"
         return tiny_target(eos_token_ids=[])
 

@@ -26,7 +26,7 @@ def tiny_default(monkeypatch):
     """'default' (or no) target → the tiny random target with the byte tokenizer; other paths load for real."""
     loads = []
 
-    def load(source=None, dtype=torch.bfloat16):
+    def load(source=None, dtype=torch.bfloat16, weights="stored"):
         loads.append(source)
         if source is None or str(source) == "default":
             return tiny_target(eos_token_ids=[])
@@ -40,7 +40,7 @@ def tiny_default(monkeypatch):
 @pytest.fixture
 def real_default(monkeypatch):
     """The real embedded target, loaded once per module (the CLI's own loading path, memoised)."""
-    def load(source=None, dtype=torch.bfloat16):
+    def load(source=None, dtype=torch.bfloat16, weights="stored"):
         key = (str(source), dtype)
         if key not in _real_targets:
             _real_targets[key] = REAL_LOAD_TARGET(source, dtype)

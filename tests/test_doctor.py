@@ -17,7 +17,7 @@ from test_generation import EOS, ByteTokenizer
 
 @pytest.fixture
 def tiny_target(monkeypatch):
-    def load(source=None, dtype=torch.bfloat16):
+    def load(source=None, dtype=torch.bfloat16, weights="stored"):
         decoder = make_decoder(tiny_config("qwen3", tie_word_embeddings=False), seed=1, dtype=dtype)
         return Target(decoder.requires_grad_(False), ByteTokenizer(), "tiny", [EOS])
 

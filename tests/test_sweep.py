@@ -61,7 +61,7 @@ def test_sweep_refuses_no_prompts_and_unreachable_tau(models):
 
 @pytest.fixture
 def tiny_default(monkeypatch):
-    def load(source=None, dtype=torch.bfloat16):
+    def load(source=None, dtype=torch.bfloat16, weights="stored"):
         return tiny_target(make_decoder(tiny_config(tie_word_embeddings=False, max_position_embeddings=256), seed=1),
                            eos_token_ids=[])
 

@@ -220,7 +220,7 @@ def patched_load_target(monkeypatch):
     """`d3d train --target default` gets a fresh tiny target instead of SmolLM2 (as test_cli patches it)."""
     loads = []
 
-    def load(source=None, dtype=torch.bfloat16):
+    def load(source=None, dtype=torch.bfloat16, weights="stored"):
         loads.append((source, dtype))
         return tiny_train_target()
 

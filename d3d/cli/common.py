@@ -15,6 +15,7 @@ from d3d.config import ConfigError
 from d3d.devices import resolve_device
 from d3d.exactness import kernel_name
 from d3d.generation import Pipeline, load_ar_drafter, resolve_drafter
+from d3d.quantized import WEIGHTS
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -29,9 +30,10 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
     device = resolve_device(args.device)
     async_config = AsyncConfig(max_branches=args.branches)
     if device.type == "cpu":
-        pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers, args.ar_drafter, async_config)
+        pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers, args.ar_drafter, async_config,
+                                 weights=args.weights)
     else:  # weights are read on the CPU; the drafters are built on the target's device
-        target = Pipeline.load(args.target, None, DTYPES[args.dtype]).target
+        target = Pipeline.load(args.target, None, DTYPES[args.dtype], weights="dequantized").target
         target.decoder.to(device)
         pipeline = Pipeline(target, *resolve_drafter(target, drafter, args.target, layers),
                             ar_drafter=load_ar_drafter(target, args.ar_drafter), async_config=async_config)
@@ -39,7 +41,8 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
     where = pipeline.drafter_source if d is None else (
         f"{d.config.model.num_layers}-layer drafter, block {d.block_size}, {pipeline.drafter_source}")
     decoder = pipeline.target.decoder
-    print(f"# target: {pipeline.target.name} ({args.dtype}, {device}, {kernel_name(decoder, decoder.dtype)} kernels); "
+    weights = f", {pipeline.target.weights} weights" if pipeline.target.weights.startswith("GGUF") else ""
+    print(f"# target: {pipeline.target.name} ({args.dtype}{weights}, {device}, {kernel_name(decoder, decoder.dtype)} kernels); "
           f"drafter: {where}; loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return pipeline
 
@@ -58,10 +61,19 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ar-drafter", default="",
                         help="an AR drafter checkpoint (`d3d train --drafter-kind ar`) for --method ar_drafter")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    add_weights_argument(parser)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     parser.add_argument("--branches", type=int, default=AsyncConfig.max_branches,
                         help="method async: outcomes (accepted count, bonus guess) whose next block is drafted "
                              f"ahead in each packed pass (default {AsyncConfig.max_branches}; 0 = none)")
+
+
+def add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--weights", default="stored", choices=WEIGHTS,
+                        help="how the kernels read the target's weights: 'stored' (default) as the source holds "
+                             "them — a GGUF's own quantized blocks, decoded exactly to the dequantized bf16 values; "
+                             "'dequantized': bf16 copies (same logits, more bytes a step); q8_0/q4_1/q4_0: quantize "
+                             "a bf16 folder at load (a different model)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
