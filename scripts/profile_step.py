@@ -3,7 +3,8 @@ the layers, timed by thread 0 after each stage's barrier), the output projection
 (Python, embedding, allocation) by difference. One-token step and 17-token verification, after a
 256-token context.
 
-Usage: python scripts/profile_step.py [--dtype bfloat16] [--repeats 20] [--rows 1,17]   (prints one JSON line)
+Usage: python scripts/profile_step.py [--dtype bfloat16] [--weights stored|dequantized] [--repeats 20] [--rows 1,17]
+(prints one JSON line)
 """
 
 import argparse
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-from d3d.kernels import RowExactKernels, build
+from d3d.kernels import build
 from d3d.loading import load_target
 
 
@@ -23,10 +24,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rows", default="1,17", help="forward sizes to profile, comma-separated")
+    parser.add_argument("--weights", default="stored", help="how the kernels read the weights (d3d.quantized.WEIGHTS)")
     args = parser.parse_args()
-    decoder = load_target(dtype=getattr(torch, args.dtype)).decoder
+    target = load_target(dtype=getattr(torch, args.dtype), weights=args.weights)
+    decoder = target.decoder
     path = build(profile=True)  # the same kernels, with stage timers compiled in
-    kernels = decoder.row_exact = RowExactKernels(ctypes.CDLL(str(path)), path)
+    kernels = decoder.row_exact = decoder.row_exact.same_streams(ctypes.CDLL(str(path)), path)
     decoder.pack_weights()
     head_seconds = 0.0
     linear = kernels.linear
@@ -44,7 +47,7 @@ def main() -> None:
     cache = decoder.new_cache(256 + max(sizes))
     decoder(torch.randint(0, decoder.config.vocab_size, (1, 256), generator=generator), cache=cache)
     cache.commit()
-    result = {"dtype": args.dtype, "threads": torch.get_num_threads()}
+    result = {"dtype": args.dtype, "weights": target.weights, "threads": torch.get_num_threads()}
     for rows in sizes:
         ids = torch.randint(0, decoder.config.vocab_size, (1, rows), generator=generator)
         for _ in range(3):

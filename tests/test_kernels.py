@@ -186,3 +186,37 @@ def test_a_head_wider_than_the_kernels_hold_is_refused():
     with pytest.raises(ConfigError, match="head_dim"):
         ModelConfig(vocab_size=8, hidden_size=2 * (MAX_HEAD_DIM + 64), intermediate_size=8, num_layers=1,
                     num_heads=2, num_kv_heads=2, head_dim=MAX_HEAD_DIM + 64)
+
+
+@pytest.fixture(scope="module")
+def portable():
+    """The kernels built as portable C (no AVX2), beside this machine's own build."""
+    import ctypes
+    import platform
+
+    from d3d.kernels import RowExactKernels, build
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the portable build is compared on x86-64")
+    path = build(march="x86-64-v2")
+    return RowExactKernels(ctypes.CDLL(str(path)), path)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_vector_paths_give_the_portable_bits(kernels, portable, dtype):
+    """Attention, norms, SwiGLU and RoPE give the portable C's bits on this machine's vector path
+    (AVX2 or AVX-512), and so does the linear wherever this build reads the weight by the lanes."""
+    q = randn(2, 5, 6, 64, seed=0, dtype=dtype)
+    k = randn(2, 2, 37, 64, seed=1, dtype=dtype, scale=3.0)
+    v = randn(2, 2, 37, 64, seed=2, dtype=dtype)
+    mask = torch.rand(2, 5, 37, generator=torch.Generator().manual_seed(3)) > 0.3
+    for m in (None, mask):
+        assert torch.equal(kernels.attention(q, k, v, m), portable.attention(q, k, v, m))
+    x = randn(7, 576, seed=4, dtype=dtype, scale=5.0)
+    weight = randn(576, seed=5, dtype=dtype)
+    assert torch.equal(kernels.rms_norm(x, weight, 1e-5), portable.rms_norm(x, weight, 1e-5))
+    gate_up = randn(7, 2 * 384, seed=6, dtype=dtype, scale=4.0)
+    assert torch.equal(kernels.silu_mul(gate_up), portable.silu_mul(gate_up))
+    if not kernels.packs[dtype]:
+        w = randn(100, 576, seed=7, dtype=dtype)
+        assert torch.equal(kernels.linear(x, w, None), portable.linear(x, w, None))

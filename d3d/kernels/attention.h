@@ -53,6 +53,31 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
     }
 #define WEIGHTED_SUM_bf16(p, v, S, D, o) WEIGHTED_SUM_VECTOR(bf16, uint16_t, p, v, S, D, o)
 #define WEIGHTED_SUM_f32(p, v, S, D, o) WEIGHTED_SUM_VECTOR(f32, float, p, v, S, D, o)
+#elif defined(D3D_AVX2)
+static inline __attribute__((always_inline)) v8 load8_bf16(const uint16_t *a) { return v8_from_bf16(a); }
+static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { return v8_load(a); }
+/* 32 values of d at a time in registers for the whole pass over s; D a multiple of 8, else portable. */
+#define WEIGHTED_SUM_AVX2(SUFFIX, T_ELEM, LOAD, p, v, S, D, o)                                      \
+    if ((D) % 8) WEIGHTED_SUM_PORTABLE(T_ELEM, LOAD, p, v, S, D, o);                                 \
+    else                                                                                             \
+        for (int64_t d0 = 0; d0 < (D); d0 += 32) {                                                   \
+            int parts = (D) - d0 >= 32 ? 4 : (int)(((D) - d0) / 8);                                   \
+            v8 o0 = v8_zero(), o1 = o0, o2 = o0, o3 = o0;                                            \
+            for (int64_t s = 0; s < (S); s++) {                                                      \
+                float ps = (p)[s];                                                                   \
+                if (ps == 0.0f) continue;                                                            \
+                const T_ELEM *vr = (v) + s * (D) + d0;                                               \
+                v8 pv = _mm256_set1_ps(ps);                                                          \
+                o0 = v8_fma(pv, load8_##SUFFIX(vr), o0);                                             \
+                if (parts > 1) o1 = v8_fma(pv, load8_##SUFFIX(vr + 8), o1);                          \
+                if (parts > 2) o2 = v8_fma(pv, load8_##SUFFIX(vr + 16), o2);                         \
+                if (parts > 3) o3 = v8_fma(pv, load8_##SUFFIX(vr + 24), o3);                         \
+            }                                                                                        \
+            v8 all_[4] = {o0, o1, o2, o3};                                                           \
+            for (int j = 0; j < parts; j++) v8_store((o) + d0 + 8 * j, all_[j]);                     \
+        }
+#define WEIGHTED_SUM_bf16(p, v, S, D, o) WEIGHTED_SUM_AVX2(bf16, uint16_t, bf16_to_f32, p, v, S, D, o)
+#define WEIGHTED_SUM_f32(p, v, S, D, o) WEIGHTED_SUM_AVX2(f32, float, IDENTITY, p, v, S, D, o)
 #else
 #define WEIGHTED_SUM_bf16(p, v, S, D, o) WEIGHTED_SUM_PORTABLE(uint16_t, bf16_to_f32, p, v, S, D, o)
 #define WEIGHTED_SUM_f32(p, v, S, D, o) WEIGHTED_SUM_PORTABLE(float, IDENTITY, p, v, S, D, o)
@@ -72,6 +97,43 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
             sum_ = _mm512_mask_add_ps(sum_, live, sum_, p);                                          \
         }                                                                                            \
         _mm512_storeu_ps(sums, sum_);                                                                \
+    } while (0)
+#elif defined(D3D_AVX2)
+/* exp_fixed on 8 lanes: the same operations in the same order, so the same bits per lane. */
+static inline __attribute__((always_inline)) v8 exp_fixed8(v8 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    v8 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v8 r = v8_fma(k, _mm256_set1_ps(-0.693359375f), x);
+    r = v8_fma(k, _mm256_set1_ps(2.12194440e-4f), r);
+    v8 p = _mm256_set1_ps(1.3981999507e-3f);
+    p = v8_fma(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = v8_fma(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = v8_fma(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = v8_fma(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(v8_fma(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+/* lanes s0 … s0+15 in two vectors; the tail's missing lanes neither read nor add */
+#define EXP_SUM(row, S, top, sums)                                                                   \
+    do {                                                                                             \
+        v8 lo_ = v8_load(sums), hi_ = v8_load((sums) + 8), top_ = _mm256_set1_ps(top);               \
+        v8 ninf_ = _mm256_set1_ps(-INFINITY);                                                        \
+        int64_t full_ = (S) / LANES * LANES;                                                         \
+        for (int64_t s0 = 0; s0 < full_; s0 += LANES) {                                              \
+            v8 x0 = v8_load((row) + s0), x1 = v8_load((row) + s0 + 8);                               \
+            v8 p0 = _mm256_andnot_ps(_mm256_cmp_ps(x0, ninf_, _CMP_EQ_OQ), exp_fixed8(_mm256_sub_ps(x0, top_))); \
+            v8 p1 = _mm256_andnot_ps(_mm256_cmp_ps(x1, ninf_, _CMP_EQ_OQ), exp_fixed8(_mm256_sub_ps(x1, top_))); \
+            v8_store((row) + s0, p0); v8_store((row) + s0 + 8, p1);                                  \
+            lo_ = _mm256_add_ps(lo_, p0); hi_ = _mm256_add_ps(hi_, p1);                              \
+        }                                                                                            \
+        v8_store(sums, lo_); v8_store((sums) + 8, hi_);                                              \
+        for (int l = 0; full_ + l < (S); l++) {                                                      \
+            float x_ = (row)[full_ + l];                                                             \
+            float p_ = x_ == -INFINITY ? 0.0f : exp_fixed(x_ - (top));                               \
+            (row)[full_ + l] = p_;                                                                   \
+            (sums)[l] += p_;                                                                         \
+        }                                                                                            \
     } while (0)
 #else
 #define EXP_SUM(row, S, top, sums)                                                                   \
@@ -148,6 +210,65 @@ static inline float ROW_MAX(const float *row, int64_t S) {
     float lanes[LANES], best = -INFINITY;
     _mm512_storeu_ps(lanes, top);
     for (int l = 0; l < LANES; l++) best = lanes[l] > best ? lanes[l] : best;
+    return best;
+}
+#elif defined(D3D_AVX2)
+#define SCORE_CHAINS(kt, qs, D, acc)                                                                 \
+    do {                                                                                             \
+        v8 a0_ = v8_zero(), a1_ = a0_, b0_ = a0_, b1_ = a0_, c0_ = a0_, c1_ = a0_, d0_ = a0_, d1_ = a0_; \
+        for (int64_t d = 0; d < (D); d++) {                                                          \
+            v8 lo_ = v8_load((kt)[d]), hi_ = v8_load((kt)[d] + 8);                                   \
+            v8 q0_ = _mm256_broadcast_ss(&(qs)[0][d]), q1_ = _mm256_broadcast_ss(&(qs)[1][d]);       \
+            v8 q2_ = _mm256_broadcast_ss(&(qs)[2][d]), q3_ = _mm256_broadcast_ss(&(qs)[3][d]);       \
+            a0_ = v8_fma(q0_, lo_, a0_); a1_ = v8_fma(q0_, hi_, a1_);                                \
+            b0_ = v8_fma(q1_, lo_, b0_); b1_ = v8_fma(q1_, hi_, b1_);                                \
+            c0_ = v8_fma(q2_, lo_, c0_); c1_ = v8_fma(q2_, hi_, c1_);                                \
+            d0_ = v8_fma(q3_, lo_, d0_); d1_ = v8_fma(q3_, hi_, d1_);                                \
+        }                                                                                            \
+        v8_store((acc)[0], a0_); v8_store((acc)[0] + 8, a1_); v8_store((acc)[1], b0_); v8_store((acc)[1] + 8, b1_); \
+        v8_store((acc)[2], c0_); v8_store((acc)[2] + 8, c1_); v8_store((acc)[3], d0_); v8_store((acc)[3] + 8, d1_); \
+    } while (0)
+#define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out)                                           \
+    for (int64_t d = 0; d < (D); d++) (out)[d] = (live) ? LOAD((qr)[d]) * (scale) : 0.0f;
+/* kt[d][l0 + j] = key l0 + j's element d0 + i for an 8 x 8 block r[j] (key j's elements d0 … d0+7). */
+static inline void transpose8_store(v8 r[8], float (*kt)[KEY_TILE], int64_t d0, int l0) {
+    v8 t[8], u[8];
+    for (int p = 0; p < 4; p++) {
+        t[2 * p] = _mm256_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+        t[2 * p + 1] = _mm256_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 2; q++) {
+        u[4 * q] = _mm256_shuffle_ps(t[4 * q], t[4 * q + 2], 0x44);
+        u[4 * q + 1] = _mm256_shuffle_ps(t[4 * q], t[4 * q + 2], 0xEE);
+        u[4 * q + 2] = _mm256_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0x44);
+        u[4 * q + 3] = _mm256_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
+    }
+    for (int m = 0; m < 4; m++) {
+        v8_store(kt[d0 + m] + l0, _mm256_permute2f128_ps(u[m], u[4 + m], 0x20));
+        v8_store(kt[d0 + 4 + m] + l0, _mm256_permute2f128_ps(u[m], u[4 + m], 0x31));
+    }
+}
+#define TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt)                                           \
+    if ((D) % 8)                                                                                     \
+        for (int64_t d = 0; d < (D); d++)                                                            \
+            for (int l = 0; l < KEY_TILE; l++) (kt)[d][l] = l < (n) ? LOAD((kb)[l * (D) + d]) : 0.0f; \
+    else                                                                                             \
+        for (int64_t d0_ = 0; d0_ < (D); d0_ += 8)                                                   \
+            for (int l0_ = 0; l0_ < KEY_TILE; l0_ += 8) {                                            \
+                v8 r_[8];                                                                            \
+                for (int j_ = 0; j_ < 8; j_++)                                                       \
+                    r_[j_] = l0_ + j_ < (n) ? load8_##SUFFIX((kb) + (l0_ + j_) * (D) + d0_) : v8_zero(); \
+                transpose8_store(r_, (kt), d0_, l0_);                                                \
+            }
+/* The largest of row[0 … S-1]; NaNs are passed over, as the scalar `x > top ? x : top` does. */
+static inline float ROW_MAX(const float *row, int64_t S) {
+    v8 top = _mm256_set1_ps(-INFINITY);
+    int64_t s = 0;
+    for (; s + 8 <= S; s += 8) top = _mm256_max_ps(v8_load(row + s), top);
+    float lanes[8], best = -INFINITY;
+    v8_store(lanes, top);
+    for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+    for (; s < S; s++) best = row[s] > best ? row[s] : best;
     return best;
 }
 #else

@@ -140,6 +140,13 @@ class RowExactKernels:
             ctypes.memset(table, 0, ctypes.sizeof(table))
         return spent
 
+    def same_streams(self, library: ctypes.CDLL, path: Path) -> "RowExactKernels":
+        """Another build of these kernels (e.g. the profiling one) reading the weights' streams as
+        this one does."""
+        other = RowExactKernels(library, path)
+        other._streams, other.arena, other.epoch = self._streams, self.arena, self.epoch + 1
+        return other
+
     # One library per process: a copied or pickled decoder shares it.
     def __deepcopy__(self, memo: dict) -> "RowExactKernels":
         return self

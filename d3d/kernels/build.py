@@ -53,10 +53,11 @@ def compiler() -> str:
     raise KernelBuildError("no C compiler found (set CC, or install gcc) to build the row-exact kernels")
 
 
-def build(verbose: bool = False, profile: bool = False) -> Path:
+def build(verbose: bool = False, profile: bool = False, march: str = "native") -> Path:
     """Compile the kernels for this machine (once; cached by sources, compiler and CPU flags).
 
-    `profile` builds the variant whose fused forward times its stages (`stage_seconds`).
+    `profile` builds the variant whose fused forward times its stages (`stage_seconds`); `march`
+    another target than this CPU's (the tests build "x86-64-v2", the portable C, to compare bits).
     """
     cc = compiler()
     missing = [path for path in sources() if not path.is_file()]
@@ -64,10 +65,11 @@ def build(verbose: bool = False, profile: bool = False) -> Path:
         raise KernelBuildError(f"the kernel source {missing[0] if missing else SOURCE} is missing: "
                                "reinstall d3d-decoding")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    flags = FLAGS + ["-DD3D_PROFILE"] * profile
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS] + ["-DD3D_PROFILE"] * profile
     texts = [path.read_text() for path in sources()]
     key = hashlib.sha256("\0".join([*texts, version, cpu_flags_line(), " ".join(flags)]).encode())
-    target = cache_dir() / f"rowexact-{key.hexdigest()[:16]}{'-profile' * profile}.so"
+    suffix = "-profile" * profile + (f"-{march}" if march != "native" else "")
+    target = cache_dir() / f"rowexact-{key.hexdigest()[:16]}{suffix}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
