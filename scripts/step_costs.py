@@ -16,6 +16,21 @@ import torch
 from d3d.loading import load_target
 
 
+def floor_ms(num_bytes: int, repeats: int = 15) -> float:
+    """The bandwidth floor: the fastest plain read (a sum, both threads) of that many bytes in huge pages."""
+    try:
+        from d3d.kernels.packing import HugePageArena
+        buffer = HugePageArena().empty((num_bytes // 4,), torch.float32).fill_(1.0)
+    except ImportError:  # a checkout from before the arena moved
+        buffer = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - started)
+    return 1000 * best
+
+
 def median_ms(fn, repeats: int) -> float:
     times = []
     for i in range(repeats + 3):
@@ -61,13 +76,17 @@ def main() -> None:
         singles.append(decoder(block[:, i:i + 1], cache=cache)[0, 0])
         cache.commit()
     identical_rows = int((together == torch.stack(singles)).all(-1).sum())
+    weights = decoder.linear_weights().values() if hasattr(decoder, "linear_weights") else []
+    read = sum(decoder.row_exact.stream(w).nbytes for w in weights) if decoder.row_exact is not None and weights else 0
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     print(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(), "dtype": args.dtype,
                       "weights": getattr(target, "weights", "") or args.dtype, "context": args.context,
                       "step_ms": round(step, 2), "verify17_ms": round(verify, 2),
                       "verify17_in_steps": round(verify / step, 2), "ar_tokens_per_s": round(1000 / step, 1),
-                      "rows_identical_to_steps": f"{identical_rows}/17"}))
+                      "rows_identical_to_steps": f"{identical_rows}/17",
+                      **({"weight_mb_read": round(read / 1e6, 1), "floor_ms": round(floor_ms(read), 2),
+                          "step_over_floor": round(step / floor_ms(read), 2)} if read else {})}))
 
 
 if __name__ == "__main__":

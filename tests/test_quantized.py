@@ -86,11 +86,16 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
     bias = torch.randn(outputs, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     residual = torch.randn(17, outputs, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(17)])
-    for rows in (1, 2, 3, 5, 16, 17):
-        assert torch.equal(kernels.linear(x[:rows], weight, bias), kernels.linear(x[:rows], plain, bias)), rows
-        assert torch.equal(kernels.linear(x[:rows], weight, bias), alone[:rows]), rows
-        assert torch.equal(kernels.linear(x[:rows], weight, None, residual[:rows]),
-                           kernels.linear(x[:rows], plain, None, residual[:rows])), rows
+    try:
+        for dense_rows in (True, False):  # several rows from the bf16 values, or decoding the blocks
+            kernels.dense_rows = dense_rows
+            for rows in (1, 2, 3, 5, 16, 17):
+                assert torch.equal(kernels.linear(x[:rows], weight, bias), kernels.linear(x[:rows], plain, bias)), rows
+                assert torch.equal(kernels.linear(x[:rows], weight, bias), alone[:rows]), rows
+                assert torch.equal(kernels.linear(x[:rows], weight, None, residual[:rows]),
+                                   kernels.linear(x[:rows], plain, None, residual[:rows])), rows
+    finally:
+        kernels.dense_rows = True
 
 
 def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels):
@@ -108,8 +113,13 @@ def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels):
     kernels.use_stream(weight, WeightStream(tuple(runs)))
     assert kernels.stream(weight).source == "Q4_K+Q6_K"
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    for rows in (1, 5):
-        assert torch.equal(kernels.linear(x[:rows], weight, None), kernels.linear(x[:rows], plain, None))
+    try:
+        for dense_rows in (True, False):
+            kernels.dense_rows = dense_rows
+            for rows in (1, 2, 4, 5):
+                assert torch.equal(kernels.linear(x[:rows], weight, None), kernels.linear(x[:rows], plain, None))
+    finally:
+        kernels.dense_rows = True
 
 
 def test_a_weight_changed_in_place_drops_its_stream(kernels):

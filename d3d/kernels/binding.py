@@ -40,13 +40,18 @@ class Part(ctypes.Structure):
 class Weight(ctypes.Structure):
     """d3d_weight: a linear weight as its runs of rows."""
 
-    _fields_ = [("parts", Part * MAX_PARTS)]
+    _fields_ = [("parts", Part * MAX_PARTS), ("dense", Part)]
 
     @classmethod
-    def of(cls, stream: WeightStream) -> "Weight":
+    def of(cls, stream: WeightStream, dense: WeightStream | None = None) -> "Weight":
+        """The descriptor of `stream`, with `dense` (the same weight as bf16 values, one part) for
+        calls of several rows when the stream is quantized."""
         weight = cls()
         for slot, part in zip(weight.parts, stream.parts):
             slot.data, slot.format, slot.rows = part.data.data_ptr(), WEIGHT_FORMATS[part.format], part.rows
+        if dense is not None:
+            part = dense.parts[0]
+            weight.dense.data, weight.dense.format, weight.dense.rows = part.data.data_ptr(), WEIGHT_FORMATS[part.format], part.rows
         return weight
 
 
@@ -128,6 +133,11 @@ class RowExactKernels:
         # goes when its weight does, and is dropped after an in-place update of the weight
         self._streams: dict[int, tuple[weakref.ref, int, WeightStream]] = {}
         self.epoch = 0  # bumped whenever a weight is given a stream of its own (LayerTable rebuilds)
+        self._dense: dict[int, tuple[weakref.ref, int, WeightStream]] = {}  # id(weight) → its packed copy
+        # Calls of several rows over a quantized weight read its bf16 values instead (formats.h's
+        # d3d_weight.dense): the same bits, less arithmetic. False decodes the blocks at every row
+        # count (for tests and measurements).
+        self.dense_rows = True
         self.arena = HugePageArena()
         library.d3d_kernel_path.restype = ctypes.c_char_p
         self.path_name = library.d3d_kernel_path().decode()
@@ -144,7 +154,7 @@ class RowExactKernels:
         """Another build of these kernels (e.g. the profiling one) reading the weights' streams as
         this one does."""
         other = RowExactKernels(library, path)
-        other._streams, other.arena, other.epoch = self._streams, self.arena, self.epoch + 1
+        other._streams, other._dense, other.arena, other.epoch = self._streams, self._dense, self.arena, self.epoch + 1
         return other
 
     # One library per process: a copied or pickled decoder shares it.
@@ -179,9 +189,21 @@ class RowExactKernels:
         entry = self._streams.get(id(weight))
         if entry is not None and entry[0]() is weight and entry[1] == weight._version:
             return entry[2]
+        return self._own_stream(weight)
+
+    def _own_stream(self, weight: torch.Tensor) -> WeightStream:
+        """The weight's own values as the kernels read them: column-packed where this build packs its
+        dtype (cached like any stream), else the weight itself."""
         rows = weight.shape[0]
         if self.packs[weight.dtype] and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
-            return self._remember(weight, WeightStream.whole("packed", column_packed(weight, self.arena), rows))
+            entry = self._dense.get(id(weight))
+            if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+                return entry[2]
+            packed = WeightStream.whole("packed", column_packed(weight, self.arena), rows)
+            key = id(weight)
+            self._dense[key] = (weakref.ref(weight, lambda _, key=key: self._dense.pop(key, None)),
+                                weight._version, packed)
+            return packed
         return WeightStream.whole("plain", weight, rows)
 
     def use_stream(self, weight: torch.Tensor, stream: WeightStream) -> None:
@@ -216,9 +238,13 @@ class RowExactKernels:
         function(data.data_ptr(), WEIGHT_FORMATS[format], out.data_ptr(), rows, width)
         return out
 
-    def _weight(self, weight: torch.Tensor) -> tuple[Weight, WeightStream]:
+    def _weight(self, weight: torch.Tensor) -> tuple[Weight, tuple[WeightStream, ...]]:
+        """The C descriptor of the weight, and the streams it points into (keep them alive)."""
         stream = self.stream(weight)
-        return Weight.of(stream), stream
+        if not stream.quantized or not self.dense_rows:
+            return Weight.of(stream), (stream,)
+        dense = self._own_stream(weight)
+        return Weight.of(stream, dense), (stream, dense)
 
     def _scratch(self, rows: int, width: int) -> torch.Tensor:
         return torch.empty(self.library.d3d_linear_scratch(rows, width, torch.get_num_threads()), dtype=torch.float32)

@@ -48,6 +48,11 @@ typedef struct {
 } d3d_part;
 typedef struct {
     d3d_part parts[MAX_PARTS];
+    /* For quantized parts, the same weight as bf16 values (plain or packed, one part) or NULL:
+     * what a call of several rows reads instead. The values are the parts' decoding and the
+     * reduction is the same, so a row's bits do not change — but past one row the arithmetic, not
+     * the bytes, bounds a call, and widening bf16 costs less than decoding blocks. */
+    d3d_part dense;
 } d3d_weight;
 
 static inline int is_quantized(int64_t format) { return format >= D3D_U4; }
