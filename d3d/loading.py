@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from d3d.config import ModelConfig
+from d3d.files import current_umask, save_tensors
 from d3d.models import Decoder
 from d3d.quantized import QUANTIZE_TO, WEIGHTS, quantize_weights, use_gguf_streams
 
@@ -218,10 +219,11 @@ def convert_gguf(gguf: Path, destination: Path) -> None:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        save_file(state, str(staging / "model.safetensors"))
+        save_tensors(state, staging / "model.safetensors")
         tokenizer.save_pretrained(staging)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(staging)
+        os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's folder is private; the cache need not be
         os.replace(staging, destination)  # atomic: readers see all of it or none
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -195,7 +195,8 @@ def cached_plan(path: str | Path, config: ModelConfig, folder: Path) -> StreamPl
     """`plan_streams`, read from `folder / STREAMS_FILE` when an earlier load wrote it (reading a
     GGUF's metadata with gguf-py takes seconds; the repacked blocks load in a fraction of one)."""
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
+
+    from d3d.files import save_tensors
 
     file = Path(folder) / STREAMS_FILE
     try:
@@ -216,7 +217,7 @@ def cached_plan(path: str | Path, config: ModelConfig, folder: Path) -> StreamPl
     staging = file.with_suffix(f".{os.getpid()}.tmp")
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(staging), metadata={"plan": json.dumps(meta)})
+        save_tensors(tensors, staging, metadata={"plan": json.dumps(meta)})
         os.replace(staging, file)  # atomic: readers see all of it or none
     except OSError:  # a read-only cache: plan again next time
         staging.unlink(missing_ok=True)
