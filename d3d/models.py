@@ -34,6 +34,35 @@ from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKer
 KernelChoice = Literal["auto", "row-exact", "torch"]
 Kernels = RowExactKernels | type[TorchKernels]
 
+# Rows per fused kernel call of a long forward (a prompt's prefill, a drafter's first pass over
+# it): the forward runs in chunks of at most this many rows, each after the KV the chunks before it
+# stored. The row-exact kernels make a row's bits independent of the rows beside it, so chunking
+# changes no output bit (tested for every chunk size); it bounds the attention scratch
+# (rows × heads × keys floats) and keeps a chunk's activations in cache.
+PREFILL_CHUNK = 512
+
+
+def chunk_bounds(length: int, cached: int, mask: torch.Tensor | None, chunk: int) -> list[int]:
+    """Row boundaries 0 < r1 < … < length for splitting a forward of `length` new rows after
+    `cached` slots: chunks of at most `chunk` rows, cut only where no row before the cut sees a key
+    after it (always, causally; a mask (B, T, cached + T) may forbid a cut, e.g. inside a
+    bidirectional block, and the chunk then grows to the next allowed cut)."""
+    if length <= chunk:
+        return [length]
+    if mask is None:
+        return [*range(chunk, length, chunk), length]
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(mask, keys, -1).amax(-1).amax(0)  # (T,) the last key any batch row's row t sees
+    reach = torch.cummax(last, 0).values.tolist()  # the last key rows 0 … t see
+    bounds, begin = [], 0
+    while begin < length:
+        allowed = [r for r in range(begin + 1, length + 1) if r == length or reach[r - 1] < cached + r]
+        within = [r for r in allowed if r - begin <= chunk]
+        end = within[-1] if within else allowed[0]
+        bounds.append(end)
+        begin = end
+    return bounds
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -314,10 +343,19 @@ class Decoder(nn.Module):
                 c = self.config
                 shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
                 assert cache.pending == length, "the forward must follow reserve() with the same token count"
-                hidden, features = kernels.forward(table, shape, embeds, self.rope_table_as(embeds.dtype),
-                                                   self.clamp_positions(positions), cache.keys, cache.values,
-                                                   cache.length, mask, self.norm.weight, feature_layers)
-                return hidden, torch.cat(features, -1) if features else None
+                rope, positions = self.rope_table_as(embeds.dtype), self.clamp_positions(positions)
+                hiddens, chunks, begin = [], [], 0
+                for end in chunk_bounds(length, cache.length, mask, PREFILL_CHUNK):
+                    hidden, features = kernels.forward(
+                        table, shape, embeds[:, begin:end], rope, positions[:, begin:end], cache.keys,
+                        cache.values, cache.length + begin, None if mask is None else mask[:, begin:end, :cache.length + end],
+                        self.norm.weight, feature_layers)
+                    hiddens.append(hidden)
+                    chunks.append(torch.cat(features, -1) if features else None)
+                    begin = end
+                if len(hiddens) == 1:
+                    return hiddens[0], chunks[0]
+                return torch.cat(hiddens, 1), torch.cat(chunks, 1) if feature_layers else None
         cos, sin = self.rope(positions, embeds.dtype)
         x = embeds
         for index, layer in enumerate(self.layers):

@@ -1,9 +1,10 @@
 """Where a forward of the target spends its time: each stage of the fused C forward (summed over
 the layers, timed by thread 0 after each stage's barrier), the output projection, and the rest
 (Python, embedding, allocation) by difference. One-token step and 17-token verification, after a
-256-token context.
+256-token context (--context).
 
 Usage: python scripts/profile_step.py [--dtype bfloat16] [--weights stored|dequantized] [--repeats 20] [--rows 1,17]
+       [--context 256]
 (prints one JSON line)
 """
 
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rows", default="1,17", help="forward sizes to profile, comma-separated")
+    parser.add_argument("--context", type=int, default=256, help="tokens in the cache before the profiled forwards")
     parser.add_argument("--weights", default="stored", help="how the kernels read the weights (d3d.quantized.WEIGHTS)")
     args = parser.parse_args()
     target = load_target(dtype=getattr(torch, args.dtype), weights=args.weights)
@@ -44,10 +46,10 @@ def main() -> None:
     kernels.linear = timed_linear
     generator = torch.Generator().manual_seed(0)
     sizes = [int(rows) for rows in args.rows.split(",")]
-    cache = decoder.new_cache(256 + max(sizes))
-    decoder(torch.randint(0, decoder.config.vocab_size, (1, 256), generator=generator), cache=cache)
+    cache = decoder.new_cache(args.context + max(sizes))
+    decoder(torch.randint(0, decoder.config.vocab_size, (1, args.context), generator=generator), cache=cache)
     cache.commit()
-    result = {"dtype": args.dtype, "weights": target.weights, "threads": torch.get_num_threads()}
+    result = {"context": args.context, "dtype": args.dtype, "weights": target.weights, "threads": torch.get_num_threads()}
     for rows in sizes:
         ids = torch.randint(0, decoder.config.vocab_size, (1, rows), generator=generator)
         for _ in range(3):

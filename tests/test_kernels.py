@@ -20,6 +20,12 @@ def randn(*shape: int, seed: int, dtype: torch.dtype, scale: float = 1.0) -> tor
     return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality, NaNs included."""
+    view = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    return a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
+
+
 def cancelling_rows(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     """Inputs whose dot products cancel heavily (large terms of both signs, small sum): any change in
     the order of accumulation shows in the result."""
@@ -80,6 +86,42 @@ def test_attention_rows_are_exact_at_model_shapes(kernels, dtype, heads, kv_head
         assert torch.equal(together[:, i:i + 1], kernels.attention(q[:, i:i + 1], k[:, :, :keys], v[:, :, :keys], None))
     expected = TorchKernels.attention(q.float(), k.float(), v.float(), None)
     torch.testing.assert_close(together.float(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_stops_at_a_querys_last_visible_key_with_the_same_bits(kernels, dtype):
+    """Keys past a query's last visible one are never read (the kernel stops there, and skips key
+    tiles no query of a chunk sees): a long causal call, and masks with holes, whole masked tiles,
+    trailing masked keys and empty rows, give each row the bits of a call over its keys up to its
+    last visible one only — with the keys past it set to NaN."""
+    heads, kv_heads, dim, cached, length = 9, 3, 64, 5, 70
+    q = randn(1, length, heads, dim, seed=0, dtype=dtype)
+    k = randn(1, kv_heads, cached + length, dim, seed=1, dtype=dtype, scale=2.0)
+    v = randn(1, kv_heads, cached + length, dim, seed=2, dtype=dtype)
+    together = kernels.attention(q, k, v, None)
+    for i in (0, 11, 30, 69):
+        keys = cached + i + 1
+        assert torch.equal(together[:, i:i + 1], kernels.attention(q[:, i:i + 1], k[:, :, :keys], v[:, :, :keys], None))
+    mask = torch.rand(1, length, cached + length, generator=torch.Generator().manual_seed(6)) < 0.5
+    ends = torch.randint(0, cached + length + 1, (length,), generator=torch.Generator().manual_seed(7))
+    for row, end in enumerate(ends.tolist()):
+        mask[0, row, end:] = False
+    mask[0, 3, 16:48] = False  # two whole tiles masked inside a row
+    mask[0, 4] = False  # an empty row
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    masked = kernels.attention(q, k, v, mask)
+    for row, end in enumerate(ends.tolist()):
+        visible = torch.nonzero(mask[0, row]).flatten()
+        end = int(visible[-1]) + 1 if len(visible) else 0
+        if end == 0:
+            assert torch.equal(masked[:, row], torch.zeros_like(masked[:, row]))
+            continue
+        alone = kernels.attention(q[:, row:row + 1], k[:, :, :end], v[:, :, :end], mask[:, row:row + 1, :end])
+        assert torch.equal(masked[:, row:row + 1], alone)
+        poisoned_k[:, :, end:], poisoned_v[:, :, end:] = float("nan"), float("nan")
+        assert torch.equal(masked[:, row:row + 1], kernels.attention(
+            q[:, row:row + 1], poisoned_k, poisoned_v, mask[:, row:row + 1]))
+        poisoned_k.copy_(k), poisoned_v.copy_(v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -217,6 +259,11 @@ def test_the_vector_paths_give_the_portable_bits(kernels, portable, dtype):
     assert torch.equal(kernels.rms_norm(x, weight, 1e-5), portable.rms_norm(x, weight, 1e-5))
     gate_up = randn(7, 2 * 384, seed=6, dtype=dtype, scale=4.0)
     assert torch.equal(kernels.silu_mul(gate_up), portable.silu_mul(gate_up))
+    # SwiGLU's edges: a width that leaves a scalar tail, ±0, ±inf, NaN, huge gates, rounding ties
+    gate_up = randn(3, 2 * 203, seed=8, dtype=dtype, scale=30.0)
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e30, -1e30, 88.5])
+    gate_up[1, ::5] = torch.tensor(1.0 + 2.0 ** -8).to(dtype)  # bf16 ties after the product
+    assert same_bits(kernels.silu_mul(gate_up), portable.silu_mul(gate_up))
     if not kernels.packs[dtype]:
         w = randn(100, 576, seed=7, dtype=dtype)
         assert torch.equal(kernels.linear(x, w, None), portable.linear(x, w, None))

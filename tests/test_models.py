@@ -12,7 +12,8 @@ from d3d.cache import CacheFullError
 from d3d.config import ModelConfig
 from d3d.loading import load_state
 from d3d.masks import draft_mask
-from d3d.models import Decoder
+import d3d.models
+from d3d.models import Decoder, chunk_bounds
 
 HF_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
@@ -224,6 +225,43 @@ def test_fused_forward_is_the_per_op_forward(dtype, family):
         assert torch.equal(fused_cache.keys, per_op_cache.keys) and torch.equal(fused_cache.values, per_op_cache.values)
         fused_cache.commit(kept)
         per_op_cache.commit(kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 3, 16, 40])
+@torch.no_grad()
+def test_a_long_forward_gives_the_same_bits_in_any_chunking(monkeypatch, dtype, chunk):
+    """A long forward (a prompt's prefill) runs in chunks of `PREFILL_CHUNK` rows; logits, captured
+    features and every K/V slot are the bits of the forward in one call, after a cached prefix or
+    not, causal or under a drafter's block mask — whatever the chunk size."""
+    decoder = make_decoder(tiny_config("qwen3"), dtype=dtype)
+    prompt = random_ids(37, seed=4)
+
+    def run(chunk_rows: int, mask: torch.Tensor | None = None, cached: int = 0):
+        monkeypatch.setattr(d3d.models, "PREFILL_CHUNK", chunk_rows)
+        cache = decoder.new_cache()
+        if cached:
+            decoder(prompt[:, :cached], cache=cache)
+            cache.commit()
+        logits, features = decoder.logits_and_features(prompt[:, cached:], [0, 1], cache=cache, mask=mask)
+        return logits, features, cache.keys.clone(), cache.values.clone()
+
+    block = draft_mask(29, 8, 0, "bidirectional")[None]  # 29 clean tokens, then a block of 8
+    for mask, cached in ((None, 0), (None, 5), (block, 0)):
+        whole, chunked = run(10_000, mask, cached), run(chunk, mask, cached)
+        for a, b in zip(whole, chunked):
+            assert torch.equal(a, b)
+
+
+def test_chunks_are_cut_only_where_no_row_sees_past_the_cut():
+    assert chunk_bounds(10, 0, None, 4) == [4, 8, 10]
+    assert chunk_bounds(3, 0, None, 4) == [3]
+    # a bidirectional block at rows 6 … 9: no cut inside it, so the chunk before it grows or shrinks
+    block = draft_mask(6, 4, 2, "bidirectional")[None]
+    assert chunk_bounds(10, 2, block, 4) == [4, 6, 10]
+    assert chunk_bounds(10, 2, block, 8) == [6, 10]
+    causal = draft_mask(6, 4, 2, "causal")[None]
+    assert chunk_bounds(10, 2, causal, 4) == [4, 8, 10]
 
 
 @torch.no_grad()

@@ -479,7 +479,8 @@ def test_concurrent_requests_are_served_one_at_a_time(client, pipeline, slow_ste
 @pytest.fixture
 def tiny_loading(monkeypatch):
     """The CLI's model loading gives the tiny target (no real model is loaded)."""
-    monkeypatch.setattr(d3d.generation, "load_target", lambda source=None, dtype=torch.bfloat16: tiny_target())
+    monkeypatch.setattr(d3d.generation, "load_target",
+                        lambda source=None, dtype=torch.bfloat16, weights="stored": tiny_target())
 
 
 def test_serve_help_lists_the_options(capsys):

@@ -99,21 +99,6 @@ static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { retu
         _mm512_storeu_ps(sums, sum_);                                                                \
     } while (0)
 #elif defined(D3D_AVX2)
-/* exp_fixed on 8 lanes: the same operations in the same order, so the same bits per lane. */
-static inline __attribute__((always_inline)) v8 exp_fixed8(v8 x) {
-    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
-    v8 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v8 r = v8_fma(k, _mm256_set1_ps(-0.693359375f), x);
-    r = v8_fma(k, _mm256_set1_ps(2.12194440e-4f), r);
-    v8 p = _mm256_set1_ps(1.3981999507e-3f);
-    p = v8_fma(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = v8_fma(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = v8_fma(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = v8_fma(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(v8_fma(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 /* lanes s0 … s0+15 in two vectors; the tail's missing lanes neither read nor add */
 #define EXP_SUM(row, S, top, sums)                                                                   \
     do {                                                                                             \
@@ -310,22 +295,57 @@ static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible
 }
 #endif
 
+/* Keys past a query's last visible one change no bit of its output: their scores are -inf, their
+ * exp 0 (a lane sum plus +0 is itself; the weighted sum skips p = 0). So a query's pass stops at
+ * `visible_end` (S - T + t + 1 when causal, else one past the last 1 byte of its mask row), and a
+ * key tile no query of a chunk sees is neither transposed nor scored for it: a causal call over T
+ * new tokens costs about half its T x S square, and a one-token step the keys it sees. */
+static inline int64_t visible_end(const uint8_t *mrow, int64_t S, int64_t T, int64_t t) {
+    if (!mrow) return S - T + t + 1;
+    int64_t end = S;
+    while (end > 0 && !mrow[end - 1]) end--;
+    return end;
+}
+static inline int tile_unseen(const uint8_t *mrow, int64_t n) {
+    for (int64_t l = 0; l < n; l++)
+        if (mrow[l]) return 0;
+    return 1;
+}
+
 #define ATTENTION(NAME, SUFFIX, T_ELEM, LOAD, STORE)                                                         \
 static void NAME##_body(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask,      \
                         T_ELEM *out, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S,        \
                         int64_t D, int64_t kv_batch, int64_t kv_head, float scale, float *scores) {  \
     int64_t group = H / Hkv, tiles = (S + KEY_TILE - 1) / KEY_TILE;                                  \
-    _Pragma("omp for schedule(static)")                                                              \
+    /* interleaved jobs: causal tiles late in S serve fewer queries, so split them round-robin */    \
+    _Pragma("omp for schedule(static, 1)")                                                           \
     for (int64_t job = 0; job < B * Hkv * tiles; job++) {                                            \
         int64_t b = job / (Hkv * tiles), g = (job / tiles) % Hkv, s0 = (job % tiles) * KEY_TILE;     \
         int64_t n = S - s0 < KEY_TILE ? S - s0 : KEY_TILE;                                           \
+        /* causal: query t sees the tile from t = s0 - (S - T) on */                                 \
+        int64_t first_t = mask || s0 <= S - T ? 0 : s0 - (S - T);                                    \
         const T_ELEM *kb = k + b * kv_batch + g * kv_head + s0 * D;                                  \
         float kt[512][KEY_TILE];                                                                     \
-        TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt);                                          \
+        int transposed = 0;                                                                          \
         /* the group's queries (t, h), QUERY_CHUNK at a time: their chains interleave, each unchanged */ \
-        for (int64_t i0 = 0; i0 < T * group; i0 += QUERY_CHUNK) {                                    \
+        for (int64_t i0 = first_t * group; i0 < T * group; i0 += QUERY_CHUNK) {                     \
             float qs[QUERY_CHUNK][512], acc[QUERY_CHUNK][KEY_TILE];                                   \
             int chunk = T * group - i0 < QUERY_CHUNK ? (int)(T * group - i0) : QUERY_CHUNK;          \
+            int seen = !mask;                                                                        \
+            for (int i = 0; i < chunk && !seen; i++)                                                 \
+                seen = !tile_unseen(mask + (b * T + (i0 + i) / group) * S + s0, n);                  \
+            if (!seen) {  /* masked rows still read this tile's -inf: it may lie before their end */ \
+                for (int i = 0; i < chunk; i++) {                                                    \
+                    int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                  \
+                    float *row = scores + ((b * T + t) * H + h) * S + s0;                            \
+                    for (int64_t l = 0; l < n; l++) row[l] = -INFINITY;                              \
+                }                                                                                    \
+                continue;                                                                            \
+            }                                                                                        \
+            if (!transposed) {                                                                       \
+                TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt);                                  \
+                transposed = 1;                                                                      \
+            }                                                                                        \
             for (int i = 0; i < QUERY_CHUNK; i++) {                                                  \
                 int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                      \
                 const T_ELEM *qr = i < chunk ? q + ((b * T + t) * H + h) * D : q;  /* past: zeros */ \
@@ -340,16 +360,17 @@ static void NAME##_body(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const
             }                                                                                        \
         }                                                                                            \
     }                                                                                                \
-    _Pragma("omp for schedule(static)")                                                              \
+    _Pragma("omp for schedule(static, 1)")                                                           \
     for (int64_t item = 0; item < B * T * H; item++) {                                               \
-        int64_t b = item / (T * H), g = (item % H) / group;                                          \
+        int64_t b = item / (T * H), t = (item / H) % T, g = (item % H) / group;                      \
         const T_ELEM *vb = v + b * kv_batch + g * kv_head;                                           \
         float *row = scores + item * S;                                                              \
-        float top = ROW_MAX(row, S);                                                                 \
+        int64_t end = visible_end(mask ? mask + (b * T + t) * S : NULL, S, T, t);                    \
+        float top = ROW_MAX(row, end);                                                               \
         float sums[LANES] = {0};                                                                     \
-        EXP_SUM(row, S, top, sums);                                                                  \
+        EXP_SUM(row, end, top, sums);                                                                \
         float total = fold_lanes(sums), o[512];                                                      \
-        WEIGHTED_SUM_##SUFFIX(row, vb, S, D, o);                                                     \
+        WEIGHTED_SUM_##SUFFIX(row, vb, end, D, o);                                                   \
         float inv = total > 0.0f ? 1.0f / total : 0.0f;                                              \
         T_ELEM *outr = out + item * D;                                                               \
         for (int64_t d = 0; d < D; d++) outr[d] = STORE(o[d] * inv);                                 \

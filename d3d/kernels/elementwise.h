@@ -6,6 +6,43 @@
 
 #define SILU_CHUNK 256  /* elements of one row per work item: a 1-row call still splits */
 
+/* SwiGLU on 8 lanes: the scalar loop's operations (negation as a sign flip, exp_fixed8, IEEE
+ * division, bf16 rounding to nearest even with quiet NaNs) lane by lane, so the same bits; returns
+ * the first element it left to the scalar tail. */
+#ifdef D3D_AVX2
+static inline __attribute__((always_inline)) __m256i v8_bf16_bits(v8 f) {  /* f32_to_bf16, in the low halves */
+    __m256i u = _mm256_castps_si256(f);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+    return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+}
+static inline __attribute__((always_inline)) v8 v8_via_bf16(v8 f) {  /* bf16_to_f32(f32_to_bf16(f)) */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v8_bf16_bits(f), 16));
+}
+static inline __attribute__((always_inline)) v8 v8_silu(v8 g) {
+    v8 e = exp_fixed8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+static inline int64_t SILU_VECTOR_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *y, int64_t i, int64_t end) {
+    for (; i + 8 <= end; i += 8) {
+        v8 out = _mm256_mul_ps(v8_via_bf16(v8_silu(v8_from_bf16(gate + i))), v8_from_bf16(up + i));
+        __m256i bits = v8_bf16_bits(out);
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+        _mm_storeu_si128((__m128i *)(y + i), packed);
+    }
+    return i;
+}
+static inline int64_t SILU_VECTOR_f32(const float *gate, const float *up, float *y, int64_t i, int64_t end) {
+    for (; i + 8 <= end; i += 8) v8_store(y + i, _mm256_mul_ps(v8_silu(v8_load(gate + i)), v8_load(up + i)));
+    return i;
+}
+#else
+#define SILU_VECTOR_bf16(gate, up, y, i, end) (i)
+#define SILU_VECTOR_f32(gate, up, y, i, end) (i)
+#endif
+
 #define NORMS(SUFFIX, T_ELEM, LOAD, STORE)                                                           \
 static inline void rms_norm_row_##SUFFIX(const T_ELEM *xr, const T_ELEM *weight, T_ELEM *yr, int64_t D, \
                                          float eps) {                                                \
@@ -33,10 +70,12 @@ static void silu_mul_body_##SUFFIX(const T_ELEM *gate_up, T_ELEM *y, int64_t M, 
     for (int64_t job = 0; job < M * chunks; job++) {                                                 \
         int64_t m = job / chunks, i0 = (job % chunks) * SILU_CHUNK;                                  \
         int64_t i1 = i0 + SILU_CHUNK < I ? i0 + SILU_CHUNK : I;                                      \
-        for (int64_t i = i0; i < i1; i++) {                                                          \
-            float g = LOAD(gate_up[m * 2 * I + i]);                                                  \
+        const T_ELEM *gate = gate_up + m * 2 * I, *up = gate + I;                                    \
+        int64_t i = SILU_VECTOR_##SUFFIX(gate, up, y + m * I, i0, i1);                                \
+        for (; i < i1; i++) {                                                                        \
+            float g = LOAD(gate[i]);                                                                 \
             float silu = LOAD(STORE(g / (1.0f + exp_fixed(-g))));                                    \
-            y[m * I + i] = STORE(silu * LOAD(gate_up[m * 2 * I + I + i]));                           \
+            y[m * I + i] = STORE(silu * LOAD(up[i]));                                                \
         }                                                                                            \
     }                                                                                                \
 }                                                                                                    \

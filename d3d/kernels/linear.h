@@ -572,7 +572,13 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
     /* 2–8 rows read the bf16 values (the same bits, formats.h): AMD EPYC (AVX2), whole forwards,
      * interleaved: 3 rows 16.2 vs 18.5 ms, 8 rows 36.4 vs 42.5 — but 12 rows 55.0 vs 46.8, where
      * decoding the smaller blocks once into the strip pays again */
+#ifdef D3D_AVX512_BF16
+    /* with AVX-512 BF16 every row count reads them: the panel decoder below is scalar (one-token
+     * step, AMD EPYC Zen 5: 90 ms over Q4_1 blocks against 8.0 ms over the bf16 values) */
+    if (is_quantized(format) && w->dense.data) {
+#else
     if (M > 1 && M <= DENSE_ROWS && is_quantized(format) && w->dense.data) {
+#endif
         w = &dense;
         format = dense.parts[0].format;
     }

@@ -103,6 +103,24 @@ static inline __m512 exp_fixed16(__m512 x) {
 #endif
 
 
+#ifdef D3D_AVX2
+/* exp_fixed on 8 lanes: the same operations in the same order, so the same bits per lane. */
+static inline __attribute__((always_inline)) v8 exp_fixed8(v8 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+    v8 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v8 r = v8_fma(k, _mm256_set1_ps(-0.693359375f), x);
+    r = v8_fma(k, _mm256_set1_ps(2.12194440e-4f), r);
+    v8 p = _mm256_set1_ps(1.3981999507e-3f);
+    p = v8_fma(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = v8_fma(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = v8_fma(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = v8_fma(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(v8_fma(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 #include "formats.h"
 #include "linear.h"
 #include "attention.h"
