@@ -118,6 +118,8 @@ class RowExactKernels:
         library.d3d_packed_linear.argtypes = [i32]
         library.d3d_linear_scratch.argtypes = [i64, i64, i32]
         library.d3d_linear_scratch.restype = i64
+        library.d3d_attention_scratch.argtypes = [i64, i64, i64, i64]
+        library.d3d_attention_scratch.restype = i64
         library.d3d_dequantize.argtypes = [ptr, i64, ptr, i64, i64]
         library.d3d_dequantize_reference.argtypes = [ptr, i64, ptr, i64, i64]
         for suffix in ("bf16", "f32"):
@@ -246,6 +248,10 @@ class RowExactKernels:
         dense = self._own_stream(weight)
         return Weight.of(stream, dense), (stream, dense)
 
+    def _attention_scratch(self, batch: int, length: int, heads: int, keys: int) -> torch.Tensor:
+        """The attention's scores of one block of queries, and their softmax sums (attention.h)."""
+        return torch.empty(self.library.d3d_attention_scratch(batch, length, heads, keys), dtype=torch.float32)
+
     def _scratch(self, rows: int, width: int) -> torch.Tensor:
         return torch.empty(self.library.d3d_linear_scratch(rows, width, torch.get_num_threads()), dtype=torch.float32)
 
@@ -304,7 +310,7 @@ class RowExactKernels:
         assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         width = (heads + 2 * shape.kv_heads) * dim
         work = torch.empty(rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), dtype=x.dtype)
-        scores = torch.empty(rows * heads * keys_seen, dtype=torch.float32)
+        scores = self._attention_scratch(batch, length, heads, keys_seen)
         scratch = self._scratch(rows, max(hidden, heads * dim, shape.intermediate))
         out = torch.empty_like(x)
         captured, first = [], 0
@@ -355,7 +361,7 @@ class RowExactKernels:
             assert mask.shape == (batch, length, keys), f"mask {tuple(mask.shape)}"
         out = torch.empty_like(q)
         threads = torch.get_num_threads()
-        scratch = torch.empty(batch * length * heads * keys, dtype=torch.float32)
+        scratch = self._attention_scratch(batch, length, heads, keys)
         self._fn("attention", q.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(),
                                        batch, length, heads, kv_heads, keys, dim, k.stride(0), k.stride(1),
                                        dim ** -0.5, scratch.data_ptr(), threads)

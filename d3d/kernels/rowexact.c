@@ -137,7 +137,7 @@ static inline __attribute__((always_inline)) v8 exp_fixed8(v8 x) {
  * gets the final norm of it. Caches: element (l, b, g, s, d) at l*kv_layer + b*kv_batch +
  * g*kv_head + s*D + d; the new tokens go to slots start … start+T-1. `rope`: (2, P, D) cos and sin
  * tables; `positions` (M) rows of them. `mask`: (B, T, start+T) bytes, or NULL for causal.
- * Scratch: `work` (M, hidden + width + 2 H D + 3 I) elements, `scores` B*T*H*(start+T) floats,
+ * Scratch: `work` (M, hidden + width + 2 H D + 3 I) elements, `scores` d3d_attention_scratch(B, T, H, start+T) floats,
  * `linear_scratch` d3d_linear_scratch(M, max width, threads) floats.
  * ------------------------------------------------------------------------------------------- */
 
