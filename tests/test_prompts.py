@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from d3d.prompts import (DATASETS, DatasetError, Prompt, benchmark_fingerprints, load_dataset, load_prompt_file,
-                         sample_prompts, text_fingerprint)
+from d3d.prompts import (DATASETS, LONG_REQUESTS, LONG_SIZES, DatasetError, Prompt, benchmark_fingerprints,
+                         load_dataset, load_prompt_file, sample_prompts, text_fingerprint)
 
 
 def write_jsonl(path, rows) -> str:
@@ -30,7 +30,24 @@ def test_benchmark_sizes_and_unique_ids(name, count):
     assert len({p.id for p in prompts}) == count
     assert all(p.dataset == name for p in prompts)
     assert all(t.strip() for p in prompts for t in p.all_texts())
-    assert set(DATASETS) == {"humaneval", "mtbench", "math500", "aime24", "aime25"}
+    assert set(DATASETS) == {"humaneval", "mtbench", "math500", "aime24", "aime25", "long"}
+
+
+def test_long_inputs_are_package_files_cut_to_their_size_then_a_request():
+    """`long`: 4 prompts at each of ~1K, 2K, 4K and 7K tokens, each a FastChat file (from the MT-Bench
+    package) cut at a line end within its size's character budget and followed by a request; the
+    sizes load alone too, and training data is screened against them."""
+    prompts = load_dataset("long")
+    assert [p.dataset for p in prompts] == [size for size in LONG_SIZES for _ in range(4)]
+    assert len({p.id for p in prompts}) == 16
+    for prompt in prompts:
+        content = prompt.messages[0]["content"]
+        budget = LONG_SIZES[prompt.dataset]
+        assert 0.6 * budget < len(content) < budget + 200  # the file cut near its budget, plus the request
+        assert content.rstrip().endswith(tuple(LONG_REQUESTS.values()))
+        assert "```" in content and prompt.messages[0]["role"] == "user"
+    assert [p.id for p in load_dataset("long4k")] == [p.id for p in prompts if p.dataset == "long4k"]
+    assert prompts[-1].fingerprint in benchmark_fingerprints()
 
 
 def test_humaneval_prompts_are_raw_completions():
@@ -185,4 +202,4 @@ def test_benchmark_fingerprints_cover_every_benchmark_text():
     assert text_fingerprint(mtbench.followups[0]) in fingerprints
     assert load_dataset("aime25")[0].fingerprint in fingerprints
     assert text_fingerprint("Write a haiku about compilers.") not in fingerprints
-    assert len(fingerprints) >= 164 + 80 + 311 + 30 + 15  # MT-Bench adds its second turns on top
+    assert len(fingerprints) >= 164 + 80 + 311 + 30 + 15 + 16  # MT-Bench adds its second turns on top

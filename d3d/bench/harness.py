@@ -60,6 +60,7 @@ class Record:
     first_mismatch: int | None  # position where tokens differ from d3d AR (None = identical)
     prefill_seconds: float | None = None  # up to the first new token; None = the method does not say
     extra: dict[str, float] = field(default_factory=dict)  # figures only this method has
+    prompt_tokens: int = 0
 
 
 def is_looping(tokens: list[int], window: int = 64, max_period: int = 32) -> bool:
@@ -127,6 +128,7 @@ def run_benchmark(pipeline: Pipeline, config: BenchConfig, progress: bool = True
                                "speedup": "method tokens/s ÷ d3d AR tokens/s over the same prompts, same run",
                                "decode": "(new tokens − 1) ÷ (seconds − prefill seconds): speed after the "
                                          "first new token",
+                               "ttft": "mean seconds from the prompt to the first new token (the prefill)",
                                "loop": "AR output whose last 64 tokens repeat with a period ≤ 32"})
     result["records"] = [record_dict(r) for r in records]
     return result
@@ -137,7 +139,8 @@ def run_interleaved(pipeline: Pipeline, config: BenchConfig, methods: dict[str, 
     """Warm every method up, then every prompt through every method in rotating order."""
     names = list(methods)
     sampling = generation.sampling
-    prompts = [(name, p) for name in config.datasets
+    # grouped by the set each prompt says it is from: `long` reports its sizes (long1k … long7k) apart
+    prompts = [(p.dataset if name == "long" else name, p) for name in config.datasets
                for p in sample_prompts(load_dataset(name), config.num_prompts, config.seed)]
     warm = pipeline.encode("Say hello.", chat=pipeline.target.tokenizer.chat_template is not None)
     warm_config = GenerationConfig(max_new_tokens=16, eos_token_ids=generation.eos_token_ids, sampling=sampling)
@@ -162,7 +165,7 @@ def run_interleaved(pipeline: Pipeline, config: BenchConfig, methods: dict[str, 
                 if mismatch is not None and base_method(name) in OURS:
                     mismatches.append(f"{name} differs from AR on {dataset}:{prompt_id} at token {mismatch}")
                 records.append(Record(dataset, prompt_id, name, len(run.tokens), run.seconds, loops,
-                                      run.stats, mismatch, run.prefill_seconds, dict(run.extra)))
+                                      run.stats, mismatch, run.prefill_seconds, dict(run.extra), len(prompt_ids)))
         bar.update(len(names))
     bar.close()
     return records, mismatches
@@ -171,7 +174,7 @@ def run_interleaved(pipeline: Pipeline, config: BenchConfig, methods: dict[str, 
 def record_dict(r: Record) -> dict[str, Any]:
     prefill = None if r.prefill_seconds is None else round(r.prefill_seconds, 4)
     return {"dataset": r.dataset, "prompt_id": r.prompt_id, "method": r.method, "new_tokens": r.new_tokens,
-            "seconds": round(r.seconds, 4), "prefill_seconds": prefill, "loops": r.loops,
+            "seconds": round(r.seconds, 4), "prefill_seconds": prefill, "prompt_tokens": r.prompt_tokens, "loops": r.loops,
             "tau": round(r.stats.tau, 3), "first_mismatch": r.first_mismatch, **r.extra}
 
 
@@ -189,6 +192,13 @@ def decode_rate(records: list[Record]) -> float | None:
     return round(tokens / seconds, 2) if seconds > 0 else None
 
 
+def time_to_first_token(records: list[Record]) -> float | None:
+    """Mean seconds to each run's first new token (its prefill); None if a run's was not measured."""
+    if not records or any(r.prefill_seconds is None for r in records):
+        return None
+    return round(sum(r.prefill_seconds for r in records) / len(records), 3)  # type: ignore[misc]
+
+
 def aggregate(records: list[Record], ar: list[Record]) -> dict[str, Any]:
     tokens, seconds = sum(r.new_tokens for r in records), sum(r.seconds for r in records)
     ar_rate = sum(r.new_tokens for r in ar) / max(sum(r.seconds for r in ar), 1e-9)
@@ -198,6 +208,8 @@ def aggregate(records: list[Record], ar: list[Record]) -> dict[str, Any]:
     rate = tokens / max(seconds, 1e-9)
     return {"prompts": len(records), "tokens": tokens, "tokens_per_second": round(rate, 2),
             "decode_tokens_per_second": decode_rate(records),
+            "ttft_seconds": time_to_first_token(records),
+            "prompt_tokens": round(sum(r.prompt_tokens for r in records) / len(records)) if records else 0,
             # drafts a baseline without SpecStats reports (llama.cpp lookup): accepted ÷ drafted
             "draft_acceptance": draft_acceptance(records),
             "speedup": round(rate / ar_rate, 3) if ar_rate else None,

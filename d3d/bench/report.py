@@ -20,17 +20,18 @@ def markdown(result: dict[str, Any], command: str) -> str:
         "",
         "τ = tokens committed per verification step, **bonus token included**. Speedup = tokens/s ÷ "
         "d3d AR tokens/s over the same prompts in the same run (methods interleaved per prompt, "
-        "after warm-up). *Decode tok/s* leaves out each run's prefill (the time to its first new "
-        "token). *Loop-free* drops prompts whose AR output ends in a repetition loop.",
+        "after warm-up). *TTFT* = mean time to the first new token (the prompt's prefill), over "
+        "prompts of *prompt tok* tokens on average; *decode tok/s* leaves it out. *Loop-free* drops "
+        "prompts whose AR output ends in a repetition loop.",
         "",
     ]
     if config["temperature"] == 0:
         verdict = "every d3d method's output is token-identical to AR" if result["identical"] else \
             "**MISMATCHES**: " + "; ".join(result["mismatches"][:10])
         lines += [f"Identity check (T = 0): {verdict}.", ""]
-    lines += ["| dataset | loops | method | tok/s | decode tok/s | speedup | τ | speedup (loop-free) | τ (loop-free) "
-              "| identical to AR |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| dataset | prompt tok | loops | method | tok/s | TTFT s | decode tok/s | speedup | τ | speedup (loop-free) "
+              "| τ (loop-free) | identical to AR |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for group, row in table.items():
         for name in names:
             a, f = row[name]["all"], row[name]["loop_free"]
@@ -38,7 +39,9 @@ def markdown(result: dict[str, Any], command: str) -> str:
             tau_free = "–" if f["tau"] is None else f"{f['tau']:.2f}"
             same = f"{a['identical']}/{a['prompts']}" if config["temperature"] == 0 else "n/a (T > 0)"
             decode = "–" if a.get("decode_tokens_per_second") is None else f"{a['decode_tokens_per_second']:.1f}"
-            lines.append(f"| {group} | {row['loop_share']:.0%} | {name} | {a['tokens_per_second']:.1f} | {decode} | "
+            ttft = "–" if a.get("ttft_seconds") is None else f"{a['ttft_seconds']:.2f}"
+            lines.append(f"| {group} | {a.get('prompt_tokens', 0)} | {row['loop_share']:.0%} | {name} | "
+                         f"{a['tokens_per_second']:.1f} | {ttft} | {decode} | "
                          f"{a['speedup']:.2f}× | {tau} | {_x(f['speedup'])} | {tau_free} | {same} |")
     lines += step_table(table["all"], names)
     drafts = [f"`{n}` {table['all'][n]['all']['draft_acceptance']:.0%}" for n in names

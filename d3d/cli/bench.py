@@ -140,7 +140,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     """bench, doctor"""
     p = commands.add_parser("bench", help="benchmark methods on the same prompts, interleaved, identity-checked")
     p.add_argument("--datasets", default=None,
-                   help=f"comma-separated: humaneval, mtbench, math500, aime24, aime25 "
+                   help=f"comma-separated: humaneval, mtbench, math500, aime24, aime25, long (16 inputs of "
+                        f"~1-7K tokens, reported by size; or one size: long1k, long2k, long4k, long7k) "
                         f"(default: {DEFAULT_BENCH_DATASETS}; none when --prompts is given)")
     p.add_argument("--prompts", action="append", default=[], help="a user JSONL prompt file (repeatable)")
     p.add_argument("--num-prompts", type=int, default=None,
