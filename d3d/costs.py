@@ -16,6 +16,13 @@ fixed formula could not do that job: every kernel change moves the ratio of a 16
 verification to a one-token step (docs/performance.md: 2.2 steps before the one-call forward,
 2.1–2.7 after, on the same machine).
 
+Costs are measured after each of `CONTEXTS` tokens (within the model's limit) and read by the gate
+at the request's current length (`d3d.gate.ByContext`): the relative cost of more rows grows with
+the context (AMD EPYC Zen 5: verifying 8 drafts 1.28 steps after 256 tokens, 2.13 after 4,096).
+After the first context, fewer rounds and a subset of row counts are timed (the rest interpolated
+linearly in k) to keep the measurement to seconds. `catch_up` is what the drafter's first pass over
+the context costs per token (a D3D drafter reads the prompt on its first draft of a request).
+
 A measurement taken while other work held the cores is wrong, not just slow: with the threads
 oversubscribed, a one-token step took 97 ms instead of 11 and verifying 2–6 rows looked free
 (1.0 step each, against 1.13–1.40 on the idle machine), so the gate drafted where it lost time.
@@ -43,13 +50,17 @@ from d3d.cache import KVCache
 from d3d.devices import synchronize
 from d3d.drafter import Drafter
 from d3d.exactness import machine_key
+from d3d.gate import ByContext
 from d3d.loading import cache_root
 from d3d.models import Decoder
 from d3d.target_step import score_block
 
 CONTEXT = 256  # tokens before the timed forwards: about a benchmark generation's middle
-MEASUREMENT = 3  # bump when what is timed changes (e.g. the drafter's head kernel), to measure afresh
+CONTEXTS = (CONTEXT, 1024, 4096)  # … and longer ones, for long prompts
+MEASUREMENT = 4  # bump when what is timed changes (e.g. the drafter's head kernel), to measure afresh
 ROUNDS, REPEATS = 7, 3  # rounds over every row count; forwards per timing (their mean)
+LONG_ROUNDS = 3  # rounds after the longer contexts …
+LONG_DRAFTS = (1, 2, 3, 4, 6, 8, 11, 15)  # … over these draft counts (others interpolated)
 PROBE_ROUNDS = 3  # timings of the one-token step that check stored costs (their median)
 PROBE_CONTEXT = 32  # tokens before them: a short prefill (0.2 s, once a process; 0.45 s after 256 tokens)
 BUSY = 1.5  # stored costs whose one-token step was this many times slower than now are measured again
@@ -63,20 +74,52 @@ class ForwardCosts:
     drafter: tuple[float, ...]  # drafter[k]: drafting k drafts (a pass over their rows); all 0.0 without a drafter
     step_ms: float  # the one-token step they are measured in, when measured
     seconds: float = 0.0  # how long the measurement took
+    # the same after each of `contexts` (verify and drafter above are the first), and the drafter's
+    # catching up on a context, per token
+    contexts: tuple[int, ...] = ()
+    verify_by_context: tuple[tuple[float, ...], ...] = ()
+    drafter_by_context: tuple[tuple[float, ...], ...] = ()
+    catch_up: tuple[float, ...] = ()
+
+    def by_context(self, kind: str) -> ByContext:
+        """"verify", "drafter" or "catch_up" ([0] per token) as the gate reads them at any context."""
+        if not self.contexts:  # stored by a d3d before costs followed the context
+            return ByContext((CONTEXT,), ((self.verify if kind == "verify" else self.drafter if kind == "drafter"
+                                          else (0.0,)),))
+        rows = {"verify": self.verify_by_context, "drafter": self.drafter_by_context,
+                "catch_up": tuple((per_token,) for per_token in self.catch_up)}[kind]
+        return ByContext(self.contexts, rows)
 
 
 @torch.no_grad()
 def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int = 0) -> ForwardCosts:
     """Time verifications of 0 … max_drafts drafts and drafter passes for 1 … max_drafts drafts,
-    against a one-token step."""
+    against a one-token step, after each of `CONTEXTS` tokens."""
     started = time.perf_counter()
     limit = target.config.max_position_embeddings
     max_drafts = min(max_drafts, limit - 2)
-    context = max(1, min(CONTEXT, limit - max_drafts - 1))
+    contexts = sorted({max(1, min(c, limit - max_drafts - 1)) for c in CONTEXTS})
+    verify, drafting, catch_up, steps_ms = [], [], [], []
+    for i, context in enumerate(contexts):
+        drafts = range(max_drafts + 1) if i == 0 else sorted({0, *(k for k in LONG_DRAFTS if k < max_drafts), max_drafts})
+        row = _measure_after(target, drafter, context, max_drafts, ROUNDS if i == 0 else LONG_ROUNDS, list(drafts), seed)
+        verify.append(row[0])
+        drafting.append(row[1])
+        catch_up.append(row[2])
+        steps_ms.append(row[3])
+    return ForwardCosts(verify[0], drafting[0], steps_ms[0], round(time.perf_counter() - started, 2),
+                        tuple(contexts), tuple(verify), tuple(drafting), tuple(catch_up))
+
+
+def _measure_after(target: Decoder, drafter: Drafter | None, context: int, max_drafts: int, rounds: int,
+                   drafts: list[int], seed: int) -> tuple[tuple[float, ...], tuple[float, ...], float, float]:
+    """(verify[k], drafter[k], the drafter's catching up per token, the step in ms) after `context`
+    tokens, timing the draft counts `drafts` (0 and max_drafts among them) and interpolating the rest."""
     tokens, cache = _after_context(target, context, max_drafts + 1, seed)
-    blocks = [tokens[None, context:context + rows].to(target.device) for rows in range(1, max_drafts + 2)]
+    blocks = {k: tokens[None, context:context + k + 1].to(target.device) for k in drafts}
 
     draft: Callable[[int], Callable[[], None]] | None = None  # drafting k drafts, after a round
+    catching_up = 0.0
     if drafter is not None:
         drafter_cache = drafter.new_cache(context + 1)
         history = tokens[:context + 1].tolist()
@@ -84,12 +127,15 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
         features = (torch.zeros(len(history), len(drafter.config.feature_layers) * target.config.hidden_size,
                                 dtype=target.dtype, device=target.device)  # DFlash-style: stand-in hidden states
                     if kind == "dflash" else None)
+        began = time.perf_counter()
         if kind == "ar":
             drafter.next_logits(drafter_cache, history[:-2])
         elif kind == "dflash":
             drafter.read_features(drafter_cache, features[:-2])
         else:
             drafter.draft(drafter_cache, history[:-1])  # the cache then holds all but the last two tokens
+        synchronize(target.device)
+        catching_up = (time.perf_counter() - began) * 1000 / max(context - 1, 1)  # ms per token, for now
 
         def drafting(num_drafts: int) -> Callable[[], None]:
             def run():  # as after a round: one newly committed token to feed, then the block
@@ -109,18 +155,35 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
     # Each round times every row count (and the drafter) back to back and divides by its own
     # one-token step; the median over rounds of those ratios shrugs off a busy moment on a shared
     # machine, which would shift absolute times of different row counts by different amounts.
-    ratios: list[list[float]] = [[] for _ in blocks]
-    drafter_ratios: list[list[float]] = [[] for _ in blocks]
+    ratios: dict[int, list[float]] = {k: [] for k in drafts}
+    drafter_ratios: dict[int, list[float]] = {k: [] for k in drafts}
     steps_ms = []
-    for _ in range(ROUNDS):
-        times = [_timed(_verification(target, cache, block), target.device) for block in blocks]
+    for _ in range(rounds):
+        times = {k: _timed(_verification(target, cache, block), target.device) for k, block in blocks.items()}
         steps_ms.append(times[0])
-        for rows, ms in enumerate(times):
-            ratios[rows].append(ms / times[0])
-            if draft is not None and rows:
-                drafter_ratios[rows].append(_timed(draft(rows), target.device) / times[0])
-    return ForwardCosts(non_decreasing(ratios, first=1.0), non_decreasing(drafter_ratios, first=0.0),
-                        round(median(steps_ms), 3), round(time.perf_counter() - started, 2))
+        for k, ms in times.items():
+            ratios[k].append(ms / times[0])
+            if draft is not None and k:
+                drafter_ratios[k].append(_timed(draft(k), target.device) / times[0])
+    step = median(steps_ms)
+    return (fill_in(non_decreasing([ratios[k] for k in drafts], first=1.0), drafts, max_drafts),
+            fill_in(non_decreasing([drafter_ratios[k] for k in drafts], first=0.0), drafts, max_drafts),
+            round(catching_up / step, 4), round(step, 3))
+
+
+def fill_in(measured: tuple[float, ...], drafts: list[int], max_drafts: int) -> tuple[float, ...]:
+    """Costs for every k ≤ max_drafts from those measured at `drafts` (ascending, 0 and max_drafts
+    included): linear between neighbours, rounded to 0.01."""
+    by_k = dict(zip(drafts, measured))
+    full = []
+    for k in range(max_drafts + 1):
+        if k in by_k:
+            full.append(by_k[k])
+            continue
+        low = max(d for d in drafts if d < k)
+        high = min(d for d in drafts if d > k)
+        full.append(round(by_k[low] + (k - low) / (high - low) * (by_k[high] - by_k[low]), 2))
+    return tuple(full)
 
 
 def _after_context(target: Decoder, context: int, extra: int, seed: int) -> tuple[torch.Tensor, KVCache]:
@@ -179,7 +242,7 @@ def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int) -> Pa
                          drafter.config.block_attention, drafter.config.denoising_steps, str(drafter.decoder.dtype)]
         if drafter.config.kind != "d3d":  # appended only for other kinds: D3D drafters keep their stored costs
             drafter_shape.append(drafter.config.kind)
-    key = json.dumps([machine_key(target), drafter_shape, max_drafts, CONTEXT, MEASUREMENT], sort_keys=True)
+    key = json.dumps([machine_key(target), drafter_shape, max_drafts, CONTEXTS, MEASUREMENT], sort_keys=True)
     return cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
@@ -196,7 +259,9 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
             return _measured[path]
         try:
             data = json.loads(path.read_text())
-            costs = ForwardCosts(tuple(data["verify"]), tuple(data["drafter"]), data["step_ms"], data["seconds"])
+            costs = ForwardCosts(tuple(data["verify"]), tuple(data["drafter"]), data["step_ms"], data["seconds"],
+                                 tuple(data["contexts"]), tuple(map(tuple, data["verify_by_context"])),
+                                 tuple(map(tuple, data["drafter_by_context"])), tuple(data["catch_up"]))
         except (OSError, ValueError, TypeError, KeyError):
             costs = None
         if costs is not None:

@@ -74,7 +74,9 @@ def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_id
     gate = None
     if adaptive and sources:
         gate = SpeculationGate({source.name: source.draft_costs(target) for source in sources},
-                               forward_costs(target, None, verify_reach(sources)).verify)
+                               forward_costs(target, None, verify_reach(sources)).by_context("verify"),
+                               {source.name: source.catch_up_costs(target) for source in sources
+                                if hasattr(source, "catch_up_costs")})
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
     generator = make_generator(config.sampling, target.device)
     for source in sources:
@@ -90,7 +92,8 @@ def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_id
             # Never draft past the length limit: the bonus token always needs one slot.
             wanted = min(source.max_drafts, sequence.room - 1)
             if gate is not None:
-                wanted = gate.num_drafts(source.name, wanted)
+                pending = source.pending(sequence.tokens) if hasattr(source, "pending") else 0
+                wanted = gate.num_drafts(source.name, wanted, len(sequence.tokens), pending)
             if wanted > 0:
                 proposal = source.propose(sequence.tokens, wanted, config.sampling, generator)
                 if proposal is not None:
@@ -106,6 +109,6 @@ def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_id
         sequence.stats.draft_seconds += drafted - started + observing
         sequence.stats.verify_seconds += finished - drafted - observing
         if gate is not None:
-            gate.record(name, len(draft_tokens), verdict.num_accepted)
+            gate.record(name, len(draft_tokens), verdict.num_accepted, len(sequence.tokens))
         new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
         yield sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted, name)

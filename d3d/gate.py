@@ -19,18 +19,53 @@ Costs are measured on the running machine (`d3d.costs`): verifying k drafts cost
 one-token steps, drafting them from the drafter its pass over the rows they need; both stored once per machine, so the
 gate's choices — and so the random draws at T > 0 — are a function of the tokens alone: the same
 seed gives the same output. Output is lossless either way.
+
+Costs can be measured after several context lengths (`ByContext`): at 4K tokens a verification
+of 8 drafts costs ~2.1 one-token steps against ~1.3 at 256 (docs/performance.md), so the gate reads
+them at the request's current length. A source that must first catch up on the context (the D3D
+drafter's first pass over a long prompt) is charged that too (`catch_up`, per pending token), and
+is not tried for exploration when catching up costs more than `max_catch_up` steps.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class ByContext:
+    """Costs [k] measured after each of `contexts` tokens (ascending), read at any context length:
+    linearly interpolated between the measured ones (rounded to 4 decimals), the nearest beyond them."""
+
+    contexts: tuple[int, ...]
+    rows: tuple[tuple[float, ...], ...]  # rows[i][k]: the cost of k after contexts[i] tokens
+
+    def at(self, context: int) -> tuple[float, ...]:
+        i = bisect_right(self.contexts, context)
+        if i == 0:
+            return self.rows[0]
+        if i == len(self.contexts):
+            return self.rows[-1]
+        low, high = self.contexts[i - 1], self.contexts[i]
+        share = (context - low) / (high - low)
+        return tuple(round(a + share * (b - a), 4) for a, b in zip(self.rows[i - 1], self.rows[i]))
+
+
+Costs = Sequence[float] | ByContext
+
+
+def costs_at(costs: Costs, context: int) -> Sequence[float]:
+    return costs.at(context) if isinstance(costs, ByContext) else costs
+
+
 @dataclass
 class SpeculationGate:
-    draft_costs: dict[str, Sequence[float]]  # per source ("lookup", "drafter"): [k] = drafting k, in one-token steps
-    verify_costs: Sequence[float]  # [k]: verifying k drafts, in one-token steps ([0] = 1: a plain step)
+    draft_costs: dict[str, Costs]  # per source ("lookup", "drafter"): [k] = drafting k, in one-token steps
+    verify_costs: Costs  # [k]: verifying k drafts, in one-token steps ([0] = 1: a plain step)
+    catch_up: dict[str, Costs] = field(default_factory=dict)  # per source: [0] = steps per token it must catch up on
+    max_catch_up: float = 4.0  # steps of catching up beyond which a source is not tried for exploration
     explore_every: int = 8  # steps before a source that does not pay is tried again …
     max_explore_every: int = 64  # … an interval that doubles after every try that still does not pay
     explore_drafts: int = 2  # drafts a try proposes: enough to see the source recover, for ~1.2 steps
@@ -51,28 +86,40 @@ class SpeculationGate:
             total += reach
         return total
 
-    def best_drafts(self, source: str, max_drafts: int) -> int:
-        """The k ≤ max_drafts that maximises expected tokens ÷ cost; 0 when a plain step pays better."""
+    def best_drafts(self, source: str, max_drafts: int, context: int = 0, pending: int = 0) -> int:
+        """The k ≤ max_drafts that maximises expected tokens ÷ cost after `context` tokens, the
+        source first catching up on `pending` of them; 0 when a plain step pays better."""
         best, best_rate = 0, 1.0  # plain decoding: one token per unit cost
+        verify, drafting = costs_at(self.verify_costs, context), costs_at(self.draft_costs[source], context)
+        catching_up = self.catch_up_steps(source, context, pending)
         for k in range(1, max_drafts + 1):
-            drafting = self.draft_costs[source]
-            cost = self.verify_costs[min(k, len(self.verify_costs) - 1)] + drafting[min(k, len(drafting) - 1)]
+            cost = verify[min(k, len(verify) - 1)] + drafting[min(k, len(drafting) - 1)] + catching_up
             rate = self.expected_tokens(source, k) / cost
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
 
-    def num_drafts(self, source: str, max_drafts: int) -> int:
-        """How many drafts to propose from `source` now (0: a plain step pays better)."""
-        best = self.best_drafts(source, max_drafts)
+    def catch_up_steps(self, source: str, context: int, pending: int) -> float:
+        """What catching up on `pending` tokens of context costs `source`, in one-token steps."""
+        if not pending or source not in self.catch_up:
+            return 0.0
+        return pending * costs_at(self.catch_up[source], context)[0]
+
+    def num_drafts(self, source: str, max_drafts: int, context: int = 0, pending: int = 0) -> int:
+        """How many drafts to propose from `source` now, after `context` tokens of which the source
+        has yet to read `pending` (0: a plain step pays better)."""
+        best = self.best_drafts(source, max_drafts, context, pending)
         if best:
             return best
+        if self.catch_up_steps(source, context, pending) > self.max_catch_up:
+            return 0
         interval = self.intervals.get(source, self.explore_every)
         due = self.step - self.last_used.get(source, -interval) >= interval
         return min(self.explore_drafts, max_drafts) if due else 0
 
-    def record(self, source: str, num_drafted: int, num_accepted: int) -> None:
-        """After a verification: drafts 1..num_accepted were accepted, the next one (if any) rejected."""
+    def record(self, source: str, num_drafted: int, num_accepted: int, context: int = 0) -> None:
+        """After a verification after `context` tokens: drafts 1..num_accepted were accepted, the
+        next one (if any) rejected."""
         if source in self.draft_costs and num_drafted:
             alphas = self.acceptance.setdefault(source, [])
             for i in range(min(num_drafted, num_accepted + 1)):
@@ -83,7 +130,7 @@ class SpeculationGate:
                     alphas.append(accepted if i == 0 else 0.5 * (alphas[i - 1] + accepted))
             self.last_used[source] = self.step
             # a source that pays is tried again soon once it stops; one that keeps failing, less often
-            pays = self.best_drafts(source, len(self.verify_costs) - 1) > 0
+            pays = self.best_drafts(source, len(costs_at(self.verify_costs, context)) - 1, context) > 0
             interval = self.intervals.get(source, self.explore_every)
             self.intervals[source] = self.explore_every if pays else min(2 * interval, self.max_explore_every)
         self.step += 1

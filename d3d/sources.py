@@ -32,6 +32,7 @@ from d3d.cache import KVCache
 from d3d.config import SamplingConfig
 from d3d.costs import forward_costs
 from d3d.drafter import Drafter
+from d3d.gate import Costs
 from d3d.lookup import LookupConfig, LookupIndex
 from d3d.models import Decoder
 from d3d.sampling import probabilities, sample
@@ -51,8 +52,9 @@ class DraftSource(Protocol):
     vocab_size: int | None  # the token ids it drafts (None: the context's own tokens, any vocabulary)
     feature_layers: tuple[int, ...]  # target layers whose hidden states it reads (`observe`); () for most
 
-    def draft_costs(self, target: Decoder) -> Sequence[float]:
-        """[k]: drafting k drafts, in one-token steps of `target`, measured on this machine."""
+    def draft_costs(self, target: Decoder) -> Costs:
+        """[k]: drafting k drafts, in one-token steps of `target`, measured on this machine (a
+        `d3d.gate.ByContext` where they follow the context length)."""
         ...
 
     def start(self, max_length: int, device: torch.device) -> None:
@@ -68,6 +70,11 @@ class DraftSource(Protocol):
         """The target's hidden states (T, len(feature_layers) · hidden) of the next T committed tokens;
         called only on sources with feature layers, after each target forward."""
         ...
+
+    # Optional, for sources that read the context themselves before drafting (a drafter's first
+    # pass over the prompt): `pending(tokens) -> int`, the tokens its next proposal would read
+    # first, and `catch_up_costs(target) -> Costs`, [0] = one such token's cost in one-token steps.
+    # The gate weighs them (`SpeculationGate.catch_up`).
 
 
 def drafts_from_logits(block_logits: torch.Tensor, sampling: SamplingConfig,
@@ -92,7 +99,7 @@ class LookupSource:
         self.device = torch.device("cpu")
         self.index = LookupIndex(config)  # the generation's n-grams, extended as it grows
 
-    def draft_costs(self, target: Decoder) -> Sequence[float]:
+    def draft_costs(self, target: Decoder) -> Costs:
         # A search over token ids, no model call: microseconds beside a step of milliseconds.
         return [0.0]
 
@@ -126,8 +133,18 @@ class DrafterSource:
         self.vocab_size = drafter.config.target_vocab_size
         self.cache: KVCache | None = None
 
-    def draft_costs(self, target: Decoder) -> Sequence[float]:
-        return forward_costs(target, self.costs_of, self.max_drafts).drafter
+    def draft_costs(self, target: Decoder) -> Costs:
+        return forward_costs(target, self.costs_of, self.max_drafts).by_context("drafter")
+
+    def catch_up_costs(self, target: Decoder) -> Costs:
+        """[0]: what reading one token of context it lacks costs, in one-token steps."""
+        return forward_costs(target, self.costs_of, self.max_drafts).by_context("catch_up")
+
+    def pending(self, tokens: list[int]) -> int:
+        """Committed tokens its cache lacks beyond what a round commits (a block at most; its
+        measured drafting cost feeds those): a prompt its next draft must read first."""
+        lacking = len(tokens) - 1 - (self.cache.length if self.cache is not None else 0)
+        return max(0, lacking - self.drafter.block_size)
 
     def start(self, max_length: int, device: torch.device) -> None:
         self.cache = self.drafter.new_cache(max_length)
@@ -166,8 +183,17 @@ class ARDrafterSource:
         self.cache: KVCache | None = None
         self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
 
-    def draft_costs(self, target: Decoder) -> Sequence[float]:
-        return forward_costs(target, self.drafter, self.max_drafts).drafter
+    def draft_costs(self, target: Decoder) -> Costs:
+        return forward_costs(target, self.drafter, self.max_drafts).by_context("drafter")
+
+    def catch_up_costs(self, target: Decoder) -> Costs:
+        """[0]: what reading one token of context it lacks costs, in one-token steps."""
+        return forward_costs(target, self.drafter, self.max_drafts).by_context("catch_up")
+
+    def pending(self, tokens: list[int]) -> int:
+        """Committed tokens its cache lacks beyond what a round commits (a block at most; its
+        measured drafting cost feeds those): a prompt its next proposal must read first."""
+        return max(0, len(tokens) - 1 - common_prefix(self.cached, tokens[:-1]) - self.drafter.block_size)
 
     def start(self, max_length: int, device: torch.device) -> None:
         self.cache = self.drafter.new_cache(max_length)
@@ -211,8 +237,8 @@ class DFlashSource:
         self.feature_layers = tuple(drafter.config.feature_layers)
         self.cache: KVCache | None = None
 
-    def draft_costs(self, target: Decoder) -> Sequence[float]:
-        return forward_costs(target, self.drafter, self.max_drafts).drafter
+    def draft_costs(self, target: Decoder) -> Costs:
+        return forward_costs(target, self.drafter, self.max_drafts).by_context("drafter")
 
     def start(self, max_length: int, device: torch.device) -> None:
         self.cache = self.drafter.new_cache(max_length)

@@ -9,8 +9,8 @@ import torch
 
 from conftest import make_decoder, tiny_config
 from d3d.drafter import Drafter
-from d3d.costs import forward_costs
-from d3d.gate import SpeculationGate
+from d3d.costs import fill_in, forward_costs
+from d3d.gate import ByContext, SpeculationGate
 
 
 def linear(per_draft: float, drafts: int = 15) -> list[float]:
@@ -154,3 +154,61 @@ def test_costs_measured_on_a_busy_machine_are_measured_again(tmp_path, monkeypat
     new_process()
     monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: fresh.step_ms)
     assert forward_costs(target, None, max_drafts=3) == fresh  # stored in place of the busy ones
+
+
+def test_costs_by_context_interpolate_between_the_measured_contexts():
+    costs = ByContext((256, 1024, 4096), ((1.0, 1.2), (1.0, 1.6), (1.0, 2.2)))
+    assert costs.at(0) == costs.at(256) == (1.0, 1.2)
+    assert costs.at(640) == (1.0, 1.4)
+    assert costs.at(2560) == (1.0, 1.9)
+    assert costs.at(9000) == (1.0, 2.2)
+
+
+def test_at_a_long_context_verification_costs_more_and_the_gate_drafts_less():
+    """The same acceptance: after 256 tokens 8 drafts pay; after 4K, where each verified draft costs
+    four times as much, fewer do."""
+    verify = ByContext((256, 4096), (tuple(linear(0.05)), tuple(linear(0.2))))
+    gate = SpeculationGate({"drafter": [0.0] * 16}, verify, explore_every=100,
+                           acceptance={"drafter": [0.8] * 15}, last_used={"drafter": 0})
+    short, long = gate.num_drafts("drafter", 15, context=256), gate.num_drafts("drafter", 15, context=4096)
+    assert 0 < long < short
+    assert gate.num_drafts("drafter", 15, context=4096) == gate.best_drafts("drafter", 15, 4096)
+
+
+def test_catching_up_on_a_long_prompt_is_charged_and_not_explored():
+    """A drafter that has yet to read 4,000 prompt tokens at 0.01 steps each (40 steps) is neither
+    chosen nor tried for exploration; with the prompt read it drafts again, and a short catch-up is
+    still explored."""
+    gate = SpeculationGate({"drafter": [0.0] * 16}, linear(0.05), catch_up={"drafter": [0.01]}, explore_every=1,
+                           acceptance={"drafter": [0.9] * 15}, last_used={"drafter": 0}, step=5)
+    assert gate.num_drafts("drafter", 15, context=4000, pending=4000) == 0
+    assert gate.num_drafts("drafter", 15, context=4000, pending=0) > 2
+    gate.acceptance["drafter"] = [0.05] * 15  # does not pay: only exploration would try it
+    assert gate.num_drafts("drafter", 15, context=300, pending=300) == gate.explore_drafts
+    assert gate.num_drafts("drafter", 15, context=4000, pending=4000) == 0
+
+
+def test_fill_in_interpolates_the_draft_counts_not_timed():
+    assert fill_in((1.0, 1.1, 1.5), [0, 1, 5], 5) == (1.0, 1.1, 1.2, 1.3, 1.4, 1.5)
+
+
+@torch.no_grad()
+def test_costs_are_measured_after_each_context_and_read_by_it(tmp_path, monkeypatch):
+    """After each of `CONTEXTS` tokens: verification and drafter rows for every k (the longer contexts
+    timing a subset), the first context's rows as `verify` and `drafter`, and the drafter's cost of
+    catching up per token; the gate's tables read them back."""
+    import d3d.costs
+
+    monkeypatch.setenv("D3D_CACHE", str(tmp_path))
+    monkeypatch.setattr(d3d.costs, "CONTEXTS", (16, 64))
+    target = make_decoder(tiny_config(), seed=0)
+    drafter = Drafter.from_target(target, [0], draft_vocab=torch.arange(8))
+    costs = forward_costs(target, drafter, max_drafts=15)
+    assert costs.contexts == (16, 64)
+    assert [len(row) for row in costs.verify_by_context + costs.drafter_by_context] == [16] * 4
+    assert costs.verify_by_context[0] == costs.verify and costs.drafter_by_context[0] == costs.drafter
+    assert all(per_token > 0 for per_token in costs.catch_up)
+    assert costs.by_context("verify").at(64) == costs.verify_by_context[1]
+    assert costs.by_context("catch_up").at(16) == (costs.catch_up[0],)
+    new_process()
+    assert forward_costs(target, drafter, max_drafts=15) == costs  # stored with its contexts
