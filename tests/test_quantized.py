@@ -86,8 +86,12 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
     bias = torch.randn(outputs, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     residual = torch.randn(17, outputs, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(17)])
+    grouped = kernels.grouped_rows
+    if grouped and kernels.stream(weight).format in ("u4", "i8"):  # one row reads the grouped blocks here
+        assert kernels._grouped_stream(weight, kernels.stream(weight)).format in ("g4", "g8")
     try:
-        for dense_rows in (True, False):  # several rows from the bf16 values, or decoding the blocks
+        # several rows from the bf16 values, one from the grouped blocks (AVX-512 BF16), or decoding the blocks
+        for dense_rows, kernels.grouped_rows in ((True, grouped), (True, False), (False, False)):
             kernels.dense_rows = dense_rows
             for rows in (1, 2, 3, 5, 16, 17):
                 assert torch.equal(kernels.linear(x[:rows], weight, bias), kernels.linear(x[:rows], plain, bias)), rows
@@ -95,7 +99,7 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
                 assert torch.equal(kernels.linear(x[:rows], weight, None, residual[:rows]),
                                    kernels.linear(x[:rows], plain, None, residual[:rows])), rows
     finally:
-        kernels.dense_rows = True
+        kernels.dense_rows, kernels.grouped_rows = True, grouped
 
 
 def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels):

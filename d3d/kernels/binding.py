@@ -40,18 +40,21 @@ class Part(ctypes.Structure):
 class Weight(ctypes.Structure):
     """d3d_weight: a linear weight as its runs of rows."""
 
-    _fields_ = [("parts", Part * MAX_PARTS), ("dense", Part)]
+    _fields_ = [("parts", Part * MAX_PARTS), ("dense", Part), ("grouped", Part)]
 
     @classmethod
-    def of(cls, stream: WeightStream, dense: WeightStream | None = None) -> "Weight":
+    def of(cls, stream: WeightStream, dense: WeightStream | None = None,
+           grouped: WeightStream | None = None) -> "Weight":
         """The descriptor of `stream`, with `dense` (the same weight as bf16 values, one part) for
-        calls of several rows when the stream is quantized."""
+        calls of several rows and `grouped` (its blocks 16 rows at a time) for one-row calls, when
+        the stream is quantized."""
         weight = cls()
         for slot, part in zip(weight.parts, stream.parts):
             slot.data, slot.format, slot.rows = part.data.data_ptr(), WEIGHT_FORMATS[part.format], part.rows
-        if dense is not None:
-            part = dense.parts[0]
-            weight.dense.data, weight.dense.format, weight.dense.rows = part.data.data_ptr(), WEIGHT_FORMATS[part.format], part.rows
+        for slot, extra in ((weight.dense, dense), (weight.grouped, grouped)):
+            if extra is not None:
+                part = extra.parts[0]
+                slot.data, slot.format, slot.rows = part.data.data_ptr(), WEIGHT_FORMATS[part.format], part.rows
         return weight
 
 
@@ -120,6 +123,8 @@ class RowExactKernels:
         library.d3d_linear_scratch.restype = i64
         library.d3d_attention_scratch.argtypes = [i64, i64, i64, i64]
         library.d3d_attention_scratch.restype = i64
+        library.d3d_group_pack.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p]
+        library.d3d_group_pack.restype = i64
         library.d3d_dequantize.argtypes = [ptr, i64, ptr, i64, i64]
         library.d3d_dequantize_reference.argtypes = [ptr, i64, ptr, i64, i64]
         for suffix in ("bf16", "f32"):
@@ -140,6 +145,11 @@ class RowExactKernels:
         # d3d_weight.dense): the same bits, less arithmetic. False decodes the blocks at every row
         # count (for tests and measurements).
         self.dense_rows = True
+        # One-row calls over a U4 or I8 weight read its blocks grouped 16 rows at a time where the
+        # build takes packed pair dot products (formats.h's G4, G8): the same bits, a third of the
+        # bytes of the bf16 values. False leaves them to the bf16 values (for tests and measurements).
+        self.grouped_rows = bool(library.d3d_grouped_linear())
+        self._grouped: dict[int, tuple[weakref.ref, int, WeightStream | None]] = {}
         self.arena = HugePageArena()
         library.d3d_kernel_path.restype = ctypes.c_char_p
         self.path_name = library.d3d_kernel_path().decode()
@@ -157,6 +167,7 @@ class RowExactKernels:
         this one does."""
         other = RowExactKernels(library, path)
         other._streams, other._dense, other.arena, other.epoch = self._streams, self._dense, self.arena, self.epoch + 1
+        other._grouped = self._grouped
         return other
 
     # One library per process: a copied or pickled decoder shares it.
@@ -230,6 +241,7 @@ class RowExactKernels:
                                  f"than the weight's (rows {first}-{first + part.rows - 1} of {rows} x {width})")
             first += part.rows
         self._remember(weight, stream)
+        self._grouped.pop(id(weight), None)  # grouped from the stream it had
         self.epoch += 1
 
     def dequantize(self, data: torch.Tensor, format: str, rows: int, width: int, reference: bool = False) -> torch.Tensor:
@@ -240,13 +252,33 @@ class RowExactKernels:
         function(data.data_ptr(), WEIGHT_FORMATS[format], out.data_ptr(), rows, width)
         return out
 
-    def _weight(self, weight: torch.Tensor) -> tuple[Weight, tuple[WeightStream, ...]]:
+    def _weight(self, weight: torch.Tensor) -> tuple[Weight, tuple[WeightStream | None, ...]]:
         """The C descriptor of the weight, and the streams it points into (keep them alive)."""
         stream = self.stream(weight)
         if not stream.quantized or not self.dense_rows:
             return Weight.of(stream), (stream,)
         dense = self._own_stream(weight)
-        return Weight.of(stream, dense), (stream, dense)
+        grouped = self._grouped_stream(weight, stream) if self.grouped_rows else None
+        return Weight.of(stream, dense, grouped), (stream, dense, grouped)
+
+    def _grouped_stream(self, weight: torch.Tensor, stream: WeightStream) -> WeightStream | None:
+        """The quantized stream's blocks grouped 16 rows at a time (made once per stream), or None
+        where its formats have no grouped form."""
+        entry = self._grouped.get(id(weight))
+        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+            return entry[2]
+        rows, width = weight.shape
+        descriptor = Weight.of(stream)
+        size = self.library.d3d_group_pack(ctypes.byref(descriptor), rows, width, None)
+        grouped = None
+        if size:
+            data = self.arena.empty((size,), torch.uint8)
+            self.library.d3d_group_pack(ctypes.byref(descriptor), rows, width, data.data_ptr())
+            grouped = WeightStream.whole("g4" if stream.format == "u4" else "g8", data, rows, stream.source)
+        key = id(weight)
+        self._grouped[key] = (weakref.ref(weight, lambda _, key=key: self._grouped.pop(key, None)),
+                              weight._version, grouped)
+        return grouped
 
     def _attention_scratch(self, batch: int, length: int, heads: int, keys: int) -> torch.Tensor:
         """The attention's scores of one block of queries, and their softmax sums (attention.h)."""

@@ -14,6 +14,12 @@
  *   U6      GGUF Q6_K: per 32 weights two fp32 scales (one per 16), 16 bytes of low nibbles laid
  *           out as U4's and 8 bytes of high bit pairs (byte i holds weight 8j + i's in bits 2j, 2j+1);
  *           q = (low | high << 4) − 32 and the weight is bf16(s·q).
+ *   G4, G8  U4 and I8 blocks of 16 rows at a time, interleaved for the packed pair dot products of
+ *           AVX-512 BF16 (linear.h's grouped linear): per 16 output columns and 32 weights, the 16
+ *           scales (and offsets), then per pair of weights k = 2p, 2p+1 the codes of all 16 columns
+ *           in the packed layout's lane order — lane l of the first half is column l/2 at k = 2p +
+ *           l%2, of the second half column 8 + l/2 (G4: one byte per lane pair, first half in the low
+ *           nibble; G8: 16 bytes per half). The same values, decoded by the same operations.
  *
  * Each quantized value is the GGUF reference dequantization (gguf-py's, which transformers and
  * so d3d's loader use) rounded to bf16, by construction: the reference computes d·q + m (Q4_1),
@@ -29,7 +35,7 @@
  * every decoded weight is 0 or at least 2^-24 in magnitude, being a sum of fp16 multiples.
  */
 
-enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5 };
+enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7 };
 
 #define CHUNK 32  /* weights of a row per block of every quantized format */
 
@@ -37,6 +43,8 @@ typedef struct { float scale, offset; uint8_t q[16]; } block_u4;
 typedef struct { float scale; int8_t q[32]; } block_i8;
 typedef struct { float scale[2]; uint8_t low[16], high[8]; } block_u6;
 typedef struct { float scale; uint8_t q[16]; } block_s4;
+typedef struct { float scale[16], offset[16]; uint8_t q[16][16]; } block_g4;  /* 16 rows of block_u4 */
+typedef struct { float scale[16]; int8_t q[16][32]; } block_g8;  /* 16 rows of block_i8 */
 
 /* What the linear kernels are handed for one weight: up to MAX_PARTS runs of rows, each in its
  * own format (a fused q|k|v projection whose parts a GGUF quantized differently, as Q4_K_M files
@@ -53,9 +61,12 @@ typedef struct {
      * reduction is the same, so a row's bits do not change — but past one row the arithmetic, not
      * the bytes, bounds a call, and widening bf16 costs less than decoding blocks. */
     d3d_part dense;
+    /* For U4 or I8 parts, the same blocks grouped 16 rows at a time (G4 or G8, one part), or NULL:
+     * what a one-row call reads where the build takes packed pair dot products (AVX-512 BF16). */
+    d3d_part grouped;
 } d3d_weight;
 
-static inline int is_quantized(int64_t format) { return format >= D3D_U4; }
+static inline int is_quantized(int64_t format) { return format >= D3D_U4 && format <= D3D_S4; }
 
 static inline int64_t block_bytes(int64_t format) {
     return format == D3D_U4 ? (int64_t)sizeof(block_u4) : format == D3D_I8 ? (int64_t)sizeof(block_i8)

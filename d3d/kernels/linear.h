@@ -559,6 +559,129 @@ static int64_t panel_scratch(int64_t K, int threads) { (void)K, (void)threads; r
 #endif
 
 /* ---------------------------------------------------------------------------------------------
+ * Grouped quantized weights (formats.h's G4, G8): a one-row call with AVX-512 BF16 decodes 16
+ * columns' codes at once into the packed layout's pair vector — codes to fp32, the block's fma or
+ * product with per-lane scales, vcvtne2ps2bf16's nearest-even rounding (exact here: every decoded
+ * value is 0 or at least 2^-24, so neither its input nor its output is ever subnormal) — and feeds
+ * it to the same vdpbf16ps chain as the packed bf16 weight: the same values, the same bits, a third
+ * of the bytes.
+ * ------------------------------------------------------------------------------------------- */
+
+/* Bytes of the grouped copy of `w` (N, K) — 0 when its parts are not all U4 or all I8 — and, with
+ * `out`, the copy itself (columns past N padded with zero scales and codes). */
+int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
+    int64_t format = w->parts[0].format, blocks = K / CHUNK, groups = (N + 15) / 16;
+    for (int p = 0; p < MAX_PARTS && w->parts[p].rows; p++)
+        if (w->parts[p].format != format) return 0;
+    if ((format != D3D_U4 && format != D3D_I8) || K % CHUNK) return 0;
+    int64_t size = format == D3D_U4 ? (int64_t)sizeof(block_g4) : (int64_t)sizeof(block_g8);
+    if (!out) return groups * blocks * size;
+    memset(out, 0, groups * blocks * size);
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < blocks; b++) {
+            char *to = (char *)out + (g * blocks + b) * size;
+            for (int j = 0; j < 16 && g * 16 + j < N; j++) {
+                int64_t f;
+                const void *from = block_at(w, g * 16 + j, b, K, &f);
+                int half = j / 8, lane0 = 2 * (j % 8);  /* lanes lane0, lane0 + 1 of its half */
+                for (int p = 0; p < 16; p++)
+                    for (int e = 0; e < 2; e++) {
+                        int k = 2 * p + e;
+                        if (format == D3D_U4) {
+                            const block_u4 *u = from;
+                            block_g4 *g4 = (block_g4 *)to;
+                            g4->scale[j] = u->scale, g4->offset[j] = u->offset;
+                            g4->q[p][lane0 + e] |= (uint8_t)(nibble(u->q, k) << (4 * half));
+                        } else {
+                            const block_i8 *i = from;
+                            block_g8 *g8 = (block_g8 *)to;
+                            g8->scale[j] = i->scale;
+                            g8->q[p][16 * half + lane0 + e] = i->q[k];
+                        }
+                    }
+            }
+        }
+    return groups * blocks * size;
+}
+
+/* Whether this build's one-row calls read grouped copies. */
+int d3d_grouped_linear(void) {
+#ifdef D3D_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef D3D_AVX512_BF16
+/* Scales of columns l/2 (first half) or 8 + l/2 (second) in lane l. */
+static inline __m512 lane_pairs(__m512 per_column, int half) {
+    const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(half ? _mm512_add_epi32(first, _mm512_set1_epi32(8)) : first, per_column);
+}
+
+#define GROUPED_TILE 4  /* column groups of 16 a thread decodes side by side */
+#define GROUPED_AHEAD 8  /* blocks ahead that each group's stream prefetches (AMD EPYC Zen 5: none 8.1 ms a step, 8: ~5.8, noisy) */
+static void grouped_bf16_body(const uint16_t *x, const d3d_part *grouped, const uint16_t *bias,
+                              const uint16_t *residual, uint16_t *y, int64_t N, int64_t K) {
+    int64_t groups = (N + 15) / 16, blocks = K / CHUNK, g4 = grouped->format == D3D_G4;
+    int64_t size = g4 ? (int64_t)sizeof(block_g4) : (int64_t)sizeof(block_g8);
+    int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int64_t g0 = first; g0 < last; g0 += GROUPED_TILE) {
+        int G = last - g0 < GROUPED_TILE ? (int)(last - g0) : GROUPED_TILE;
+        __m512 acc[GROUPED_TILE] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t b = 0; b < blocks; b++) {
+            const char *at[GROUPED_TILE];
+            __m512 s0[GROUPED_TILE], s1[GROUPED_TILE], o0[GROUPED_TILE], o1[GROUPED_TILE];
+            for (int g = 0; g < GROUPED_TILE; g++) {
+                at[g] = (const char *)grouped->data + ((g0 + (g < G ? g : 0)) * blocks + b) * size;
+                for (int64_t line = 0; line < size; line += 64)  /* GROUPED_AHEAD blocks on: 4 streams a thread */
+                    __builtin_prefetch(at[g] + GROUPED_AHEAD * size + line, 0, 0);
+                __m512 scale = _mm512_loadu_ps((const float *)at[g]);
+                s0[g] = lane_pairs(scale, 0), s1[g] = lane_pairs(scale, 1);
+                if (g4) {
+                    __m512 offset = _mm512_loadu_ps((const float *)at[g] + 16);
+                    o0[g] = lane_pairs(offset, 0), o1[g] = lane_pairs(offset, 1);
+                } else {
+                    o0[g] = o1[g] = _mm512_setzero_ps();
+                }
+            }
+            for (int p = 0; p < 16; p++) {
+                __m512 xp = broadcast_pair(x, b * 16 + p);
+                for (int g = 0; g < GROUPED_TILE; g++) {
+                    if (g >= G) break;
+                    __m512 v0, v1;
+                    if (g4) {
+                        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(((const block_g4 *)at[g])->q[p])));
+                        v0 = _mm512_fmadd_ps(s0[g], _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), o0[g]);
+                        v1 = _mm512_fmadd_ps(s1[g], _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), o1[g]);
+                    } else {
+                        const int8_t *q = ((const block_g8 *)at[g])->q[p];
+                        v0 = _mm512_mul_ps(s0[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
+                        v1 = _mm512_mul_ps(s1[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
+                    }
+                    acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_castps_si512(xp), _mm512_cvtne2ps_pbh(v1, v0));  /* as FMA_BF16 */
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float lanes[16];
+            _mm512_storeu_ps(lanes, acc[g]);
+            for (int j = 0; j < 16 && (g0 + g) * 16 + j < N; j++) {
+                int64_t n = (g0 + g) * 16 + j;
+                float v = lanes[j];
+                if (bias) v += bf16_to_f32(bias[n]);
+                y[n] = residual ? f32_to_bf16(bf16_to_f32(residual[n]) + bf16_to_f32(f32_to_bf16(v))) : f32_to_bf16(v);
+            }
+        }
+    }
+    _Pragma("omp barrier")
+}
+#endif
+
+/* ---------------------------------------------------------------------------------------------
  * The linear a weight takes, by its format and this build — the same choice for every row count,
  * which is the invariant — and the per-op entry points.
  * ------------------------------------------------------------------------------------------- */
@@ -573,8 +696,9 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
      * interleaved: 3 rows 16.2 vs 18.5 ms, 8 rows 36.4 vs 42.5 — but 12 rows 55.0 vs 46.8, where
      * decoding the smaller blocks once into the strip pays again */
 #ifdef D3D_AVX512_BF16
-    /* with AVX-512 BF16 every row count reads them: the panel decoder below is scalar (one-token
-     * step, AMD EPYC Zen 5: 90 ms over Q4_1 blocks against 8.0 ms over the bf16 values) */
+    if (M == 1 && w->grouped.data) { grouped_bf16_body(x, &w->grouped, bias, residual, y, N, K); return; }
+    /* with AVX-512 BF16 every other row count reads them: the panel decoder below is scalar (one-
+     * token step, AMD EPYC Zen 5: 90 ms over Q4_1 blocks against 8.0 ms over the bf16 values) */
     if (is_quantized(format) && w->dense.data) {
 #else
     if (M > 1 && M <= DENSE_ROWS && is_quantized(format) && w->dense.data) {

@@ -3,8 +3,9 @@
 A weight (N, K) reaches the kernels as a `WeightStream`: a format (formats.h) and the tensor of
 bytes in that format. A bf16 or fp32 weight streams as itself (PLAIN) or, where the build packs,
 as a column-packed copy (PACKED: 16 output columns per 64-byte step); a GGUF's quantized weight
-streams as its blocks, repacked once at load (U4, S4, I8, U6; `d3d.quantized`). Copies live in huge
-pages where the OS grants them.
+streams as its blocks, repacked once at load (U4, S4, I8, U6; `d3d.quantized`) — and, for one-row
+calls where the build takes packed pair dot products, as those blocks grouped 16 rows at a time
+(G4, G8: made by the kernels, `RowExactKernels`). Copies live in huge pages where the OS grants them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 # formats.h's enum, by name
-WEIGHT_FORMATS = {"plain": 0, "packed": 1, "u4": 2, "i8": 3, "u6": 4, "s4": 5}
+WEIGHT_FORMATS = {"plain": 0, "packed": 1, "u4": 2, "i8": 3, "u6": 4, "s4": 5, "g4": 6, "g8": 7}
 QUANTIZED_FORMATS = ("u4", "i8", "u6", "s4")
 BLOCK = 32  # weights of a row per block of every quantized format
 BLOCK_BYTES = {"u4": 24, "i8": 36, "u6": 32, "s4": 20}  # formats.h's block structs
