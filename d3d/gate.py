@@ -71,18 +71,31 @@ class SpeculationGate:
     explore_drafts: int = 2  # drafts a try proposes: enough to see the source recover, for ~1.2 steps
     weight: float = 0.25  # moving-average weight of the newest observation
     prior: float = 0.5  # α at every position of a source not yet seen on this request
+    # per source: α at positions it has not reached yet on this request, where higher than its last
+    # known α (see expected_tokens); other sources borrow their last known α
+    unseen: dict[str, float] = field(default_factory=lambda: {"lookup": 0.9})
     acceptance: dict[str, list[float]] = field(default_factory=dict)  # per source: α_1, α_2, …
     last_used: dict[str, int] = field(default_factory=dict)  # step index each source last drafted
     intervals: dict[str, int] = field(default_factory=dict)  # per source: steps between tries
     step: int = 0
 
     def expected_tokens(self, source: str, num_drafts: int) -> float:
-        """1 + expected accepted drafts; positions never reached borrow the last known α (the prior
-        before any)."""
-        alphas = self.acceptance.get(source) or [self.prior]
+        """1 + expected accepted drafts. Before any verdict every position has the prior; after,
+        positions never reached borrow the last known α — or, for context lookup, at least
+        `unseen`: a lookup match that holds is copying, so its later drafts are accepted far more
+        often than its first (α ≈ 0.4 at the first, ≈ 0.9 at each later one on long prompts), and
+        borrowing the first's α kept the gate proposing one or two drafts, never learning better
+        (a long prompt decoded at half of ungated lookup's speed)."""
+        alphas = self.acceptance.get(source)
         total, reach = 1.0, 1.0
         for i in range(num_drafts):
-            reach *= alphas[min(i, len(alphas) - 1)]
+            if not alphas:
+                alpha = self.prior
+            elif i < len(alphas):
+                alpha = alphas[i]
+            else:
+                alpha = max(alphas[-1], self.unseen.get(source, 0.0))
+            reach *= alpha
             total += reach
         return total
 

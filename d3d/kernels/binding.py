@@ -46,7 +46,7 @@ class Weight(ctypes.Structure):
     def of(cls, stream: WeightStream, dense: WeightStream | None = None,
            grouped: WeightStream | None = None) -> "Weight":
         """The descriptor of `stream`, with `dense` (the same weight as bf16 values, one part) for
-        calls of several rows and `grouped` (its blocks 16 rows at a time) for one-row calls, when
+        calls of several rows and `grouped` (its blocks 16 rows at a time) for calls of a few, when
         the stream is quantized."""
         weight = cls()
         for slot, part in zip(weight.parts, stream.parts):
@@ -145,7 +145,7 @@ class RowExactKernels:
         # d3d_weight.dense): the same bits, less arithmetic. False decodes the blocks at every row
         # count (for tests and measurements).
         self.dense_rows = True
-        # One-row calls over a U4 or I8 weight read its blocks grouped 16 rows at a time where the
+        # Calls of 1-4 rows over a U4 or I8 weight read its blocks grouped 16 rows at a time where the
         # build takes packed pair dot products (formats.h's G4, G8): the same bits, a third of the
         # bytes of the bf16 values. False leaves them to the bf16 values (for tests and measurements).
         self.grouped_rows = bool(library.d3d_grouped_linear())

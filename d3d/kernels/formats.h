@@ -62,7 +62,7 @@ typedef struct {
      * the bytes, bounds a call, and widening bf16 costs less than decoding blocks. */
     d3d_part dense;
     /* For U4 or I8 parts, the same blocks grouped 16 rows at a time (G4 or G8, one part), or NULL:
-     * what a one-row call reads where the build takes packed pair dot products (AVX-512 BF16). */
+     * what calls of up to GROUPED_ROWS rows read where the build takes packed pair dot products (AVX-512 BF16). */
     d3d_part grouped;
 } d3d_weight;
 

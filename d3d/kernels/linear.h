@@ -559,7 +559,7 @@ static int64_t panel_scratch(int64_t K, int threads) { (void)K, (void)threads; r
 #endif
 
 /* ---------------------------------------------------------------------------------------------
- * Grouped quantized weights (formats.h's G4, G8): a one-row call with AVX-512 BF16 decodes 16
+ * Grouped quantized weights (formats.h's G4, G8): a call of 1-4 rows with AVX-512 BF16 decodes 16
  * columns' codes at once into the packed layout's pair vector — codes to fp32, the block's fma or
  * product with per-lane scales, vcvtne2ps2bf16's nearest-even rounding (exact here: every decoded
  * value is 0 or at least 2^-24, so neither its input nor its output is ever subnormal) — and feeds
@@ -604,7 +604,7 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     return groups * blocks * size;
 }
 
-/* Whether this build's one-row calls read grouped copies. */
+/* Whether this build's calls of a few rows read grouped copies. */
 int d3d_grouped_linear(void) {
 #ifdef D3D_AVX512_BF16
     return 1;
@@ -620,62 +620,82 @@ static inline __m512 lane_pairs(__m512 per_column, int half) {
     return _mm512_permutexvar_ps(half ? _mm512_add_epi32(first, _mm512_set1_epi32(8)) : first, per_column);
 }
 
-#define GROUPED_TILE 4  /* column groups of 16 a thread decodes side by side */
+#define GROUPED_ROWS 4  /* calls of up to this many rows read the grouped blocks (more: the bf16 values) */
 #define GROUPED_AHEAD 8  /* blocks ahead that each group's stream prefetches (AMD EPYC Zen 5: none 8.1 ms a step, 8: ~5.8, noisy) */
-static void grouped_bf16_body(const uint16_t *x, const d3d_part *grouped, const uint16_t *bias,
-                              const uint16_t *residual, uint16_t *y, int64_t N, int64_t K) {
+/* R rows x up to GT column groups: each group's pair vector is decoded once and feeds every row. */
+static inline __attribute__((always_inline)) void grouped_tile(
+        const uint16_t *x, int64_t x_stride, const char *data, int64_t g0, int G, const int R, const int GT,
+        int64_t blocks, int64_t size, int g4, __m512 acc[GROUPED_ROWS][4]) {
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < GT; g++) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const char *at[4];
+        __m512 s0[4], s1[4], o0[4], o1[4];
+        for (int g = 0; g < GT; g++) {
+            at[g] = data + ((g0 + (g < G ? g : 0)) * blocks + b) * size;
+            for (int64_t line = 0; line < size; line += 64)
+                __builtin_prefetch(at[g] + GROUPED_AHEAD * size + line, 0, 0);
+            __m512 scale = _mm512_loadu_ps((const float *)at[g]);
+            s0[g] = lane_pairs(scale, 0), s1[g] = lane_pairs(scale, 1);
+            if (g4) {
+                __m512 offset = _mm512_loadu_ps((const float *)at[g] + 16);
+                o0[g] = lane_pairs(offset, 0), o1[g] = lane_pairs(offset, 1);
+            } else {
+                o0[g] = o1[g] = _mm512_setzero_ps();
+            }
+        }
+        for (int p = 0; p < 16; p++) {
+            __m512 xp[GROUPED_ROWS];
+            for (int r = 0; r < R; r++) xp[r] = broadcast_pair(x + r * x_stride, b * 16 + p);
+            for (int g = 0; g < GT; g++) {
+                if (g >= G) break;
+                __m512 v0, v1;
+                if (g4) {
+                    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(((const block_g4 *)at[g])->q[p])));
+                    v0 = _mm512_fmadd_ps(s0[g], _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), o0[g]);
+                    v1 = _mm512_fmadd_ps(s1[g], _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), o1[g]);
+                } else {
+                    const int8_t *q = ((const block_g8 *)at[g])->q[p];
+                    v0 = _mm512_mul_ps(s0[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
+                    v1 = _mm512_mul_ps(s1[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
+                }
+                __m512bh w = _mm512_cvtne2ps_pbh(v1, v0);
+                for (int r = 0; r < R; r++)  /* as FMA_BF16 */
+                    acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)_mm512_castps_si512(xp[r]), w);
+            }
+        }
+    }
+}
+
+static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *grouped, const uint16_t *bias,
+                              const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K) {
     int64_t groups = (N + 15) / 16, blocks = K / CHUNK, g4 = grouped->format == D3D_G4;
     int64_t size = g4 ? (int64_t)sizeof(block_g4) : (int64_t)sizeof(block_g8);
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
-    const __m512i low = _mm512_set1_epi32(15);
-    for (int64_t g0 = first; g0 < last; g0 += GROUPED_TILE) {
-        int G = last - g0 < GROUPED_TILE ? (int)(last - g0) : GROUPED_TILE;
-        __m512 acc[GROUPED_TILE] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t b = 0; b < blocks; b++) {
-            const char *at[GROUPED_TILE];
-            __m512 s0[GROUPED_TILE], s1[GROUPED_TILE], o0[GROUPED_TILE], o1[GROUPED_TILE];
-            for (int g = 0; g < GROUPED_TILE; g++) {
-                at[g] = (const char *)grouped->data + ((g0 + (g < G ? g : 0)) * blocks + b) * size;
-                for (int64_t line = 0; line < size; line += 64)  /* GROUPED_AHEAD blocks on: 4 streams a thread */
-                    __builtin_prefetch(at[g] + GROUPED_AHEAD * size + line, 0, 0);
-                __m512 scale = _mm512_loadu_ps((const float *)at[g]);
-                s0[g] = lane_pairs(scale, 0), s1[g] = lane_pairs(scale, 1);
-                if (g4) {
-                    __m512 offset = _mm512_loadu_ps((const float *)at[g] + 16);
-                    o0[g] = lane_pairs(offset, 0), o1[g] = lane_pairs(offset, 1);
-                } else {
-                    o0[g] = o1[g] = _mm512_setzero_ps();
+    int tile = M == 1 ? 4 : 2;  /* groups side by side: 4 at one row, 2 beside several rows' accumulators */
+    for (int64_t g0 = first; g0 < last; g0 += tile) {
+        int G = last - g0 < tile ? (int)(last - g0) : tile;
+        __m512 acc[GROUPED_ROWS][4];
+        const char *data = grouped->data;
+        switch (M) {
+            case 1: grouped_tile(x, x_stride, data, g0, G, 1, 4, blocks, size, (int)g4, acc); break;
+            case 2: grouped_tile(x, x_stride, data, g0, G, 2, 2, blocks, size, (int)g4, acc); break;
+            case 3: grouped_tile(x, x_stride, data, g0, G, 3, 2, blocks, size, (int)g4, acc); break;
+            default: grouped_tile(x, x_stride, data, g0, G, 4, 2, blocks, size, (int)g4, acc); break;
+        }
+        for (int64_t r = 0; r < M; r++)
+            for (int g = 0; g < G; g++) {
+                float lanes[16];
+                _mm512_storeu_ps(lanes, acc[r][g]);
+                for (int j = 0; j < 16 && (g0 + g) * 16 + j < N; j++) {
+                    int64_t n = (g0 + g) * 16 + j, at = r * N + n;
+                    float v = lanes[j];
+                    if (bias) v += bf16_to_f32(bias[n]);
+                    y[at] = residual ? f32_to_bf16(bf16_to_f32(residual[at]) + bf16_to_f32(f32_to_bf16(v))) : f32_to_bf16(v);
                 }
             }
-            for (int p = 0; p < 16; p++) {
-                __m512 xp = broadcast_pair(x, b * 16 + p);
-                for (int g = 0; g < GROUPED_TILE; g++) {
-                    if (g >= G) break;
-                    __m512 v0, v1;
-                    if (g4) {
-                        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(((const block_g4 *)at[g])->q[p])));
-                        v0 = _mm512_fmadd_ps(s0[g], _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), o0[g]);
-                        v1 = _mm512_fmadd_ps(s1[g], _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), o1[g]);
-                    } else {
-                        const int8_t *q = ((const block_g8 *)at[g])->q[p];
-                        v0 = _mm512_mul_ps(s0[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
-                        v1 = _mm512_mul_ps(s1[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
-                    }
-                    acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_castps_si512(xp), _mm512_cvtne2ps_pbh(v1, v0));  /* as FMA_BF16 */
-                }
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            float lanes[16];
-            _mm512_storeu_ps(lanes, acc[g]);
-            for (int j = 0; j < 16 && (g0 + g) * 16 + j < N; j++) {
-                int64_t n = (g0 + g) * 16 + j;
-                float v = lanes[j];
-                if (bias) v += bf16_to_f32(bias[n]);
-                y[n] = residual ? f32_to_bf16(bf16_to_f32(residual[n]) + bf16_to_f32(f32_to_bf16(v))) : f32_to_bf16(v);
-            }
-        }
     }
     _Pragma("omp barrier")
 }
@@ -696,7 +716,7 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
      * interleaved: 3 rows 16.2 vs 18.5 ms, 8 rows 36.4 vs 42.5 — but 12 rows 55.0 vs 46.8, where
      * decoding the smaller blocks once into the strip pays again */
 #ifdef D3D_AVX512_BF16
-    if (M == 1 && w->grouped.data) { grouped_bf16_body(x, &w->grouped, bias, residual, y, N, K); return; }
+    if (M <= GROUPED_ROWS && w->grouped.data) { grouped_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K); return; }
     /* with AVX-512 BF16 every other row count reads them: the panel decoder below is scalar (one-
      * token step, AMD EPYC Zen 5: 90 ms over Q4_1 blocks against 8.0 ms over the bf16 values) */
     if (is_quantized(format) && w->dense.data) {

@@ -3,7 +3,7 @@
 A weight (N, K) reaches the kernels as a `WeightStream`: a format (formats.h) and the tensor of
 bytes in that format. A bf16 or fp32 weight streams as itself (PLAIN) or, where the build packs,
 as a column-packed copy (PACKED: 16 output columns per 64-byte step); a GGUF's quantized weight
-streams as its blocks, repacked once at load (U4, S4, I8, U6; `d3d.quantized`) — and, for one-row
+streams as its blocks, repacked once at load (U4, S4, I8, U6; `d3d.quantized`) — and, for 1-4-row
 calls where the build takes packed pair dot products, as those blocks grouped 16 rows at a time
 (G4, G8: made by the kernels, `RowExactKernels`). Copies live in huge pages where the OS grants them.
 """
