@@ -238,7 +238,7 @@ FORWARD(f32, float)
 /* Which path this build took, for `d3d doctor`. */
 const char *d3d_kernel_path(void) {
 #if defined(D3D_AVX512_BF16)
-    return "avx512: packed bf16 pair dot products (bf16, quantized), packed fp32 FMA (fp32)";
+    return "avx512: packed bf16 pair dot products (bf16; quantized blocks grouped, decoded in registers), packed fp32 FMA (fp32)";
 #elif defined(__AVX512F__)
     return "avx512: avx2 fp32 lanes (bf16, quantized), packed fp32 FMA (fp32)";
 #elif defined(D3D_AVX2)
