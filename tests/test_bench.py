@@ -465,3 +465,21 @@ def test_async_methods_both_miss_policies(tmp_path):
         t = result["table"]["all"][name]["all"]["per_step"]
         assert 0.0 <= t["hit_rate"] <= 1.0 and t["wait"] >= 0 and t["packed"] > 0
     assert "async_reanchor" in markdown(result, "d3d bench")
+
+
+def test_the_long_set_is_reported_by_size_with_ttft(monkeypatch):
+    """`--datasets long` groups its prompts by size (long1k … long7k), and every row reports the
+    mean prompt tokens and the time to the first token."""
+    from d3d.prompts import Prompt
+
+    prompts = [Prompt("long1k/a", "long1k", text="one two three " * 3), Prompt("long4k/b", "long4k", text="four " * 9)]
+    monkeypatch.setattr(harness, "load_dataset", lambda name: prompts if name == "long" else pytest.fail(name))
+    result = run_benchmark(tiny_pipeline(eos_token_ids=[]), BenchConfig(datasets=["long"], num_prompts=None,
+                           max_new_tokens=4, methods=["ar", "lookup"]), progress=False)
+    assert list(result["table"]) == ["long1k", "long4k", "all"]
+    for group in ("long1k", "long4k"):
+        row = result["table"][group]["ar"]["all"]
+        prefill = [r["prefill_seconds"] for r in result["records"] if r["dataset"] == group and r["method"] == "ar"]
+        assert row["prompt_tokens"] > 0 and row["ttft_seconds"] == pytest.approx(sum(prefill) / len(prefill), abs=1e-3)
+    assert {r["prompt_tokens"] for r in result["records"]} == {
+        len(tiny_pipeline(eos_token_ids=[]).encode(p.text, chat=False)) for p in prompts}
