@@ -54,11 +54,14 @@ def chunk_bounds(length: int, cached: int, mask: torch.Tensor | None, chunk: int
     keys = torch.arange(mask.shape[-1], device=mask.device)
     last = torch.where(mask, keys, -1).amax(-1).amax(0)  # (T,) the last key any batch row's row t sees
     reach = torch.cummax(last, 0).values.tolist()  # the last key rows 0 … t see
+    cuttable = [r == length or reach[r - 1] < cached + r for r in range(length + 1)]
     bounds, begin = [], 0
     while begin < length:
-        allowed = [r for r in range(begin + 1, length + 1) if r == length or reach[r - 1] < cached + r]
-        within = [r for r in allowed if r - begin <= chunk]
-        end = within[-1] if within else allowed[0]
+        end = min(begin + chunk, length)
+        while not cuttable[end] and end > begin + 1:  # the last cut within the chunk …
+            end -= 1
+        if not cuttable[end]:  # … or, with none, the first after it
+            end = next(r for r in range(begin + chunk + 1, length + 1) if cuttable[r])
         bounds.append(end)
         begin = end
     return bounds
