@@ -19,6 +19,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 
 from d3d.cache import KVCache
 from d3d.config import ConfigError, ModelConfig
-from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKernels, TorchKernels,
+from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKernels, Segment, TorchKernels,
                          row_exact_kernels)
 
 # "auto": row-exact kernels where they build (CPU inference), else PyTorch's; "row-exact": required
@@ -65,6 +66,18 @@ def chunk_bounds(length: int, cached: int, mask: torch.Tensor | None, chunk: int
         bounds.append(end)
         begin = end
     return bounds
+
+
+@dataclass
+class SequenceRows:
+    """One sequence's share of a batched forward (`Decoder.forward_rows`): new token ids (T,) after
+    its own `cache` (batch size 1), seen causally or through `mask` (T, cache.length + T); with
+    `last_only`, only the last row's logits are wanted (a prompt's prefill)."""
+
+    ids: torch.Tensor
+    cache: KVCache
+    mask: torch.Tensor | None = None
+    last_only: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -366,6 +379,51 @@ class Decoder(nn.Module):
             if index in feature_layers:
                 features.append(x)
         return self.norm(x, kernels), torch.cat(features, -1) if features else None
+
+    def forward_rows(self, parts: Sequence[SequenceRows], feature_layers: Sequence[int] = (),
+                     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Several sequences' new rows, each after its own cache, in one forward: per part, its
+        logits (T, V) — (1, V) with `last_only` — and its residual stream after `feature_layers`
+        (T, len · hidden; None without). With the row-exact kernels every linear layer runs once over
+        all parts' rows and attention per part, and each row's bits are those of its sequence's
+        forward alone; elsewhere the parts run one after another — the same bits by definition."""
+        if not parts:
+            return []
+        kernels = self.kernels_for(self.embed_tokens.weight)
+        table = self.layer_table(kernels) if kernels is self.row_exact and self.layers else None
+        if table is None or len(parts) == 1 and len(parts[0].ids) > PREFILL_CHUNK:
+            return [self._part_alone(part, feature_layers) for part in parts]
+        assert list(feature_layers) == sorted(set(feature_layers)), f"feature layers {feature_layers}"
+        segments, positions = [], []
+        for part in parts:
+            cache, length = part.cache, len(part.ids)
+            assert cache.batch_size == 1, "forward_rows takes one sequence per cache"
+            start = cache.reserve(length)
+            segments.append(Segment(length, cache.keys[:, 0], cache.values[:, 0], start, part.mask))
+            positions.append(torch.arange(start, start + length, device=self.device))
+        c = self.config
+        shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
+        embeds = self.embed_tokens(torch.cat([part.ids for part in parts]))
+        hidden, captured = kernels.forward_segments(
+            table, shape, embeds, self.rope_table_as(embeds.dtype), self.clamp_positions(torch.cat(positions)),
+            segments, self.norm.weight, feature_layers)
+        features = torch.cat(captured, -1) if captured else None
+        ends = torch.tensor([len(part.ids) for part in parts]).cumsum(0).tolist()
+        wanted = [range(end - 1, end) if part.last_only else range(end - len(part.ids), end)
+                  for part, end in zip(parts, ends)]
+        logits = self.logits(hidden[[row for rows in wanted for row in rows]])
+        out, begin = [], 0
+        for part, rows, end in zip(parts, wanted, ends):
+            out.append((logits[begin:begin + len(rows)],
+                        None if features is None else features[end - len(part.ids):end]))
+            begin += len(rows)
+        return out
+
+    def _part_alone(self, part: SequenceRows, feature_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, features = self.logits_and_features(part.ids[None], feature_layers, cache=part.cache,
+                                                    mask=None if part.mask is None else part.mask[None],
+                                                    last_only=part.last_only)
+        return logits[0], None if features is None else features[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.kernels_for(hidden).linear(hidden, self.head_weight, None)

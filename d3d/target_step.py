@@ -4,7 +4,8 @@
 `score_block` gives the target's logits for a block after the cache in one forward where the target
 is row-count invariant on this machine (always, with the row-exact kernels), else row by row — the
 same bits as plain decoding either way; `verify_block` scores [anchor, drafts] and judges the drafts
-(`d3d.verify`), keeping the KV of what it accepts. Sources that read the target's hidden states
+(`judge`, `d3d.verify`), keeping the KV of what it accepts; `score_rows` scores several sequences'
+blocks, each after its own cache, in one forward (continuous batching, `d3d.batch`). Sources that read the target's hidden states
 (DFlash-style) get each committed token's once, in order, through `TargetStates`.
 
 Both engines build their steps from these, and `d3d.costs` times `score_block` itself: the cost
@@ -15,6 +16,7 @@ nothing and knows nothing of text.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import SamplingConfig
 from d3d.exactness import verify_mode
-from d3d.models import Decoder
+from d3d.models import Decoder, SequenceRows
 from d3d.sampling import probabilities, sample
 from d3d.sequence import Sequence, Step
 from d3d.verify import Verdict, verify_greedy, verify_sampling
@@ -117,16 +119,41 @@ def verify_block(target: Decoder, cache: KVCache, anchor: int, draft_tokens: tor
     hands their hidden states to `states`)."""
     ids = torch.cat([torch.tensor([anchor], device=draft_tokens.device), draft_tokens])[None]
     target_logits, features = score_block_features(target, cache, ids, states.layers if states else [])  # (K+1, V)
-    if sampling.greedy:
-        verdict = verify_greedy(draft_tokens, target_logits.argmax(-1))
-    else:
-        if draft_probs is None:  # deterministic drafts (none: a plain sampling step): q is a point mass
-            draft_probs = one_hot(draft_tokens, target_logits.shape[-1])
-        verdict = verify_sampling(draft_tokens, draft_probs, probabilities(target_logits, sampling), generator)
+    verdict = judge(target_logits, draft_tokens, draft_probs, sampling, generator)
     cache.commit(verdict.num_accepted + 1)
     if states is not None:
         states.commit(features[:verdict.num_accepted + 1])
     return verdict
+
+
+def judge(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+          sampling: SamplingConfig, generator: torch.Generator) -> Verdict:
+    """The verdict on K drafts from the target's logits (K+1, V) over [anchor, drafts]: greedy
+    matching, or rejection sampling with the drafts' q (a point mass for deterministic drafts)."""
+    if sampling.greedy:
+        return verify_greedy(draft_tokens, target_logits.argmax(-1))
+    if draft_probs is None:  # deterministic drafts (none: a plain sampling step): q is a point mass
+        draft_probs = one_hot(draft_tokens, target_logits.shape[-1])
+    return verify_sampling(draft_tokens, draft_probs, probabilities(target_logits, sampling), generator)
+
+
+def score_rows(target: Decoder, parts: list[SequenceRows], feature_layers: Sequence[int] = (),
+               ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`score_block_features` for several sequences, each after its own cache (`SequenceRows`):
+    one forward over all their rows where the target is row-count invariant on this machine
+    (`Decoder.forward_rows`), else each block row by row — the same bits as each decoded alone."""
+    if verify_mode(target) == "batched" or all(len(part.ids) == 1 for part in parts):
+        return target.forward_rows(parts, feature_layers)
+    scored = []
+    for part in parts:
+        if part.last_only:  # a prompt's prefill: the same forward plain decoding starts with
+            logits, features = target.logits_and_features(part.ids[None], feature_layers, cache=part.cache,
+                                                           last_only=True)
+            scored.append((logits[0], None if features is None else features[0]))
+        else:
+            assert part.mask is None, "row-by-row scoring is causal"
+            scored.append(score_block_features(target, part.cache, part.ids[None], list(feature_layers)))
+    return scored
 
 
 def one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:

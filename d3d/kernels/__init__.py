@@ -17,11 +17,11 @@ This package computes; it is handed tensors and sizes and knows nothing of token
 """
 
 from d3d.kernels.binding import (LAYER_SLOTS, LINEAR_SLOTS, DecoderShape, LayerTable, RowExactKernels,
-                                 row_exact_kernels)
+                                 Segment, row_exact_kernels)
 from d3d.kernels.build import KernelBuildError, build, cpu_flags_line
 from d3d.kernels.packing import WEIGHT_FORMATS, HugePageArena, StreamPart, WeightStream
 from d3d.kernels.torch_ops import KVSlots, TorchKernels
 
 __all__ = ["LAYER_SLOTS", "LINEAR_SLOTS", "DecoderShape", "HugePageArena", "KVSlots", "KernelBuildError",
-           "LayerTable", "RowExactKernels", "StreamPart", "TorchKernels", "WEIGHT_FORMATS", "WeightStream", "build",
+           "LayerTable", "RowExactKernels", "Segment", "StreamPart", "TorchKernels", "WEIGHT_FORMATS", "WeightStream", "build",
            "cpu_flags_line", "row_exact_kernels"]

@@ -66,16 +66,36 @@ class Layer(ctypes.Structure):
                 ("gate_up_bias", c_ptr), ("down", Weight), ("down_bias", c_ptr)]
 
 
+class SegmentArgs(ctypes.Structure):
+    """d3d_segment: one sequence's rows of a fused forward and its own KV cache."""
+
+    _fields_ = [("rows", c_i64), ("start", c_i64), ("k_cache", c_ptr), ("v_cache", c_ptr), ("kv_layer", c_i64),
+                ("kv_head", c_i64), ("mask", c_ptr)]
+
+
 class ForwardArgs(ctypes.Structure):
     """d3d_forward_args: everything one fused forward reads and writes."""
 
     _fields_ = [("layers", ctypes.POINTER(Layer)), ("num_layers", c_i64), ("hidden", c_i64), ("heads", c_i64),
                 ("kv_heads", c_i64), ("head_dim", c_i64), ("intermediate", c_i64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("x", c_ptr), ("rope", c_ptr), ("positions", c_ptr),
-                ("rope_positions", c_i64), ("k_cache", c_ptr), ("v_cache", c_ptr), ("kv_layer", c_i64),
-                ("kv_batch", c_i64), ("kv_head", c_i64), ("start", c_i64), ("mask", c_ptr), ("batch", c_i64),
-                ("length", c_i64), ("final_norm", c_ptr), ("out", c_ptr), ("work", c_ptr), ("scores", c_ptr),
+                ("rope_positions", c_i64), ("segments", ctypes.POINTER(SegmentArgs)), ("num_segments", c_i64),
+                ("rows", c_i64), ("final_norm", c_ptr), ("out", c_ptr), ("work", c_ptr), ("scores", c_ptr),
                 ("linear_scratch", c_ptr), ("threads", c_i64)]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a fused forward (`RowExactKernels.forward_segments`): `rows` new tokens
+    stored at slots start … start+rows-1 of its own KV cache (keys, values: (L, H_kv, capacity, D)
+    views, e.g. one batch row of a `KVCache`), attending over its cache only, causally or by `mask`
+    (rows, start+rows)."""
+
+    rows: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int
+    mask: torch.Tensor | None = None
 
 
 LAYER_SLOTS = tuple(name for name, _ in Layer._fields_)  # a layer's tensors, in the C struct's order
@@ -131,7 +151,7 @@ class RowExactKernels:
             getattr(library, f"d3d_linear_reference_{suffix}").argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
         library.d3d_struct_sizes.argtypes = [i32]
         library.d3d_struct_sizes.restype = i64
-        if (library.d3d_struct_sizes(0), library.d3d_struct_sizes(1)) != (ctypes.sizeof(ForwardArgs), ctypes.sizeof(Layer)):
+        if tuple(map(library.d3d_struct_sizes, range(3))) != tuple(map(ctypes.sizeof, (ForwardArgs, Layer, SegmentArgs))):
             raise KernelBuildError("the kernels' argument structs do not match d3d/kernels/binding.py")
         self._functions: dict[tuple[str, torch.dtype], Any] = {}  # (kind, dtype) → C function
         self.packs = {dtype: bool(library.d3d_packed_linear(dtype == torch.bfloat16))
@@ -328,34 +348,65 @@ class RowExactKernels:
 
         rope: (2, P, D) cos/sin tables in x's dtype; positions (B, T) rows of them, below P. keys,
         values: the KV cache (L, B, H_kv, capacity, D); the new tokens' go to slots start … start+T-1.
+        Each batch row is a segment of `forward_segments`.
         """
         batch, length, hidden = x.shape
-        assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == x.dtype
-        assert keys.shape[1] == batch and start + length <= keys.shape[3], "KV slots out of range"
-        keys_seen = start + length
+        assert keys.shape[1] == batch, "KV batch rows != x's"
+        if mask is not None:
+            assert mask.shape == (batch, length, start + length), f"mask {tuple(mask.shape)}"
+        segments = [Segment(length, keys[:, b], values[:, b], start, None if mask is None else mask[b])
+                    for b in range(batch)]
+        out, captured = self.forward_segments(table, shape, x.reshape(batch * length, hidden), rope,
+                                              positions.reshape(-1), segments, final_norm, capture)
+        return out.view(batch, length, hidden), [c.view(batch, length, hidden) for c in captured]
+
+    def forward_segments(self, table: "LayerTable", shape: DecoderShape, x: torch.Tensor, rope: torch.Tensor,
+                         positions: torch.Tensor, segments: Sequence[Segment], final_norm: torch.Tensor,
+                         capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` over x (M, hidden): the rows of several sequences, each `Segment` after its own
+        cache — every linear layer runs once over all M rows, attention per segment. positions (M,).
+        Row-exact kernels make each row's bits those of its sequence decoded alone."""
+        rows, hidden = x.shape
+        assert sum(segment.rows for segment in segments) == rows, "segment rows != x's rows"
+        structs = (SegmentArgs * len(segments))()
+        masks = []  # kept alive through the call
+        largest = 0
+        for struct, segment in zip(structs, segments):
+            keys, values = segment.keys, segment.values
+            assert keys.dtype == x.dtype and keys.shape == values.shape and keys.stride() == values.stride()
+            assert keys.stride(-1) == 1 and keys.stride(-2) == shape.head_dim, "a cache's slots must be contiguous"
+            assert segment.start + segment.rows <= keys.shape[2], "KV slots out of range"
+            mask = segment.mask
+            if mask is not None:
+                mask = mask.to(torch.uint8).contiguous()
+                assert mask.shape == (segment.rows, segment.start + segment.rows), f"mask {tuple(mask.shape)}"
+                masks.append(mask)
+            struct.rows, struct.start, struct.kv_layer, struct.kv_head = (
+                segment.rows, segment.start, keys.stride(0), keys.stride(1))
+            struct.mask = _ptr(mask)
+            largest = max(largest, self.library.d3d_attention_scratch(1, segment.rows, shape.heads,
+                                                                      segment.start + segment.rows))
         x = x.contiguous().clone()  # the residual stream, updated in place by the kernel
         positions = positions.contiguous()
-        if mask is not None:
-            mask = mask.to(torch.uint8).contiguous()
-            assert mask.shape == (batch, length, keys_seen), f"mask {tuple(mask.shape)}"
-        rows, heads, dim = batch * length, shape.heads, shape.head_dim
+        heads, dim = shape.heads, shape.head_dim
         assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         width = (heads + 2 * shape.kv_heads) * dim
         work = torch.empty(rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), dtype=x.dtype)
-        scores = self._attention_scratch(batch, length, heads, keys_seen)
+        scores = torch.empty(largest, dtype=torch.float32)
         scratch = self._scratch(rows, max(hidden, heads * dim, shape.intermediate))
         out = torch.empty_like(x)
         captured, first = [], 0
         for last in [*capture, table.layers - 1]:  # layers first … last in one call
             if last < first:  # the last layer was captured: nothing left to run
                 continue
+            for struct, segment in zip(structs, segments):
+                struct.k_cache, struct.v_cache = segment.keys[first].data_ptr(), segment.values[first].data_ptr()
             args = ForwardArgs(
                 ctypes.cast(ctypes.addressof(table.structs) + first * ctypes.sizeof(Layer), ctypes.POINTER(Layer)),
                 last + 1 - first, hidden, heads, shape.kv_heads, dim, shape.intermediate, shape.eps, dim ** -0.5,
-                x.data_ptr(), rope.data_ptr(), positions.data_ptr(), rope.shape[1], keys[first].data_ptr(),
-                values[first].data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2), start, _ptr(mask),
-                batch, length, final_norm.data_ptr(), out.data_ptr(), work.data_ptr(), scores.data_ptr(),
-                scratch.data_ptr(), torch.get_num_threads())
+                x.data_ptr(), rope.data_ptr(), positions.data_ptr(), rope.shape[1], structs, len(segments), rows,
+                final_norm.data_ptr(), out.data_ptr(), work.data_ptr(), scores.data_ptr(), scratch.data_ptr(),
+                torch.get_num_threads())
             self._fn("forward", x.dtype)(ctypes.byref(args))
             if last in capture:
                 captured.append(x.clone())
@@ -469,5 +520,5 @@ def row_exact_kernels() -> RowExactKernels:
         return _loaded
 
 
-__all__ = ["DecoderShape", "LayerTable", "RowExactKernels", "row_exact_kernels", "LAYER_SLOTS",
+__all__ = ["DecoderShape", "LayerTable", "RowExactKernels", "Segment", "row_exact_kernels", "LAYER_SLOTS",
            "LINEAR_SLOTS"]

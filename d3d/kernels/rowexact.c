@@ -133,12 +133,16 @@ static inline __attribute__((always_inline)) v8 exp_fixed8(v8 x) {
  *
  * The arguments come as one struct (mirrored by d3d_forward_args in d3d/kernels/binding.py): per
  * layer its named tensors — NULL for an absent bias or q/k norm — with each linear weight in its
- * format; `x` (M, hidden), M = batch · length, is the residual stream, updated in place; `out`
- * gets the final norm of it. Caches: element (l, b, g, s, d) at l*kv_layer + b*kv_batch +
- * g*kv_head + s*D + d; the new tokens go to slots start … start+T-1. `rope`: (2, P, D) cos and sin
- * tables; `positions` (M) rows of them. `mask`: (B, T, start+T) bytes, or NULL for causal.
- * Scratch: `work` (M, hidden + width + 2 H D + 3 I) elements, `scores` d3d_attention_scratch(B, T, H, start+T) floats,
- * `linear_scratch` d3d_linear_scratch(M, max width, threads) floats.
+ * format; `x` (M, hidden) is the residual stream, updated in place; `out` gets the final norm of
+ * it. The M rows belong to `num_segments` sequences, each with its own KV cache (d3d_segment):
+ * a segment's rows are consecutive in x, its new tokens go to its slots start … start+rows-1, and
+ * its attention sees its own cache only — so sequences of any lengths share every linear layer
+ * of one call (continuous batching), each row's bits those of the row alone. Cache element
+ * (l, g, s, d) of a segment at l*kv_layer + g*kv_head + s*D + d from its k_cache / v_cache.
+ * `rope`: (2, P, D) cos and sin tables; `positions` (M) rows of them. A segment's `mask`:
+ * (rows, start+rows) bytes, or NULL for causal. Scratch: `work` (M, hidden + width + 2 H D + 3 I)
+ * elements, `scores` d3d_attention_scratch(1, rows, H, start+rows) floats for the largest
+ * segment, `linear_scratch` d3d_linear_scratch(M, max width, threads) floats.
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -154,6 +158,13 @@ typedef struct {
 } d3d_layer;
 
 typedef struct {
+    int64_t rows, start;
+    void *k_cache, *v_cache;
+    int64_t kv_layer, kv_head;
+    const uint8_t *mask;
+} d3d_segment;
+
+typedef struct {
     const d3d_layer *layers;
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
@@ -161,10 +172,8 @@ typedef struct {
     const void *rope;
     const int64_t *positions;
     int64_t rope_positions;
-    void *k_cache, *v_cache;
-    int64_t kv_layer, kv_batch, kv_head, start;
-    const uint8_t *mask;
-    int64_t batch, length;
+    const d3d_segment *segments;
+    int64_t num_segments, rows;
     const void *final_norm;
     void *out, *work;
     float *scores, *linear_scratch;
@@ -184,7 +193,7 @@ double d3d_stage_seconds[STAGES];
 
 #define FORWARD(SUFFIX, T_ELEM)                                                                      \
 void d3d_forward_##SUFFIX(const d3d_forward_args *a) {                                               \
-    int64_t M = a->batch * a->length, S = a->start + a->length, H = a->heads, Hkv = a->kv_heads;     \
+    int64_t M = a->rows, H = a->heads, Hkv = a->kv_heads;                                           \
     int64_t D = a->head_dim, I = a->intermediate, hidden = a->hidden, width = (H + 2 * Hkv) * D;     \
     T_ELEM *x = a->x, *normed = a->work, *qkv = normed + M * hidden, *q = qkv + M * width;           \
     T_ELEM *attn = q + M * H * D, *gate_up = attn + M * H * D, *act = gate_up + M * 2 * I;           \
@@ -196,7 +205,6 @@ void d3d_forward_##SUFFIX(const d3d_forward_args *a) {                          
     (void)stage_clock_;                                                                              \
     for (int64_t l = 0; l < a->num_layers; l++) {                                                    \
         const d3d_layer *w = a->layers + l;                                                          \
-        T_ELEM *keys = (T_ELEM *)a->k_cache + l * a->kv_layer, *values = (T_ELEM *)a->v_cache + l * a->kv_layer; \
         rms_norm_body_##SUFFIX(x, w->input_norm, normed, M, hidden, a->eps);                         \
         STAGE(STAGE_NORM);                                                                           \
         linear_##SUFFIX(normed, hidden, &w->qkv, w->qkv_bias, NULL, qkv, M, width, hidden, scratch); \
@@ -210,11 +218,21 @@ void d3d_forward_##SUFFIX(const d3d_forward_args *a) {                          
             }                                                                                        \
         }                                                                                            \
         _Pragma("omp single")                                                                        \
-        rope_store_body_##SUFFIX(qkv, rope, rope + a->rope_positions * D, a->positions, q, keys, values, \
-                                 a->batch, a->length, H, Hkv, D, a->start, a->kv_batch, a->kv_head); \
+        for (int64_t i = 0, m = 0; i < a->num_segments; m += a->segments[i++].rows) {                \
+            const d3d_segment *g = a->segments + i;                                                  \
+            rope_store_body_##SUFFIX(qkv + m * width, rope, rope + a->rope_positions * D, a->positions + m, \
+                                     q + m * H * D, (T_ELEM *)g->k_cache + l * g->kv_layer,          \
+                                     (T_ELEM *)g->v_cache + l * g->kv_layer, 1, g->rows, H, Hkv, D,  \
+                                     g->start, 0, g->kv_head);                                       \
+        }                                                                                            \
         STAGE(STAGE_ROPE);                                                                           \
-        d3d_attention_##SUFFIX##_body(q, keys, values, a->mask, attn, a->batch, a->length, H, Hkv, S, D, \
-                                      a->kv_batch, a->kv_head, a->scale, a->scores);                 \
+        for (int64_t i = 0, m = 0; i < a->num_segments; m += a->segments[i++].rows) {                \
+            const d3d_segment *g = a->segments + i;                                                  \
+            d3d_attention_##SUFFIX##_body(q + m * H * D, (T_ELEM *)g->k_cache + l * g->kv_layer,     \
+                                          (T_ELEM *)g->v_cache + l * g->kv_layer, g->mask,           \
+                                          attn + m * H * D, 1, g->rows, H, Hkv, g->start + g->rows, D, \
+                                          0, g->kv_head, a->scale, a->scores);                       \
+        }                                                                                            \
         STAGE(STAGE_ATTENTION);                                                                      \
         linear_##SUFFIX(attn, H * D, &w->o, w->o_bias, x, x, M, hidden, H * D, scratch);             \
         STAGE(STAGE_O);                                                                              \
@@ -248,5 +266,8 @@ const char *d3d_kernel_path(void) {
 #endif
 }
 
-/* The size of d3d_forward_args and d3d_layer, so the Python mirror can check its layout. */
-int64_t d3d_struct_sizes(int which) { return which == 0 ? (int64_t)sizeof(d3d_forward_args) : (int64_t)sizeof(d3d_layer); }
+/* The size of d3d_forward_args, d3d_layer and d3d_segment, so the Python mirror can check its layout. */
+int64_t d3d_struct_sizes(int which) {
+    return which == 0 ? (int64_t)sizeof(d3d_forward_args) : which == 1 ? (int64_t)sizeof(d3d_layer)
+                                                                    : (int64_t)sizeof(d3d_segment);
+}

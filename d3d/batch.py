@@ -1,0 +1,248 @@
+"""Continuous batching: many generations advanced together, each exactly as it runs alone.
+
+A `Batch` holds live `Run`s (`d3d.engine`). Each `step` asks every run for its rows — a piece of
+its prompt, or its anchor and the drafts its own sources propose — scores them all in one target
+forward (`d3d.target_step.score_rows`: every linear layer once over all the rows, attention per
+sequence over its own KV cache), and settles each run with its own logits. Runs join (`add`) and
+leave (finished, or `cancel`) between steps. The row-exact kernels make a row's bits independent of
+the other rows in the call, and a run's choices (its gate, its random draws) depend on its own tokens
+only, so every generation commits exactly what it commits alone: at T = 0 and, with its own seed,
+at T > 0.
+
+Prompts enter in pieces: a step carries at most `prefill_rows` prompt rows in all (oldest run
+first), so a long prompt delays the other runs' next token by one piece's cost, never by the whole
+prompt's. Where the target is not row-count invariant (PyTorch's kernels on an unverified device),
+each prompt enters whole and each block is scored row by row, as alone.
+
+`BatchedSteps` is one run's steps as an iterator — what `Pipeline.steps` returns with batching on:
+asking it for a step that is not there yet advances the whole batch, so several consumers (the
+server's requests) drive one batch with no loop of its own. It is thread-safe.
+
+This module batches; it drafts, verifies and picks nothing itself (`Run` does) and knows no text.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from d3d.engine import Run
+from d3d.exactness import verify_mode
+from d3d.models import Decoder
+from d3d.sequence import Step
+from d3d.target_step import score_rows
+
+# Prompt rows per batched step, over all runs still reading their prompt: a step that carries them
+# costs about as much as 128 one-token steps' worth of arithmetic spread over the batch's rows.
+PREFILL_ROWS = 128
+
+
+@dataclass
+class BatchStats:
+    """What the batch's forwards held: the counts `/metrics` and the benchmark report."""
+
+    forwards: int = 0
+    rows: int = 0  # rows scored, over all forwards
+    sequences: int = 0  # runs in each forward, summed
+    seconds: float = 0.0  # in the forwards (and the runs' drafting and settling)
+
+    @property
+    def mean_rows(self) -> float:
+        return self.rows / self.forwards if self.forwards else 0.0
+
+    @property
+    def mean_sequences(self) -> float:
+        return self.sequences / self.forwards if self.forwards else 0.0
+
+
+@dataclass
+class Outcome:
+    """What one batch step did for one run: its `step` (None after a prompt piece that was not the
+    last), or the `error` that ended it — that run only."""
+
+    key: int
+    step: Step | None = None
+    error: BaseException | None = None
+
+
+class Batch:
+    """Live runs of one target, advanced together one forward at a time."""
+
+    def __init__(self, target: Decoder, prefill_rows: int = PREFILL_ROWS) -> None:
+        if prefill_rows < 1:
+            raise ValueError(f"prefill_rows must be at least 1, got {prefill_rows}")
+        self.target = target
+        self.prefill_rows = prefill_rows
+        self.runs: dict[int, Run] = {}  # in arrival order
+        self.stats = BatchStats()
+        self._next_key = 0
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def add(self, run: Run) -> int:
+        """Admit `run` (not yet started); it joins the next step. Returns its key."""
+        if run.target is not self.target:
+            raise ValueError("a run joins the batch of its own target")
+        key, self._next_key = self._next_key, self._next_key + 1
+        self.runs[key] = run
+        return key
+
+    def cancel(self, key: int) -> None:
+        """Drop a run (finished or not); its rows leave at the next step."""
+        self.runs.pop(key, None)
+
+    @torch.no_grad()
+    def step(self) -> list[Outcome]:
+        """One target forward over every live run's rows; each run settled. Finished and failed runs
+        leave the batch."""
+        if not self.runs:
+            return []
+        started = time.perf_counter()
+        whole = verify_mode(self.target) != "batched"  # a prompt piece must then be the whole prompt
+        budget = self.prefill_rows
+        outcomes, keys, parts = [], [], []
+        for key, run in list(self.runs.items()):
+            if run.prefilling and not whole and budget == 0:
+                continue  # its prompt waits for the next step's rows
+            try:
+                part = run.rows(None if whole else budget if run.prefilling else None)
+            except Exception as error:  # a source failing fails its run, not the batch
+                outcomes.append(Outcome(key, error=error))
+                continue
+            if run.prefilling:
+                budget = max(0, budget - len(part.ids))
+            keys.append(key)
+            parts.append(part)
+        layers = sorted({layer for key in keys for layer in self.runs[key].feature_layers})
+        scored_at = time.perf_counter()
+        try:
+            scored = score_rows(self.target, parts, layers)
+        except Exception as error:
+            for key, part in zip(keys, parts):  # the forward wrote nothing it keeps: the caches are as before
+                part.cache.pending = 0
+                outcomes.append(Outcome(key, error=error))
+            scored = []
+        seconds = time.perf_counter() - scored_at
+        for key, part, (logits, features) in zip(keys, parts, scored):
+            run = self.runs[key]
+            if features is not None and run.feature_layers != layers:
+                columns = [layers.index(layer) for layer in run.feature_layers]
+                features = features.view(features.shape[0], len(layers), -1)[:, columns].flatten(1)
+            try:
+                outcomes.append(Outcome(key, step=run.settle(logits, features, seconds)))
+            except Exception as error:
+                outcomes.append(Outcome(key, error=error))
+        for outcome in outcomes:
+            if outcome.error is not None or self.runs[outcome.key].finished:
+                self.cancel(outcome.key)
+        self.stats.forwards += 1
+        self.stats.rows += sum(len(part.ids) for part in parts)
+        self.stats.sequences += len(parts)
+        self.stats.seconds += time.perf_counter() - started
+        return outcomes
+
+    def run_all(self) -> dict[int, list[Step]]:
+        """Step until every run has finished; each run's steps by key (a failed run raises)."""
+        steps: dict[int, list[Step]] = {key: [] for key in self.runs}
+        while self.runs:
+            for outcome in self.step():
+                if outcome.error is not None:
+                    raise outcome.error
+                if outcome.step is not None:
+                    steps.setdefault(outcome.key, []).append(outcome.step)
+        return steps
+
+
+@dataclass
+class _Feed:
+    steps: deque[Step] = field(default_factory=deque)
+    error: BaseException | None = None
+    done: bool = False
+
+
+class SharedBatch:
+    """A `Batch` behind a lock, with each run's finished steps kept until its consumer asks."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+        self.lock = threading.Lock()
+        self.feeds: dict[int, _Feed] = {}
+
+    def submit(self, run: Run) -> "BatchedSteps":
+        with self.lock:
+            key = self.batch.add(run)
+            self.feeds[key] = _Feed()
+        return BatchedSteps(self, key)
+
+    def next_step(self, key: int) -> Step:
+        with self.lock:
+            feed = self.feeds.get(key)
+            if feed is None:  # ended, or closed
+                raise StopIteration
+            while not feed.steps and feed.error is None and not feed.done:
+                for outcome in self.batch.step():
+                    other = self.feeds.get(outcome.key)
+                    if other is None:
+                        continue
+                    if outcome.error is not None:
+                        other.error = outcome.error
+                    elif outcome.step is not None:
+                        other.steps.append(outcome.step)
+                        other.done = outcome.step.finish_reason is not None
+            if feed.steps:
+                step = feed.steps.popleft()
+                if not feed.steps and (feed.done or feed.error is not None):
+                    del self.feeds[key]
+                return step
+            del self.feeds[key]
+            if feed.error is not None:
+                raise feed.error
+            raise StopIteration
+
+    def close(self, key: int) -> None:
+        with self.lock:
+            self.batch.cancel(key)
+            self.feeds.pop(key, None)
+
+
+class BatchedSteps(Iterator[Step]):
+    """One run's steps from a shared batch; `close` takes it out of the batch."""
+
+    def __init__(self, shared: SharedBatch, key: int) -> None:
+        self.shared, self.key = shared, key
+        self.closed = False
+
+    def __next__(self) -> Step:
+        if self.closed:
+            raise StopIteration
+        try:
+            return self.shared.next_step(self.key)
+        except StopIteration:
+            self.closed = True
+            raise
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.shared.close(self.key)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # the interpreter shutting down
+            pass
+
+
+@torch.no_grad()
+def generate_batched(target: Decoder, runs: list[Run], prefill_rows: int = PREFILL_ROWS) -> list[list[Step]]:
+    """Run every one of `runs` to the end in one batch; each run's steps, in order."""
+    batch = Batch(target, prefill_rows)
+    keys = [batch.add(run) for run in runs]
+    steps = batch.run_all()
+    return [steps.get(key, []) for key in keys]
