@@ -41,6 +41,12 @@ from d3d.target_step import score_rows
 # costs about as much as 128 one-token steps' worth of arithmetic spread over the batch's rows.
 PREFILL_ROWS = 128
 
+# `d3d serve`'s default --max-batch. Measured on an AMD EPYC Zen 5 (2 cores, SmolLM2-135M from its GGUF;
+# docs/server.md): a forward of R one-token sequences costs 1.25 / 1.8 / 3.3 / 5.5 /
+# 9.3 / 17 one-token steps at R = 2 / 4 / 8 / 16 / 32 / 64 — 16 is where doubling R stops adding
+# 20% throughput, while each request still decodes at ~3× a human's reading speed.
+MAX_BATCH = 16
+
 
 @dataclass
 class BatchStats:

@@ -19,12 +19,13 @@ import torch
 from d3d.async_engine import AsyncConfig, async_generate
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
-from d3d.engine import generate_from_sources, reference_generate, speculative_generate
+from d3d.batch import SharedBatch
+from d3d.engine import Run, generate_from_sources, reference_generate
 from d3d.export import exported_from
 from d3d.loading import Target, load_target
 from d3d.lookup import LookupConfig
 from d3d.sequence import Step
-from d3d.sources import ARDrafterSource
+from d3d.sources import ARDrafterSource, DraftSource, default_sources
 
 # "speculative": lookup where the context matches, the drafter elsewhere; "drafter" / "lookup":
 # one source alone; "async": the drafter, drafting the next block during verification
@@ -99,31 +100,40 @@ class Pipeline:
         return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=list(self.target.eos_token_ids),
                                 sampling=sampling)
 
-    def steps(self, prompt_ids: list[int], config: GenerationConfig, method: Method = "speculative") -> Iterator[Step]:
-        """The token engine for `method` (see `Method`)."""
+    def steps(self, prompt_ids: list[int], config: GenerationConfig, method: Method = "speculative",
+              batch: SharedBatch | None = None) -> Iterator[Step]:
+        """The token engine for `method` (see `Method`); with `batch`, a run in that continuous batch
+        (`d3d.batch`: the same steps as alone, decoded together with the batch's other runs) unless
+        the method is "async"."""
         decoder = self.target.decoder
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
-        if method == "ar":
-            return reference_generate(decoder, prompt_ids, config)
-        if method == "ar_drafter":
-            if self.ar_drafter is None:
-                raise ConfigError("method 'ar_drafter' needs an AR drafter: pass --ar-drafter PATH "
-                                  "(trained by `d3d train --drafter-kind ar`)")
-            # gated like the product default: the baseline's k is chosen by the same gate as D3D's
-            return generate_from_sources(decoder, [ARDrafterSource(self.ar_drafter)], prompt_ids, config,
-                                         self.adaptive)
+        if method == "ar_drafter" and self.ar_drafter is None:
+            raise ConfigError("method 'ar_drafter' needs an AR drafter: pass --ar-drafter PATH "
+                              "(trained by `d3d train --drafter-kind ar`)")
         if method in ("drafter", "async") and self.drafter is None:
             raise ConfigError(f"method {method!r} needs a drafter: pass --drafter PATH or --drafter untrained")
-        if method == "async":
+        if method == "async":  # never batched: its drafter runs beside the target, one sequence at a time
             return async_generate(decoder, self.drafter, prompt_ids, config, self.async_config,
                                   timeline=self.timeline)
-        drafter = None if method == "lookup" else self.drafter
-        lookup = None if method == "drafter" else self.lookup
-        # The product default is gated (never knowingly slower than plain decoding); the
-        # single-source methods are not, so that benchmarks measure the source itself.
-        adaptive = self.adaptive and method == "speculative"
-        return speculative_generate(decoder, drafter, prompt_ids, config, lookup, adaptive)
+        sources, adaptive = self.sources(method)
+        if batch is not None:
+            return batch.submit(Run(decoder, sources, prompt_ids, config, adaptive))
+        if method == "ar":
+            return reference_generate(decoder, prompt_ids, config)
+        return generate_from_sources(decoder, sources, prompt_ids, config, adaptive)
+
+    def sources(self, method: Method) -> tuple[list[DraftSource], bool]:
+        """A synchronous `method`'s drafting sources, fresh for one generation (none for "ar"), and
+        whether it is gated: the product default (never knowingly slower than plain decoding) and
+        the AR-drafter baseline (its k chosen by the same gate as D3D's) are; the single-source
+        methods are not, so that benchmarks measure the source itself."""
+        adaptive = self.adaptive and method in ("speculative", "ar_drafter")
+        if method == "ar_drafter":
+            return [ARDrafterSource(self.ar_drafter)], adaptive
+        drafter = None if method in ("lookup", "ar") else self.drafter
+        lookup = None if method in ("drafter", "ar") else self.lookup
+        return default_sources(drafter, lookup), adaptive
 
     def generate(self, prompt: str | list[dict[str, str]], *, chat: bool = True, max_new_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -144,22 +154,26 @@ class Pipeline:
         hold = max((len(s) for s in stop), default=1) - 1  # a stop string may still be forming
         held = HeldText()  # decoded, not yet yielded: at least the last `hold` characters
         used = 0  # generated tokens so far
-        for step in steps:
-            for i, token in enumerate(step.tokens):
-                piece = decoder.add(token)
-                if step.finish_reason is not None and i == len(step.tokens) - 1:
-                    piece += decoder.flush()  # the end: an incomplete character too, as U+FFFD
-                held.add(used, piece)
-                used += 1
-                start = max(0, len(held.text) - len(piece) - hold)
-                if piece and (cut := first_stop(held.text, stop, start)) is not None:
-                    yield Chunk.of(held.take(cut), step, "stop", used)
-                    steps.close()  # type: ignore[attr-defined]
+        try:
+            for step in steps:
+                for i, token in enumerate(step.tokens):
+                    piece = decoder.add(token)
+                    if step.finish_reason is not None and i == len(step.tokens) - 1:
+                        piece += decoder.flush()  # the end: an incomplete character too, as U+FFFD
+                    held.add(used, piece)
+                    used += 1
+                    start = max(0, len(held.text) - len(piece) - hold)
+                    if piece and (cut := first_stop(held.text, stop, start)) is not None:
+                        yield Chunk.of(held.take(cut), step, "stop", used)
+                        return
+                if step.finish_reason is not None:
+                    yield Chunk.of(held.take(len(held.text)), step, step.finish_reason, used)
                     return
-            if step.finish_reason is not None:
-                yield Chunk.of(held.take(len(held.text)), step, step.finish_reason, used)
-                return
-            yield Chunk.of(held.take(max(0, len(held.text) - hold)), step, None, used)
+                yield Chunk.of(held.take(max(0, len(held.text) - hold)), step, None, used)
+        finally:  # ended, stopped or closed: the engine's generation ends with it (a batch frees its rows)
+            close = getattr(steps, "close", None)
+            if close is not None:
+                close()
 
 
 class TextDecoder:

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from d3d.sequence import Step
 from d3d.stats import SpecStats
+
+if TYPE_CHECKING:
+    from d3d.batch import BatchStats
 
 Labels = tuple[str, ...]
 
@@ -136,7 +140,12 @@ class ServerMetrics:
                                      "from a generation request's arrival to its first token", SECONDS)
         self.queue_seconds = Histogram("d3d_queue_seconds", "time requests waited for the engine", SECONDS)
         self.queue_depth = Gauge("d3d_queue_depth", "requests waiting for the engine")
-        self.in_flight = Gauge("d3d_generations_in_flight", "generations running (the engine runs one at a time)")
+        self.in_flight = Gauge("d3d_generations_in_flight", "generations running (decoding together when batched)")
+        self.batch_forwards = Gauge("d3d_batch_forwards", "target forwards of the continuous batch so far")
+        self.batch_sequences = Gauge("d3d_batch_sequences_per_forward",
+                                     "mean generations per target forward of the continuous batch")
+        self.batch_rows = Gauge("d3d_batch_rows_per_forward",
+                                "mean rows (prompt pieces, anchors and drafts) per target forward of the batch")
         self.cancelled = Counter("d3d_generations_cancelled_total",
                                  "generations ended early: client gone, deadline passed or shutdown", ("reason",))
 
@@ -154,7 +163,11 @@ class ServerMetrics:
             self.tau.observe(stats.tau, method=method)
             self.speed.observe(stats.tokens_per_second, method=method)
 
-    def render(self, queue_depth: int, in_flight: int) -> str:
+    def render(self, queue_depth: int, in_flight: int, batch: "BatchStats | None" = None) -> str:
         self.queue_depth.set(queue_depth)
         self.in_flight.set(in_flight)
+        if batch is not None:
+            self.batch_forwards.set(batch.forwards)
+            self.batch_sequences.set(round(batch.mean_sequences, 3))
+            self.batch_rows.set(round(batch.mean_rows, 3))
         return render(vars(self).values())

@@ -1,13 +1,15 @@
-"""Who runs next, and on which thread: the server's one-generation slot with its bounded queue, and
+"""Who runs next, and on which thread: the server's generation slots with their bounded queue, and
 the runners that make blocking engine calls from the event loop.
 
-`Scheduler` admits one generation at a time and keeps the others in a FIFO queue of bounded length;
+`Scheduler` admits `slots` generations at a time — one, or the continuous batch's width (`d3d.batch`:
+the admitted generations decode together, each exactly as alone) — and keeps the others in a FIFO
+queue of bounded length;
 a request that finds the queue full is refused at once (`QueueFull`, an HTTP 429 with Retry-After),
 one that waits past its deadline gives up (`DeadlineExceeded`), and a closed scheduler (shutting
 down) refuses and releases everyone waiting (`Unavailable`). Everything runs on the event loop's
 thread, so there are no locks: a waiting request is a future, cancelled when its task is.
 
-What it is not: a batcher. The engines decode one sequence at a time, so one slot is all there is.
+It admits; the batching itself is `d3d.batch`'s.
 """
 
 from __future__ import annotations
@@ -41,19 +43,27 @@ class Unavailable(Exception):
 
 
 class Scheduler:
-    """One generation slot and a bounded FIFO queue in front of it (event-loop thread only)."""
+    """`slots` generation slots and a bounded FIFO queue in front of them (event-loop thread only)."""
 
-    def __init__(self, max_queue: int) -> None:
+    def __init__(self, max_queue: int, slots: int = 1) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be at least 0, got {max_queue}")
-        self.max_queue = max_queue  # requests that may wait while one generates (0: none)
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.max_queue = max_queue  # requests that may wait while every slot is held (0: none)
+        self.slots = slots
         self.waiting: deque[asyncio.Future[None]] = deque()
-        self.busy = False  # a generation holds the slot
+        self.held = 0  # slots held by generations
         self.closed = False
         self.durations: deque[float] = deque(maxlen=32)  # recent slot hold times, for Retry-After
-        self.held_since = 0.0
+        self.held_since: deque[float] = deque()  # when each held slot was taken, oldest first
         self.idle = asyncio.Event()
         self.idle.set()
+
+    @property
+    def busy(self) -> bool:
+        """Every slot is held."""
+        return self.held >= self.slots
 
     @property
     def queue_depth(self) -> int:
@@ -61,10 +71,10 @@ class Scheduler:
 
     def retry_after(self) -> int:
         """Seconds until a place is likely free: the queue ahead times the recent mean hold time
-        (before any generation ended: the running one's time so far)."""
-        held = time.monotonic() - self.held_since
+        (before any generation ended: the oldest running one's time so far), over the slots."""
+        held = time.monotonic() - self.held_since[0] if self.held_since else 0.0
         mean = sum(self.durations) / len(self.durations) if self.durations else held
-        return max(1, math.ceil(mean * (self.queue_depth + 1)))
+        return max(1, math.ceil(mean * (self.queue_depth + 1) / self.slots))
 
     async def acquire(self, timeout: float | None = None) -> float:
         """Wait for the slot (at most `timeout` seconds); returns the seconds waited.
@@ -100,21 +110,23 @@ class Scheduler:
         return time.monotonic() - started
 
     def take(self) -> None:
-        self.busy = True
-        self.held_since = time.monotonic()
+        self.held += 1
+        self.held_since.append(time.monotonic())
         self.idle.clear()
 
     def release(self) -> None:
-        """Free the slot: the longest-waiting request gets it, or the scheduler goes idle."""
-        self.durations.append(time.monotonic() - self.held_since)
+        """Free a slot: the longest-waiting request gets it, or it stays free (the scheduler idle
+        once every slot is)."""
+        self.durations.append(time.monotonic() - self.held_since.popleft())
+        self.held -= 1
         while self.waiting:
             future = self.waiting.popleft()
             if not future.done():
                 self.take()
                 future.set_result(None)
                 return
-        self.busy = False
-        self.idle.set()
+        if not self.held:
+            self.idle.set()
 
     def close(self) -> None:
         """Take no more requests and send everyone waiting away (`Unavailable`)."""

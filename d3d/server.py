@@ -8,12 +8,13 @@ OpenAI's shapes; a `d3d` object adds the decoding statistics (τ = tokens per ve
 bonus token included), and a request's opt-in `d3d` field (`d3d.openai_schema.Extension`) picks
 another method or streams per-step facts: which tokens were accepted drafts, from which source.
 
-Limits (`Limits`): one generation at a time with a bounded queue (full → 429, `d3d.scheduler`), a
+Limits (`Limits`): `max_batch` generations at a time — decoding together in one continuous batch
+(`d3d.batch`), each exactly as alone — with a bounded queue (full → 429, `d3d.scheduler`), a
 deadline per request, a body size limit and an optional API key (`d3d.guard`); a client that hangs
-up cancels its queued or running generation; shutdown lets the running generation finish within a
-grace period and sends the queued ones away.
-
-What it is not: a batching server. The engines decode one sequence at a time.
+up cancels its queued or running generation (a batched one leaves the batch at its next step);
+shutdown lets the running generations finish within a grace period and sends the queued ones away.
+Method "async" is never batched: its generations take their slots and decode one at a time
+between the batch's steps.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from d3d.batch import Batch, SharedBatch
 from d3d.config import ConfigError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
 from d3d.guard import Guard
@@ -60,15 +62,18 @@ CLIENT_GONE = 499  # nginx's "client closed request": the status counted for a r
 class Limits:
     """What one server accepts, and for how long."""
 
-    max_queue: int = 64  # requests that may wait while one generates; one more gets a 429
+    max_queue: int = 64  # requests that may wait while every slot generates; one more gets a 429
     deadline: float | None = 600.0  # seconds from arrival to the last token, queue included; None: none
     max_body_bytes: int = 1 << 20  # a larger request body gets a 413
     api_key: str | None = None  # when set, every route but /health and the page at / needs it as a Bearer token
-    shutdown_grace: float = 30.0  # on shutdown, seconds the running generation may take to finish
+    shutdown_grace: float = 30.0  # on shutdown, seconds the running generations may take to finish
+    max_batch: int = 1  # generations decoding at once, in one continuous batch when above 1
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be at least 0, got {self.max_queue}")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.deadline is not None and not self.deadline > 0:
             raise ConfigError(f"the deadline must be positive seconds (or none), got {self.deadline}")
         if self.max_body_bytes < 1:
@@ -106,7 +111,7 @@ class Stopped(Exception):
         self.code = code
 
 
-def start_generation(pipeline: Pipeline, job: Job, method: Method) -> Generation:
+def start_generation(pipeline: Pipeline, job: Job, method: Method, batch: SharedBatch | None = None) -> Generation:
     """Encode the prompt, start the engine and take its first chunk (blocking: run in a worker thread)."""
     context = pipeline.target.decoder.config.max_position_embeddings
     try:
@@ -121,7 +126,7 @@ def start_generation(pipeline: Pipeline, job: Job, method: Method) -> Generation
     except Exception as error:  # a chat template or tokenizer refusing this input is the input's fault
         raise ApiError(f"{param} cannot be encoded: {error}", param=param) from None
     try:
-        chunks = pipeline.stream_text(pipeline.steps(prompt_ids, config, method), job.stop)
+        chunks = pipeline.stream_text(pipeline.steps(prompt_ids, config, method, batch), job.stop)
         first = next(chunks)
     except PromptError as error:
         raise ApiError(str(error), param=param) from None
@@ -148,7 +153,7 @@ def step_facts(generation: Generation, chunk: Chunk) -> dict[str, Any]:
 
 
 class Server:
-    """The pipeline behind the scheduler: one generation at a time, engine calls through `runner`."""
+    """The pipeline behind the scheduler: `limits.max_batch` generations at a time, engine calls through `runner`."""
 
     def __init__(self, pipeline: Pipeline, model_name: str, method: Method, runner: WorkerThreads | MainThread,
                  limits: Limits, metrics: ServerMetrics) -> None:
@@ -158,7 +163,9 @@ class Server:
         self.method = method
         self.limits = limits
         self.metrics = metrics
-        self.scheduler = Scheduler(limits.max_queue)
+        self.scheduler = Scheduler(limits.max_queue, limits.max_batch)
+        # the continuous batch the admitted generations decode in (none: one at a time)
+        self.batch = SharedBatch(Batch(pipeline.target.decoder)) if limits.max_batch > 1 else None
         self.cutoff = float("inf")  # time.monotonic() at which a shutdown stops the running generation
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving event loop, once started
@@ -176,7 +183,8 @@ class Server:
         except Unavailable as error:
             raise ApiError(str(error), code="shutting_down", status=503) from None
         self.metrics.queue_seconds.observe(waited)
-        start = asyncio.ensure_future(self.runner.run(start_generation, self.pipeline, job, job.method or self.method))
+        start = asyncio.ensure_future(self.runner.run(start_generation, self.pipeline, job, job.method or self.method,
+                                                      self.batch))
         try:
             generation = await asyncio.shield(start)
         except asyncio.CancelledError:  # the client left while the engine started: clean up once it has
@@ -400,7 +408,8 @@ def create_app(pipeline: Pipeline, model_name: str = "d3d", method: Method = "sp
 
     @app.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
-        text = metrics.render(server.scheduler.queue_depth, int(server.scheduler.busy))
+        batch = server.batch.batch.stats if server.batch is not None else None
+        text = metrics.render(server.scheduler.queue_depth, server.scheduler.held, batch)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")

@@ -119,6 +119,62 @@ def test_sixteen_concurrent_streams_each_equal_their_sequential_run(pipeline):
     assert len({events[0]["id"] for _, events in together}) == len(bodies)
 
 
+@pytest.mark.parametrize("max_batch", [4, 16])
+def test_batched_streams_each_equal_their_solo_run(pipeline, max_batch):
+    """--max-batch: 16 clients at once, decoding together in one continuous batch — mixed methods
+    (async among them, which is never batched), greedy and seeded sampling, stop strings: each gets
+    exactly the text, steps and statistics it gets alone from a one-at-a-time server; /metrics shows
+    forwards that held several generations."""
+    methods = ["ar", "lookup", "speculative", "drafter", "async"]
+    bodies = [{"prompt": f"{word} {i}", "max_tokens": 20 + 2 * i, "temperature": 0 if i % 3 else 0.9, "seed": i,
+               "stop": ["q"] if i % 4 == 1 else None, "d3d": {"steps": True, "method": methods[i % 5]}}
+              for i, word in enumerate(["hello", "the world", "abc", "he said"] * 4)]
+    with serving(pipeline, max_queue=16) as (url, _):
+        alone = [streamed_text(url, body) for body in bodies]
+    with serving(pipeline, max_queue=16, max_batch=max_batch) as (url, server):
+        together: list = [None] * len(bodies)
+
+        def client(i: int) -> None:
+            together[i] = streamed_text(url, bodies[i])
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert gauges(url) == (0, 0)
+        samples, _ = parse(httpx.get(f"{url}/metrics").text)
+        assert value(samples, "d3d_batch_sequences_per_forward") > 1.5
+        assert value(samples, "d3d_batch_rows_per_forward") >= value(samples, "d3d_batch_sequences_per_forward")
+        assert not server.batch.feeds and not len(server.batch.batch)  # every run left the batch
+        still_serving(url, pipeline)
+    for (text, events), (text_alone, events_alone) in zip(together, alone):
+        assert text == text_alone and len(text) > 0
+        steps = [e["d3d_step"]["pieces"] for e in events if "d3d_step" in e]
+        assert steps == [e["d3d_step"]["pieces"] for e in events_alone if "d3d_step" in e]
+        assert events[-1]["d3d"]["steps"] == events_alone[-1]["d3d"]["steps"]
+
+
+def test_a_batched_client_that_leaves_frees_its_rows(pipeline):
+    """A batched stream whose client hangs up leaves the batch at its next step; the others finish
+    with their solo text."""
+    long = {"prompt": PROMPT, "temperature": 0, "max_tokens": 100, "stream": True, "d3d": AR}
+    other = {"prompt": "the world", "temperature": 0, "max_tokens": 60, "d3d": AR}
+    with slow_steps(pipeline, 0.01), serving(pipeline, max_batch=4) as (url, server):
+        results: list = []
+        thread = threading.Thread(target=lambda: results.append(streamed_text(url, other)[0]))
+        thread.start()
+        with httpx.Client(base_url=url, timeout=30) as leaving:
+            with leaving.stream("POST", COMPLETIONS, json=long) as response:
+                lines = response.iter_lines()
+                next(lines)
+        wait_for(lambda: gauges(url)[1] <= 1, 2.0, "the dropped stream's slot is free")
+        thread.join(60)
+        wait_for(lambda: not len(server.batch.batch), 2.0, "the batch is empty")
+        still_serving(url, pipeline)
+    assert results == [expected(pipeline, "the world", chat=False, max_new_tokens=60)[0]]
+
+
 def test_a_full_queue_answers_429_with_retry_after(pipeline):
     """One generating, two waiting (max_queue 2): the next request is refused at once with 429 and a
     Retry-After in whole seconds; the waiting ones are then served in full."""

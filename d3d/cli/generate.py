@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from d3d.batch import MAX_BATCH
 from d3d.cli.common import add_model_arguments, add_sampling_arguments, load_pipeline
 from d3d.config import ConfigError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
@@ -123,7 +124,7 @@ def serve_command(args: argparse.Namespace) -> int:
         from d3d.server import API_KEY_VARIABLE, Limits, default_model_name, serve
     except ImportError as error:
         raise ConfigError(f"d3d serve needs the serve extra: pip install 'd3d-decoding[serve]' ({error})") from None
-    limits = Limits(max_queue=args.max_queue, deadline=args.deadline or None, max_body_bytes=args.max_body_bytes,
+    limits = Limits(max_queue=args.max_queue, max_batch=args.max_batch, deadline=args.deadline or None, max_body_bytes=args.max_body_bytes,
                     api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
                     shutdown_grace=args.shutdown_grace)
     pipeline = load_pipeline(args)
@@ -158,8 +159,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                    help="decoding method of every request (same choices as `d3d generate --method`)")
     p.add_argument("--model-name", default=None,
                    help="model id in responses and /v1/models (default: the target's name); requests may name any")
+    p.add_argument("--max-batch", type=int, default=MAX_BATCH,
+                   help="generations decoding at once, together in one continuous batch, each exactly as alone "
+                        f"(default {MAX_BATCH}; 1: one at a time; method async is never batched)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait while one generates; more get 429 with Retry-After (0: none wait)")
+                   help="requests that may wait while every batch place generates; more get 429 with Retry-After "
+                        "(0: none wait)")
     p.add_argument("--deadline", type=float, default=600.0,
                    help="seconds a request may take from arrival to its last token, queue included (0: no deadline)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
