@@ -9,6 +9,11 @@ the other rows in the call, and a run's choices (its gate, its random draws) dep
 only, so every generation commits exactly what it commits alone: at T = 0 and, with its own seed,
 at T > 0.
 
+Each greedy run's gate weighs its drafts against the whole forward (`d3d.gate.Crowd`): a draft row
+pays when it raises the batch's tokens per step, by the measured cost of a forward of n sequences
+(`d3d.costs.batch_costs`); where the batch is already compute-bound, drafting stops. At batch 1,
+and for sampling runs (whose draws must replay their solo run's), the gate decides as alone.
+
 Prompts enter in pieces: a step carries at most `prefill_rows` prompt rows in all (oldest run
 first), so a long prompt delays the other runs' next token by one piece's cost, never by the whole
 prompt's. Where the target is not row-count invariant (PyTorch's kernels on an unverified device),
@@ -31,7 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from d3d.costs import batch_costs
 from d3d.engine import Run
+from d3d.gate import Crowd
 from d3d.exactness import verify_mode
 from d3d.models import Decoder
 from d3d.sequence import Step
@@ -87,6 +94,7 @@ class Batch:
         self.runs: dict[int, Run] = {}  # in arrival order
         self.stats = BatchStats()
         self._next_key = 0
+        self._rows_cost: tuple[float, ...] | None = None  # measured batched-forward costs, once needed
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -113,16 +121,23 @@ class Batch:
         whole = verify_mode(self.target) != "batched"  # a prompt piece must then be the whole prompt
         budget = self.prefill_rows
         outcomes, keys, parts = [], [], []
-        for key, run in list(self.runs.items()):
+        # prompt pieces first, then the decoding runs, each drafting what pays for the forward so far
+        order = sorted(self.runs.items(), key=lambda item: not item[1].prefilling)
+        decoding = sum(not run.prefilling for run in self.runs.values())
+        rows = 0
+        for key, run in order:
             if run.prefilling and not whole and budget == 0:
                 continue  # its prompt waits for the next step's rows
             try:
-                part = run.rows(None if whole else budget if run.prefilling else None)
+                part = run.rows(None if whole else budget if run.prefilling else None, self._crowd(run, rows, decoding))
             except Exception as error:  # a source failing fails its run, not the batch
                 outcomes.append(Outcome(key, error=error))
                 continue
             if run.prefilling:
                 budget = max(0, budget - len(part.ids))
+                rows += len(part.ids)
+            else:
+                rows += len(part.ids) - 1  # its drafts (its anchor is counted in `decoding`)
             keys.append(key)
             parts.append(part)
         layers = sorted({layer for key in keys for layer in self.runs[key].feature_layers})
@@ -152,6 +167,15 @@ class Batch:
         self.stats.sequences += len(parts)
         self.stats.seconds += time.perf_counter() - started
         return outcomes
+
+    def _crowd(self, run: Run, rows: int, decoding: int) -> Crowd | None:
+        """What the rest of this step's forward holds, for `run`'s gate: none at batch 1 (the solo
+        decisions), for a sampling run (its draws must replay its solo run's), or without a gate."""
+        if run.prefilling or run.gate is None or not run.config.sampling.greedy or rows + decoding <= 1:
+            return None
+        if self._rows_cost is None:
+            self._rows_cost = batch_costs(self.target)
+        return Crowd(rows + decoding, decoding - 1, self._rows_cost)
 
     def run_all(self) -> dict[int, list[Step]]:
         """Step until every run has finished; each run's steps by key (a failed run raises)."""

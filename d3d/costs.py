@@ -282,3 +282,68 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
     os.replace(staging, path)  # atomic: a concurrent reader never sees half a file
     _measured[path] = costs
     return costs
+
+
+# -- batched forwards -----------------------------------------------------------------------------
+
+BATCH_SEQUENCES = (1, 2, 4, 8, 16, 32)  # one-row sequences per timed forward (others interpolated)
+BATCH_CONTEXT = 128  # tokens in each sequence's cache before it
+
+
+@torch.no_grad()
+def measure_batch(target: Decoder, rounds: int = LONG_ROUNDS) -> tuple[float, ...]:
+    """[n]: a forward of n one-row sequences, each after its own cache of `BATCH_CONTEXT` tokens
+    (`Decoder.forward_rows`, as `d3d.batch` runs them), in one-token steps; [0] = 0. The median over
+    rounds of each n's ratio to that round's one-row forward, non-decreasing, 0.01-rounded."""
+    from d3d.models import SequenceRows  # the batched forward's part
+
+    context = max(1, min(BATCH_CONTEXT, target.config.max_position_embeddings - 2))
+    tokens, first = _after_context(target, context, 1, seed=0)
+    caches = [first]
+    for _ in range(BATCH_SEQUENCES[-1] - 1):  # distinct caches, as distinct requests' are
+        cache = target.new_cache(context + 1)
+        cache.keys.copy_(first.keys)
+        cache.values.copy_(first.values)
+        cache.length = first.length
+        caches.append(cache)
+    anchor = tokens[context:].to(target.device)
+
+    def forward(n: int) -> Callable[[], None]:
+        def run():
+            target.forward_rows([SequenceRows(anchor, cache) for cache in caches[:n]])
+            for cache in caches[:n]:
+                cache.commit(0)
+        return run
+
+    ratios: dict[int, list[float]] = {n: [] for n in BATCH_SEQUENCES}
+    for _ in range(rounds):
+        one = _timed(forward(1), target.device)
+        for n in BATCH_SEQUENCES:
+            ratios[n].append(_timed(forward(n), target.device) / one)
+    measured = non_decreasing([[]] + [ratios[n] for n in BATCH_SEQUENCES], 0.0)
+    return fill_in(measured, [0, *BATCH_SEQUENCES], BATCH_SEQUENCES[-1])
+
+
+_batch_measured: dict[Path, tuple[float, ...]] = {}
+
+
+def batch_costs(target: Decoder) -> tuple[float, ...]:
+    """`measure_batch` for this machine and target: from memory, from disk, or measured and stored
+    beside the verification costs (checked against the one-token step like them)."""
+    key = json.dumps([machine_key(target), "batch", BATCH_SEQUENCES, BATCH_CONTEXT, MEASUREMENT], sort_keys=True)
+    path = cache_root() / "costs" / f"batch-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    if path in _batch_measured:
+        return _batch_measured[path]
+    try:
+        costs = tuple(json.loads(path.read_text())["rows_cost"])
+    except (OSError, ValueError, TypeError, KeyError):
+        if target.config.num_layers > 4:
+            print("d3d: measuring what batched forwards cost on this machine (once; stored under "
+                  "$D3D_CACHE/costs)", file=sys.stderr)
+        costs = measure_batch(target)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps({"rows_cost": costs}, indent=2))
+        os.replace(staging, path)
+    _batch_measured[path] = costs
+    return costs

@@ -24,7 +24,7 @@ import torch
 from d3d.config import GenerationConfig
 from d3d.costs import forward_costs
 from d3d.drafter import Drafter
-from d3d.gate import SpeculationGate
+from d3d.gate import Crowd, SpeculationGate
 from d3d.lookup import LookupConfig
 from d3d.models import Decoder, SequenceRows
 from d3d.sampling import make_generator
@@ -121,9 +121,10 @@ class Run:
         """The target layers whose hidden states its sources read."""
         return self.states.layers if self.states is not None else []
 
-    def rows(self, prefill_rows: int | None = None) -> SequenceRows:
+    def rows(self, prefill_rows: int | None = None, crowd: Crowd | None = None) -> SequenceRows:
         """What the next forward scores for this run: the prompt's next `prefill_rows` tokens (all
-        when None), or once it is in, the anchor and this step's drafts (proposed now)."""
+        when None), or once it is in, the anchor and this step's drafts (proposed now; with a
+        `crowd`, as many as pay for the batched forward as a whole)."""
         tokens = self.sequence.tokens
         if self.prefilling:
             end = self.sequence.prompt_length if prefill_rows is None else min(
@@ -137,7 +138,7 @@ class Run:
             wanted = min(source.max_drafts, self.sequence.room - 1)
             if self.gate is not None:
                 pending = source.pending(tokens) if hasattr(source, "pending") else 0
-                wanted = self.gate.num_drafts(source.name, wanted, len(tokens), pending)
+                wanted = self.gate.num_drafts(source.name, wanted, len(tokens), pending, crowd)
             if wanted > 0:
                 proposal = source.propose(tokens, wanted, self.config.sampling, self.generator)
                 if proposal is not None:

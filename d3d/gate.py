@@ -60,6 +60,27 @@ def costs_at(costs: Costs, context: int) -> Sequence[float]:
     return costs.at(context) if isinstance(costs, ByContext) else costs
 
 
+@dataclass(frozen=True)
+class Crowd:
+    """The rest of a batched forward as one run's gate sees it (`d3d.batch`): the forward holds
+    `rows` rows without this run's drafts (its anchor included), the other runs are expected to
+    commit `tokens`, and `rows_cost[n]` is a forward of n one-row sequences in one-token steps
+    (measured, `d3d.costs.batch_costs`; linear past its end). A draft then pays when it raises the
+    whole forward's tokens per step, not this run's alone: where the batch is already
+    compute-bound, drafting stops."""
+
+    rows: int
+    tokens: float
+    rows_cost: tuple[float, ...]  # [0] unused
+
+    def cost(self, rows: int) -> float:
+        table = self.rows_cost
+        if rows < len(table):
+            return table[rows]
+        last = len(table) - 1
+        return table[last] + (rows - last) * (table[last] - table[last - 1])
+
+
 @dataclass
 class SpeculationGate:
     draft_costs: dict[str, Costs]  # per source ("lookup", "drafter"): [k] = drafting k, in one-token steps
@@ -99,15 +120,19 @@ class SpeculationGate:
             total += reach
         return total
 
-    def best_drafts(self, source: str, max_drafts: int, context: int = 0, pending: int = 0) -> int:
+    def best_drafts(self, source: str, max_drafts: int, context: int = 0, pending: int = 0,
+                    crowd: Crowd | None = None) -> int:
         """The k ≤ max_drafts that maximises expected tokens ÷ cost after `context` tokens, the
-        source first catching up on `pending` of them; 0 when a plain step pays better."""
-        best, best_rate = 0, 1.0  # plain decoding: one token per unit cost
+        source first catching up on `pending` of them; 0 when a plain step pays better. In a
+        `crowd`, tokens and cost are the whole batched forward's."""
         verify, drafting = costs_at(self.verify_costs, context), costs_at(self.draft_costs[source], context)
         catching_up = self.catch_up_steps(source, context, pending)
+        others = crowd.tokens if crowd is not None else 0.0
+        best, best_rate = 0, (1.0 + others) / (crowd.cost(crowd.rows) if crowd is not None else 1.0)
         for k in range(1, max_drafts + 1):
-            cost = verify[min(k, len(verify) - 1)] + drafting[min(k, len(drafting) - 1)] + catching_up
-            rate = self.expected_tokens(source, k) / cost
+            forward = crowd.cost(crowd.rows + k) if crowd is not None else verify[min(k, len(verify) - 1)]
+            cost = forward + drafting[min(k, len(drafting) - 1)] + catching_up
+            rate = (self.expected_tokens(source, k) + others) / cost
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -118,10 +143,11 @@ class SpeculationGate:
             return 0.0
         return pending * costs_at(self.catch_up[source], context)[0]
 
-    def num_drafts(self, source: str, max_drafts: int, context: int = 0, pending: int = 0) -> int:
+    def num_drafts(self, source: str, max_drafts: int, context: int = 0, pending: int = 0,
+                   crowd: Crowd | None = None) -> int:
         """How many drafts to propose from `source` now, after `context` tokens of which the source
-        has yet to read `pending` (0: a plain step pays better)."""
-        best = self.best_drafts(source, max_drafts, context, pending)
+        has yet to read `pending` (0: a plain step pays better), in a batched forward's `crowd` if any."""
+        best = self.best_drafts(source, max_drafts, context, pending, crowd)
         if best:
             return best
         if self.catch_up_steps(source, context, pending) > self.max_catch_up:

@@ -1,6 +1,10 @@
 """`d3d serve` under load: requests/s and p50 / p95 time to first token and end-to-end latency at
 several concurrency levels, speculative decoding against plain AR decoding, on one server.
 
+The server decodes up to --max-batch generations together (its continuous batch, `d3d.batch`);
+every request's text is compared with the same request's at concurrency 1: batching must change
+no output (the "same as c=1" column).
+
 Starts `d3d serve` (the embedded default model unless --target/--drafter say otherwise) on a free
 loopback port, then for each concurrency level sends the same prompts (HumanEval completions and
 MT-Bench first turns, seeded sample) as streamed requests, once with `d3d.method` = speculative and
@@ -9,8 +13,8 @@ Time to first token = until the first event carrying text; end to end = until `[
 measured by the client. Greedy (T = 0) outputs of the two methods are compared prompt by prompt.
 Afterwards it loads the live view in headless Chromium, runs one prompt and saves a screenshot.
 
-    python scripts/server_bench.py --requests 8 --max-tokens 96 --report docs/server.md \
-        --screenshot docs/server-view.png
+    python scripts/server_bench.py --requests 16 --max-tokens 128 --concurrency 1,4,16 \
+        --report docs/server.md --screenshot docs/server-view.png
 
 The last stdout line is one JSON document. With --report, the Markdown between the markers
 <!-- server-bench:start --> and <!-- server-bench:end --> is replaced (the whole file is written
@@ -35,6 +39,7 @@ from pathlib import Path
 
 import httpx
 
+from d3d.batch import MAX_BATCH
 from d3d.devtools import Chromium, find_chromium
 from d3d.prompts import Prompt, load_dataset, sample_prompts
 
@@ -127,6 +132,8 @@ def summary(outcomes: list[Outcome], wall: float, concurrency: int, method: str)
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "d3d.cli", "serve", "--port", str(port), "--max-queue", "256",
                "--target", args.target, "--drafter", args.drafter]
+    if args.max_batch:
+        command += ["--max-batch", str(args.max_batch)]
     server = subprocess.Popen(command, stderr=sys.stderr)
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
         deadline = time.monotonic() + args.startup_timeout
@@ -180,17 +187,19 @@ def cpu_name() -> str:
 
 def markdown(result: dict, screenshot_path: str | None, report: Path) -> str:
     rows = ["| concurrency | method | requests | requests/s | tokens/s | TTFT p50 (s) | TTFT p95 (s) "
-            "| latency p50 (s) | latency p95 (s) | mean τ |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "| latency p50 (s) | latency p95 (s) | mean τ | same as c=1 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["levels"]:
         rows.append(f"| {r['concurrency']} | {r['method']} | {r['requests']} | {r['requests_per_second']} "
                     f"| {r['tokens_per_second']} | {r['ttft_p50']} | {r['ttft_p95']} | {r['latency_p50']} "
-                    f"| {r['latency_p95']} | {r['mean_tau']} |")
+                    f"| {r['latency_p95']} | {r['mean_tau']} | {r.get('same_as_solo', '')} |")
     same = result["identical"]
     lines = [START, "", f"Measured {result['date']} on {result['cpu']} ({result['cores']} cores), "
              f"target {result['target']}, drafter {result['drafter']}, greedy, up to {result['max_tokens']} "
              f"new tokens, {result['prompts']} prompts (HumanEval and MT-Bench, seed {result['seed']}) per "
-             f"method and level. {result['note']}".rstrip(), "", f"`{result['command']}`", "", *rows, "",
-             f"Speculative and AR outputs identical for {same[0]} of {same[1]} requests (greedy: lossless).", ""]
+             f"method and level; the server's continuous batch holds up to {result['max_batch']} generations. "
+             f"{result['note']}".rstrip(), "", f"`{result['command']}`", "", *rows, "",
+             f"All methods' outputs identical for {same[0]} of {same[1]} requests (greedy: lossless); "
+             "\"same as c=1\": the requests whose text equals the same request's at concurrency 1.", ""]
     if screenshot_path:
         relative = os.path.relpath(screenshot_path, report.parent)
         lines += [f"The live view, on the README's prime-number prompt (the second run in the page; the first "
@@ -211,7 +220,9 @@ def write_report(report: Path, section: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8, help="prompts per concurrency level and method")
-    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--concurrency", default="1,4,16", help="levels; the first is the reference for 'same as c=1'")
+    parser.add_argument("--methods", default=",".join(METHODS), help="d3d.method of the requests, compared")
+    parser.add_argument("--max-batch", type=int, default=0, help="the server's --max-batch (0: its default)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", default="default")
@@ -222,6 +233,7 @@ def main() -> None:
     parser.add_argument("--note", default="", help="a sentence for the report (e.g. what else ran on the machine)")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    methods = args.methods.split(",")
     half = (args.requests + 1) // 2
     prompts = (sample_prompts(load_dataset("humaneval"), half, args.seed)
                + sample_prompts(load_dataset("mtbench"), args.requests - half, args.seed))
@@ -230,15 +242,17 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     server = start_server(args, port)
     try:
-        for method in METHODS:  # warm-up, not counted
+        for method in methods:  # warm-up, not counted
             asyncio.run(level(url, prompts[:1], method, 1, 8))
-        rows, texts = [], {}
+        rows, texts, solo = [], {}, {}
         for i, concurrency in enumerate(levels):
-            for method in METHODS if i % 2 == 0 else METHODS[::-1]:
+            for method in methods if i % 2 == 0 else methods[::-1]:
                 outcomes, wall = asyncio.run(level(url, prompts, method, concurrency, args.max_tokens))
                 rows.append(summary(outcomes, wall, concurrency, method))
                 for o in outcomes:
                     texts.setdefault((concurrency, o.prompt), {})[method] = o.text
+                    solo.setdefault((method, o.prompt), o.text)  # the first level's
+                rows[-1]["same_as_solo"] = f"{sum(solo[method, o.prompt] == o.text for o in outcomes)}/{len(outcomes)}"
                 print(f"# {json.dumps(rows[-1])}", file=sys.stderr)
         identical = sum(len(set(pair.values())) == 1 for pair in texts.values())
         view = ""
@@ -254,6 +268,7 @@ def main() -> None:
             server.kill()
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
               "target": args.target, "drafter": args.drafter, "max_tokens": args.max_tokens,
+              "max_batch": args.max_batch or MAX_BATCH,
               "prompts": len(prompts), "seed": args.seed, "note": args.note,
               "command": "python " + shlex.join(sys.argv),
               "identical": [identical, len(texts)], "levels": rows, "view": view}

@@ -10,7 +10,7 @@ import torch
 from conftest import make_decoder, tiny_config
 from d3d.drafter import Drafter
 from d3d.costs import fill_in, forward_costs
-from d3d.gate import ByContext, SpeculationGate
+from d3d.gate import ByContext, Crowd, SpeculationGate
 
 
 def linear(per_draft: float, drafts: int = 15) -> list[float]:
@@ -212,3 +212,32 @@ def test_costs_are_measured_after_each_context_and_read_by_it(tmp_path, monkeypa
     assert costs.by_context("catch_up").at(16) == (costs.catch_up[0],)
     new_process()
     assert forward_costs(target, drafter, max_drafts=15) == costs  # stored with its contexts
+
+
+# -- in a batched forward --------------------------------------------------------------------------
+
+def crowd_gate() -> SpeculationGate:
+    gate = SpeculationGate({"drafter": [0.0] * 8}, [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7])
+    gate.acceptance["drafter"] = [0.8, 0.7, 0.6, 0.5]
+    return gate
+
+
+def test_a_crowd_of_one_decides_as_alone():
+    """A forward holding only this run, priced by a table equal to the solo verification costs,
+    gives the solo decision; so does no crowd at all."""
+    gate = crowd_gate()
+    alone = gate.best_drafts("drafter", 7)
+    assert alone > 0
+    assert gate.best_drafts("drafter", 7, crowd=Crowd(1, 0.0, (0.0, *gate.verify_costs))) == alone
+
+
+def test_a_compute_bound_batch_stops_drafting_and_a_memory_bound_one_does_not():
+    gate = crowd_gate()
+    linear = tuple(float(n) for n in range(65))  # every row costs a step: 16 sequences are compute-bound
+    assert gate.best_drafts("drafter", 7, crowd=Crowd(16, 15.0, linear)) == 0
+    flat = (0.0,) + (1.0,) * 64  # rows are free: draft as far as pays alone, and further
+    assert gate.best_drafts("drafter", 7, crowd=Crowd(16, 15.0, flat)) >= gate.best_drafts("drafter", 7)
+    # measured-like: 16 sequences 5.5 steps, each more row ~0.3 steps
+    measured = Crowd(16, 15.0, tuple([0.0, 1.0] + [1.0 + 0.3 * (n - 1) for n in range(2, 65)]))
+    assert gate.best_drafts("drafter", 7, crowd=measured) < gate.best_drafts("drafter", 7)
+    assert Crowd(40, 0.0, (0.0, 1.0, 1.5, 2.0)).cost(40) == pytest.approx(1.0 + 39 * 0.5)

@@ -123,8 +123,9 @@ def test_sixteen_concurrent_streams_each_equal_their_sequential_run(pipeline):
 def test_batched_streams_each_equal_their_solo_run(pipeline, max_batch):
     """--max-batch: 16 clients at once, decoding together in one continuous batch — mixed methods
     (async among them, which is never batched), greedy and seeded sampling, stop strings: each gets
-    exactly the text, steps and statistics it gets alone from a one-at-a-time server; /metrics shows
-    forwards that held several generations."""
+    exactly the text it gets alone from a one-at-a-time server, and but for the greedy gated ones
+    (whose gate weighs the batch) the same steps and statistics; /metrics shows forwards that held
+    several generations."""
     methods = ["ar", "lookup", "speculative", "drafter", "async"]
     bodies = [{"prompt": f"{word} {i}", "max_tokens": 20 + 2 * i, "temperature": 0 if i % 3 else 0.9, "seed": i,
                "stop": ["q"] if i % 4 == 1 else None, "d3d": {"steps": True, "method": methods[i % 5]}}
@@ -148,8 +149,10 @@ def test_batched_streams_each_equal_their_solo_run(pipeline, max_batch):
         assert value(samples, "d3d_batch_rows_per_forward") >= value(samples, "d3d_batch_sequences_per_forward")
         assert not server.batch.feeds and not len(server.batch.batch)  # every run left the batch
         still_serving(url, pipeline)
-    for (text, events), (text_alone, events_alone) in zip(together, alone):
+    for (text, events), (text_alone, events_alone), body in zip(together, alone, bodies):
         assert text == text_alone and len(text) > 0
+        if body["temperature"] == 0 and body["d3d"]["method"] == "speculative":
+            continue  # greedy and gated: the gate weighs drafts against the whole batch (same text, other steps)
         steps = [e["d3d_step"]["pieces"] for e in events if "d3d_step" in e]
         assert steps == [e["d3d_step"]["pieces"] for e in events_alone if "d3d_step" in e]
         assert events[-1]["d3d"]["steps"] == events_alone[-1]["d3d"]["steps"]
