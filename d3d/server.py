@@ -504,7 +504,9 @@ def serve(pipeline: Pipeline, host: str = "127.0.0.1", port: int = 8000, model_n
     if not is_loopback(host) and not limits.api_key:
         print(f"# WARNING: listening on {host} without an API key: anyone who can reach this port can use it "
               f"(set --api-key or {API_KEY_VARIABLE})", file=sys.stderr)
-    print(f"# serving {model_name} ({method}) at http://{host}:{port}/v1 — one generation at a time, "
+    at_once = (f"up to {limits.max_batch} generations decoding together" if limits.max_batch > 1
+               else "one generation at a time")
+    print(f"# serving {model_name} ({method}) at http://{host}:{port}/v1 — {at_once}, "
           f"up to {limits.max_queue} waiting; live view at http://{host}:{port}/, metrics at /metrics",
           file=sys.stderr)
     thread = threading.Thread(target=listen, name="d3d-http", daemon=True)
