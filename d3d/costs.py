@@ -29,6 +29,9 @@ oversubscribed, a one-token step took 97 ms instead of 11 and verifying 2–6 ro
 Stored costs are therefore checked against a quick timing of the one-token step when first read
 in a process (`probe_step_ms`), and measured again when their step was `BUSY` times slower.
 
+`batch_costs` is the continuous batch's table (`d3d.batch`, `d3d.gate.Crowd`): a forward of n
+one-row sequences, each after its own cache, in one-token steps, stored beside the others.
+
 This module times forwards; it decides nothing.
 """
 
