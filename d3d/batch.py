@@ -151,7 +151,9 @@ class Batch:
             scored = []
         seconds = time.perf_counter() - scored_at
         for key, part, (logits, features) in zip(keys, parts, scored):
-            run = self.runs[key]
+            run = self.runs.get(key)
+            if run is None:  # cancelled during this step (a consumer closed its stream)
+                continue
             if features is not None and run.feature_layers != layers:
                 columns = [layers.index(layer) for layer in run.feature_layers]
                 features = features.view(features.shape[0], len(layers), -1)[:, columns].flatten(1)
@@ -160,7 +162,8 @@ class Batch:
             except Exception as error:
                 outcomes.append(Outcome(key, error=error))
         for outcome in outcomes:
-            if outcome.error is not None or self.runs[outcome.key].finished:
+            run = self.runs.get(outcome.key)
+            if run is not None and (outcome.error is not None or run.finished):
                 self.cancel(outcome.key)
         self.stats.forwards += 1
         self.stats.rows += sum(len(part.ids) for part in parts)
@@ -201,7 +204,7 @@ class SharedBatch:
 
     def __init__(self, batch: Batch) -> None:
         self.batch = batch
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a stream finalised while this thread steps closes itself
         self.feeds: dict[int, _Feed] = {}
 
     def submit(self, run: Run) -> "BatchedSteps":

@@ -255,3 +255,21 @@ def test_a_batch_takes_only_its_own_targets_runs(models):
         Batch(target).add(Run(other, [], [1, 2], GenerationConfig(max_new_tokens=2)))
     with pytest.raises(ValueError, match="prefill_rows"):
         Batch(target, prefill_rows=0)
+
+
+def test_a_stream_closed_while_the_batch_steps_leaves_cleanly(models):
+    """A stream closed from inside the batch's step, on the stepping thread (as a finaliser may:
+    the lock is re-entrant): its run leaves, the others decode as alone."""
+    target, drafter, dflash = models
+    config = GenerationConfig(max_new_tokens=10, eos_token_ids=[])
+    shared = SharedBatch(Batch(target))
+    streams = [shared.submit(make_run("ar", target, drafter, dflash, [3, i, 5], config)) for i in range(3)]
+    real_step = shared.batch.step
+
+    def step():
+        streams[1].close()  # as a finaliser would, from inside the step
+        return real_step()
+    shared.batch.step = step
+    got = tokens_of(streams[0])
+    assert got == solo("ar", target, drafter, dflash, [3, 0, 5], config)
+    assert tokens_of(streams[2]) == solo("ar", target, drafter, dflash, [3, 2, 5], config)
