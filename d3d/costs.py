@@ -291,6 +291,7 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
 
 BATCH_SEQUENCES = (1, 2, 4, 8, 16, 32)  # one-row sequences per timed forward (others interpolated)
 BATCH_CONTEXT = 128  # tokens in each sequence's cache before it
+BATCH_MEASUREMENT = 2  # bump when the batched forward changes (2: short segments' attention together)
 
 
 @torch.no_grad()
@@ -333,7 +334,8 @@ _batch_measured: dict[Path, tuple[float, ...]] = {}
 def batch_costs(target: Decoder) -> tuple[float, ...]:
     """`measure_batch` for this machine and target: from memory, from disk, or measured and stored
     beside the verification costs (checked against the one-token step like them)."""
-    key = json.dumps([machine_key(target), "batch", BATCH_SEQUENCES, BATCH_CONTEXT, MEASUREMENT], sort_keys=True)
+    key = json.dumps([machine_key(target), "batch", BATCH_SEQUENCES, BATCH_CONTEXT, MEASUREMENT, BATCH_MEASUREMENT],
+                     sort_keys=True)
     path = cache_root() / "costs" / f"batch-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     if path in _batch_measured:
         return _batch_measured[path]

@@ -16,8 +16,8 @@ position) beside d3d's for the same prompts, and which outputs are token-identic
 tokens/s there is all prompts in one batch. Exit status 1 when vLLM accepted no draft.
 
 bench: output tokens/s of vLLM's OpenAI server without and with the drafter (and other --vllm-configs) at each
-concurrency, and of `d3d serve` with the same target and drafter at concurrency 1 (methods ar, drafter
-and speculative — context lookup with the drafter, gated): R streamed chat requests, greedy, at most C
+concurrency, and of `d3d serve` with the same target and drafter (methods ar, drafter and speculative —
+context lookup with the drafter, gated — at the same levels, its continuous batch up to --d3d-max-batch): R streamed chat requests, greedy, at most C
 in flight, after one warm-up request; tokens/s = completion tokens / wall time of the R requests.
 Heavy: it owns the CPU for minutes.
 
@@ -356,13 +356,15 @@ def report_table(summary: dict, levels: list[int]) -> str:
     """The Markdown table of a bench run: output tokens/s per server and concurrency."""
     servers = list(dict.fromkeys(row["server"] for row in summary["rows"]))
     lines = [f"| server | {' | '.join(f'concurrency {c}' for c in levels)} | mean acceptance length | "
-             "outputs identical to the first row's at concurrency 1 |", "|---|" + "---|" * (len(levels) + 2)]
+             "outputs identical to the first row's at concurrency 1 | identical to its own concurrency 1 |",
+             "|---|" + "---|" * (len(levels) + 3)]
     for server in servers:
         rows = {row["concurrency"]: row for row in summary["rows"] if row["server"] == server}
         cells = [f"{rows[c]['tokens_per_second']:.1f}" if c in rows else "–" for c in levels]
         tau = next((row.get("acceptance_length") for row in rows.values() if row.get("acceptance_length")), None)
         same = ", ".join(f"{row['identical_outputs']}/{row['requests']}" for row in rows.values())
-        lines.append(f"| {server} | {' | '.join(cells)} | {tau if tau else '–'} | {same} |")
+        own = ", ".join(f"{row.get('identical_to_own_solo', '–')}/{row['requests']}" for row in rows.values())
+        lines.append(f"| {server} | {' | '.join(cells)} | {tau if tau else '–'} | {same} | {own} |")
     return "\n".join(lines)
 
 
@@ -411,18 +413,26 @@ def bench(args: argparse.Namespace) -> int:
         port = free_port()
         command = [str(Path(sys.prefix) / "bin" / "d3d"), "serve", "--port", str(port), "--target", target,
                    "--drafter", str(args.drafter or "none"), "--max-queue", str(args.requests + 1)]
+        if args.d3d_max_batch:
+            command += ["--max-batch", str(args.d3d_max_batch)]
         env = dict(os.environ, OMP_NUM_THREADS=str(cpu_count(args.cpus)))
+        d3d_levels = [int(c) for c in args.d3d_concurrency.split(",")] if args.d3d_concurrency else levels
         with Server(command, env, port, args.out / "server-d3d.log"):
             for method in methods:
-                row = asyncio.run(load(port, "target", items, 1, args.max_tokens, {"d3d": {"method": method}}))
-                rows.append({"server": f"d3d serve, method {method}", **row})
-                print(json.dumps(rows[-1]), file=sys.stderr)
+                for level in d3d_levels:
+                    row = asyncio.run(load(port, "target", items, level, args.max_tokens, {"d3d": {"method": method}}))
+                    rows.append({"server": f"d3d serve, method {method}", **row})
+                    print(json.dumps(rows[-1]), file=sys.stderr)
     import vllm
 
     reference = rows[0]["texts"]  # the first server's first concurrency: vLLM without speculation, one at a time
+    solo = {}  # each server's texts at its first concurrency
+    for row in rows:
+        solo.setdefault(row["server"], row["texts"])
     for row in rows:
         texts = row.pop("texts")
         row["identical_outputs"] = sum(a == b for a, b in zip(texts, reference))
+        row["identical_to_own_solo"] = sum(a == b for a, b in zip(texts, solo[row["server"]]))
     summary = {"rows": rows, "cpus": args.cpus, "cpu": cpu_name(), "max_tokens": args.max_tokens,
                "requests": args.requests, "eager": args.eager, "drafter": args.drafter,
                "vllm_version": vllm.__version__, "date": time.strftime("%Y-%m-%d")}
@@ -468,7 +478,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--report", type=Path, default=None,
                            help="write the table into this Markdown file, between its vllm-bench markers")
             p.add_argument("--d3d-methods", default="ar,drafter,speculative",
-                           help="`d3d serve` methods measured at concurrency 1 ('' for none)")
+                           help="`d3d serve` methods measured ('' for none)")
+            p.add_argument("--d3d-concurrency", default="",
+                           help="concurrency levels of `d3d serve` (default: --concurrency's)")
+            p.add_argument("--d3d-max-batch", type=int, default=0, help="`d3d serve --max-batch` (0: its default)")
     args = parser.parse_args(argv)
     return {"check": check, "bench": bench, "engine": engine}[args.command](args)
 

@@ -143,6 +143,8 @@ class RowExactKernels:
         library.d3d_linear_scratch.restype = i64
         library.d3d_attention_scratch.argtypes = [i64, i64, i64, i64]
         library.d3d_attention_scratch.restype = i64
+        library.d3d_segments_scratch.argtypes = [ctypes.POINTER(SegmentArgs), i64, i64]
+        library.d3d_segments_scratch.restype = i64
         library.d3d_group_pack.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p]
         library.d3d_group_pack.restype = i64
         library.d3d_dequantize.argtypes = [ptr, i64, ptr, i64, i64]
@@ -370,7 +372,6 @@ class RowExactKernels:
         assert sum(segment.rows for segment in segments) == rows, "segment rows != x's rows"
         structs = (SegmentArgs * len(segments))()
         masks = []  # kept alive through the call
-        largest = 0
         for struct, segment in zip(structs, segments):
             keys, values = segment.keys, segment.values
             assert keys.dtype == x.dtype and keys.shape == values.shape and keys.stride() == values.stride()
@@ -384,15 +385,13 @@ class RowExactKernels:
             struct.rows, struct.start, struct.kv_layer, struct.kv_head = (
                 segment.rows, segment.start, keys.stride(0), keys.stride(1))
             struct.mask = _ptr(mask)
-            largest = max(largest, self.library.d3d_attention_scratch(1, segment.rows, shape.heads,
-                                                                      segment.start + segment.rows))
         x = x.contiguous().clone()  # the residual stream, updated in place by the kernel
         positions = positions.contiguous()
         heads, dim = shape.heads, shape.head_dim
         assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         width = (heads + 2 * shape.kv_heads) * dim
         work = torch.empty(rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), dtype=x.dtype)
-        scores = torch.empty(largest, dtype=torch.float32)
+        scores = torch.empty(self.library.d3d_segments_scratch(structs, len(segments), heads), dtype=torch.float32)
         scratch = self._scratch(rows, max(hidden, heads * dim, shape.intermediate))
         out = torch.empty_like(x)
         captured, first = [], 0

@@ -140,9 +140,8 @@ static inline __attribute__((always_inline)) v8 exp_fixed8(v8 x) {
  * of one call (continuous batching), each row's bits those of the row alone. Cache element
  * (l, g, s, d) of a segment at l*kv_layer + g*kv_head + s*D + d from its k_cache / v_cache.
  * `rope`: (2, P, D) cos and sin tables; `positions` (M) rows of them. A segment's `mask`:
- * (rows, start+rows) bytes, or NULL for causal. Scratch: `work` (M, hidden + width + 2 H D + 3 I)
- * elements, `scores` d3d_attention_scratch(1, rows, H, start+rows) floats for the largest
- * segment, `linear_scratch` d3d_linear_scratch(M, max width, threads) floats.
+ * (rows, start+rows) bytes, or NULL for causal (d3d_segment, attention.h). Scratch: `work`
+ * (M, hidden + width + 2 H D + 3 I) elements, `scores` d3d_segments_scratch floats, `linear_scratch` d3d_linear_scratch(M, max width, threads) floats.
  * ------------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -156,13 +155,6 @@ typedef struct {
     d3d_weight down;
     const void *down_bias;
 } d3d_layer;
-
-typedef struct {
-    int64_t rows, start;
-    void *k_cache, *v_cache;
-    int64_t kv_layer, kv_head;
-    const uint8_t *mask;
-} d3d_segment;
 
 typedef struct {
     const d3d_layer *layers;
@@ -226,8 +218,11 @@ void d3d_forward_##SUFFIX(const d3d_forward_args *a) {                          
                                      g->start, 0, g->kv_head);                                       \
         }                                                                                            \
         STAGE(STAGE_ROPE);                                                                           \
+        d3d_attention_##SUFFIX##_segments_body(q, attn, a->segments, a->num_segments, l, H, Hkv, D,   \
+                                               a->scale, a->scores);  /* the short ones, together */ \
         for (int64_t i = 0, m = 0; i < a->num_segments; m += a->segments[i++].rows) {                \
             const d3d_segment *g = a->segments + i;                                                  \
+            if (g->rows <= QUERY_BLOCK) continue;                                                    \
             d3d_attention_##SUFFIX##_body(q + m * H * D, (T_ELEM *)g->k_cache + l * g->kv_layer,     \
                                           (T_ELEM *)g->v_cache + l * g->kv_layer, g->mask,           \
                                           attn + m * H * D, 1, g->rows, H, Hkv, g->start + g->rows, D, \
