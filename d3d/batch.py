@@ -1,6 +1,6 @@
 """Continuous batching: many generations advanced together, each exactly as it runs alone.
 
-A `Batch` holds live `Run`s (`d3d.engine`). Each `step` asks every run for its rows — a piece of
+A `Batch` holds live `Run`s (`d3d.run`). Each `step` asks every run for its rows — a piece of
 its prompt, or its anchor and the drafts its own sources propose — scores them all in one target
 forward (`d3d.target_step.score_rows`: every linear layer once over all the rows, attention per
 sequence over its own KV cache), and settles each run with its own logits. Runs join (`add`) and
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from d3d.costs import batch_costs
-from d3d.engine import Run
+from d3d.run import Run
 from d3d.gate import Crowd
 from d3d.exactness import verify_mode
 from d3d.models import Decoder

@@ -20,7 +20,8 @@ from d3d.async_engine import AsyncConfig, async_generate
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
 from d3d.batch import SharedBatch
-from d3d.engine import Run, generate_from_sources, reference_generate
+from d3d.engine import generate_from_sources, reference_generate
+from d3d.run import Run
 from d3d.export import exported_from
 from d3d.loading import Target, load_target
 from d3d.lookup import LookupConfig

@@ -18,7 +18,8 @@ import torch
 from conftest import make_decoder, make_oracle, tiny_config
 from d3d.batch import Batch, SharedBatch, generate_batched
 from d3d.config import GenerationConfig, SamplingConfig
-from d3d.engine import Run, generate_from_sources, reference_generate
+from d3d.engine import generate_from_sources, reference_generate
+from d3d.run import Run
 from d3d.lookup import LookupConfig
 from d3d.models import SequenceRows
 from d3d.sources import DFlashSource, LookupSource, default_sources

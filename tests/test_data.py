@@ -163,6 +163,25 @@ def test_generate_batch_stops_rows_at_eos(decoder):
     assert any(len(r) == 8 and not set(r) & set(eos) for r in expected)  # some rows never stop early
 
 
+@pytest.mark.parametrize("width", [1, 3, 16])
+def test_continuous_generation_equals_the_static_batch_and_the_reference(decoder, width):
+    """`d3d data`'s continuous batch (a finished row replaced by the next prompt at once): every
+    response and every recorded top-k distribution equal the static batch's and plain decoding's,
+    whatever the width."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 64, (n,), generator=generator).tolist() for n in (3, 9, 4, 15, 6, 11, 8, 2)]
+    free = [greedy(decoder, p, 8, []) for p in prompts]
+    eos = [free[0][3], free[4][4]]
+    static = generate_batch(decoder, prompts, 8, eos, top_k=5)
+    continuous = data.generate_continuous(decoder, prompts, 8, eos, top_k=5, width=width)
+    assert [g.response_ids for g in continuous] == [g.response_ids for g in static] == \
+        [greedy(decoder, p, 8, eos) for p in prompts]
+    for a, b in zip(continuous, static):
+        assert torch.equal(a.distributions.ids, b.distributions.ids)
+        assert torch.allclose(a.distributions.logprobs, b.distributions.logprobs, atol=1e-5)
+        assert a.distributions.ids.shape[0] == len(a.response_ids)
+
+
 def test_generate_batch_mixed_eos_and_length_rows(decoder, eos_token, source_file):
     """On the data prompts, one batch holds rows ending at EOS and rows reaching the length cap."""
     prompts = [p["prompt_ids"] for p in collect_prompts(DataConfig(sources=[source_file]), CharTokenizer())]
@@ -240,10 +259,10 @@ def test_resume_regenerates_only_the_missing_shard(target, config, tmp_path, mon
     prompts_before = (out / "prompts.jsonl").stat().st_mtime_ns
     files[-1].unlink()
     calls = []
-    real = data.generate_batch
-    monkeypatch.setattr(data, "generate_batch", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    real = data.generate_continuous
+    monkeypatch.setattr(data, "generate_continuous", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
     second = generate_data(target, out, config, progress=False)
-    assert calls == [2, 2]  # one shard of 4 prompts in batches of 2: only the deleted shard ran
+    assert calls == [4]  # one shard of 4 prompts: only the deleted shard ran
     after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in shard_files(out)}
     assert after.keys() == before.keys()
     for name in before:
@@ -255,25 +274,25 @@ def test_resume_regenerates_only_the_missing_shard(target, config, tmp_path, mon
 
 
 def test_interrupted_shard_leaves_no_partial_file(target, config, tmp_path, monkeypatch):
-    """A kill during a shard's second batch leaves no file for that shard; the rerun equals an uninterrupted run."""
+    """A kill during the second shard leaves no file for it; the rerun equals an uninterrupted run."""
     reference_out = tmp_path / "reference"
     generate_data(target, reference_out, config, progress=False)
     out = tmp_path / "run"
-    real = data.generate_batch
+    real = data.generate_continuous
     calls = itertools.count()
 
-    def dies_on_fourth_batch(*args, **kwargs):
-        if next(calls) == 3:  # shard 0 = batches 0, 1; shard 1 = batches 2, 3
+    def dies_in_the_second_shard(*args, **kwargs):
+        if next(calls) == 1:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(data, "generate_batch", dies_on_fourth_batch)
+    monkeypatch.setattr(data, "generate_continuous", dies_in_the_second_shard)
     with pytest.raises(KeyboardInterrupt):
         generate_data(target, out, config, progress=False)
     assert [p.name for p in shard_files(out)] == ["shard-00000.jsonl"]
     assert not list(out.rglob(".*.tmp"))
     assert json.loads((out / "manifest.json").read_text())["shards_done"] == 1
-    monkeypatch.setattr(data, "generate_batch", real)
+    monkeypatch.setattr(data, "generate_continuous", real)
     manifest = generate_data(target, out, config, progress=False)
     assert manifest["shards_done"] == 3
     for mine, theirs in zip(shard_files(out), shard_files(reference_out), strict=True):
@@ -305,7 +324,7 @@ def test_config_change_after_a_kill_during_the_first_shard(target, config, tmp_p
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "generate_batch", killed)
+    monkeypatch.setattr(data, "generate_continuous", killed)
     with pytest.raises(KeyboardInterrupt):
         generate_data(target, out, config, progress=False)
     monkeypatch.undo()

@@ -3,7 +3,8 @@
 closes a circle is still a circle.
 
 - no circles between d3d's modules;
-- training (`d3d.train`) imports neither the benchmark nor the engines;
+- training (`d3d.train`) imports neither the benchmark nor the engines' loops (`d3d data` decodes
+  through the continuous batch, `d3d.batch` and `d3d.run`, which the engines share);
 - the benchmark is imported by the CLI only;
 - the gate's costs (`d3d.costs`) time the target's step without calling the engines.
 """

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from d3d.config import ConfigError, _JsonMixin
+from d3d.batch import Batch
+from d3d.config import ConfigError, GenerationConfig, _JsonMixin
+from d3d.run import Run
 from d3d.loading import Target
 from d3d.masks import causal_mask
 from d3d.models import Decoder
@@ -215,9 +217,47 @@ class Generated:
 
 
 @torch.no_grad()
+def generate_continuous(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int,
+                        eos_token_ids: list[int], top_k: int = 0, width: int = 16) -> list[Generated]:
+    """Greedy responses, `width` prompts at a time in one continuous batch (`d3d.batch`): the place
+    of a finished response goes to the next prompt at once, and each response is the target's own
+    greedy decoding of its prompt (the same tokens as alone, by construction)."""
+    batch = Batch(decoder)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=list(eos_token_ids))
+    responses: list[list[int]] = [[] for _ in prompts]
+    chosen_from: list[list[TopK]] = [[] for _ in prompts]
+    waiting, owner = iter(range(len(prompts))), {}
+
+    def admit() -> None:
+        index = next(waiting, None)
+        if index is None:
+            return
+        run = Run(decoder, [], prompts[index], config)
+        if top_k:
+            run.on_commit = lambda logits: chosen_from[index].append(keep_top(logits, top_k))
+        owner[batch.add(run)] = index
+
+    for _ in range(width):
+        admit()
+    while len(batch):
+        for outcome in batch.step():
+            if outcome.error is not None:
+                raise outcome.error
+            if outcome.step is not None:
+                responses[owner[outcome.key]] += outcome.step.tokens
+                if outcome.step.finish_reason is not None:
+                    admit()
+    if not top_k:
+        return [Generated(response) for response in responses]
+    return [Generated(response, TopK(torch.cat([t.ids for t in steps]).cpu(), torch.cat([t.logprobs for t in steps]).cpu()))
+            for response, steps in zip(responses, chosen_from)]
+
+
+@torch.no_grad()
 def generate_batch(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int,
                    eos_token_ids: list[int], top_k: int = 0) -> list[Generated]:
-    """Greedy responses for a batch of prompts: left-padded, static cache, finished rows dropped."""
+    """Greedy responses for a batch of prompts: left-padded, static cache, finished rows dropped —
+    how `d3d data` generated before `generate_continuous`, kept as what its output is checked against."""
     batch, longest = len(prompts), max(len(p) for p in prompts)
     device = decoder.device
     padding = torch.tensor([longest - len(p) for p in prompts], device=device)
@@ -343,17 +383,15 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
         if name in done:
             continue
         shard = prompts[index * config.shard_size:(index + 1) * config.shard_size]
-        shard = sorted(shard, key=lambda p: len(p["prompt_ids"]))  # similar lengths share a batch
+        shard = sorted(shard, key=lambda p: len(p["prompt_ids"]))  # the order shards have always had
         lines, distributions = [], []
-        for start in range(0, len(shard), config.batch_size):
-            batch = shard[start:start + config.batch_size]
-            generated = generate_batch(target.decoder, [p["prompt_ids"] for p in batch],
-                                       config.max_new_tokens, target.eos_token_ids, distill_top_k)
-            for prompt, answer in zip(batch, generated):
-                lines.append(json.dumps({"id": prompt["id"], "prompt_ids": prompt["prompt_ids"],
-                                         "response_ids": answer.response_ids}) + "\n")
-                distributions.append(answer.distributions)
-                new_tokens += len(answer.response_ids)
+        generated = generate_continuous(target.decoder, [p["prompt_ids"] for p in shard], config.max_new_tokens,
+                                        target.eos_token_ids, distill_top_k, config.batch_size)
+        for prompt, answer in zip(shard, generated):
+            lines.append(json.dumps({"id": prompt["id"], "prompt_ids": prompt["prompt_ids"],
+                                     "response_ids": answer.response_ids}) + "\n")
+            distributions.append(answer.distributions)
+            new_tokens += len(answer.response_ids)
         if distill_top_k:  # before the shard: a finished shard never lacks the file
             distill.write(distill.path_for(out / "shards" / name), distributions)
         write_atomic(out / "shards" / name, "".join(lines))
