@@ -39,7 +39,9 @@ def data(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> int:
     """Train a drafter on `d3d data` output; re-running the same command resumes."""
+    from d3d.devices import resolve_device
     from d3d.loading import load_target
+    from d3d.train.distributed import World
     from d3d.train.trainer import TrainConfig, Trainer
 
     if args.threads:
@@ -54,9 +56,19 @@ def train(args: argparse.Namespace) -> int:
                          mask_ratio=args.mask_ratio, anchors=args.anchors,
                          max_length=args.max_length, eval_every=args.eval_every, save_every=args.save_every,
                          draft_vocab_size=args.draft_vocab_size, max_sequences=args.max_sequences, seed=args.seed)
-    target = load_target(args.target, torch.float32)  # fp32 master weights; compute autocasts to bf16
-    result = Trainer(target, args.data, args.out, config).run()
-    print(json.dumps(result))
+    device = resolve_device(args.device)
+    # under torchrun: one process per rank (gloo on the CPU, nccl on CUDA: each rank its own GPU)
+    world = World.from_environment(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", world.local_rank)
+    try:
+        target = load_target(args.target, torch.float32)  # fp32 master weights; compute autocasts to bf16
+        target.decoder.to(device)
+        result = Trainer(target, args.data, args.out, config, world).run(progress=world.is_main)
+    finally:
+        world.close()
+    if world.is_main:
+        print(json.dumps(result))
     return 0
 
 
@@ -109,7 +121,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                    help="also record the target's top-K next-token distributions for `d3d train --distill` "
                         "(shards made without them get them by one teacher-forced pass); 0 = off")
     p.set_defaults(handler=data)
-    p = commands.add_parser("train", help="train a D3D (or AR baseline) drafter on the target's responses (resumable)")
+    p = commands.add_parser("train", help="train a D3D (or AR baseline) drafter on the target's responses "
+                                          "(resumable; data-parallel under torchrun: `torchrun --nproc-per-node N "
+                                          "-m d3d.cli train …`, --batch-size is then the global micro-batch)")
     p.add_argument("--data", required=True, help="a `d3d data` output folder")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, drafter/, log.jsonl, curves.png")
     p.add_argument("--target", default="default")
@@ -127,7 +141,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", default="shifted", choices=["shifted", "unshifted"],
                    help="block row i predicts x_{a+i+1} (shifted) or its own token x_{a+i} (unshifted)")
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="sequences per micro-batch, all processes together (each of N takes 1/N of them)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=60)
@@ -148,6 +163,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda or cuda:N; under torchrun, cuda is each rank's own GPU (LOCAL_RANK)")
     p.set_defaults(handler=train)
     p = commands.add_parser("curves", help="compare training runs' held-out τ curves in one PNG")
     p.add_argument("runs", nargs="+", help="run folders (each with log.jsonl)")

@@ -16,6 +16,7 @@ steps a teacher-forced τ on held-out sequences goes to `log.jsonl` and `curves.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -38,6 +39,7 @@ from d3d.estimate import teacher_forced_tau
 from d3d.files import save_tensors
 from d3d.loading import Target
 from d3d.train.batch import IGNORE, MaskRatio, collate, pack_example, sample_anchors
+from d3d.train.distributed import World
 from d3d.train import distill
 from d3d.train.distill import TopK
 from d3d.train.shards import read_shards
@@ -60,7 +62,7 @@ class TrainConfig(_JsonMixin):
     block_attention: BlockAttention = "anchor_causal"  # attention inside a block
     labels: LabelShift = "shifted"  # block row i predicts x_{a+i+1} (shifted) or x_{a+i} (unshifted)
     steps: int = 2000  # optimizer steps
-    batch_size: int = 8  # sequences per micro-batch
+    batch_size: int = 8  # sequences per micro-batch, all ranks together (the global micro-batch)
     grad_accum: int = 1  # micro-batches per optimizer step
     lr: float = 5e-4  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine floor as a share of lr
@@ -157,10 +159,8 @@ def distill_kl(drafter: Drafter, log_q: torch.Tensor, teacher_ids: torch.Tensor,
     return top + torch.xlogy(p_rest, p_rest) - p_rest * q_rest.log()
 
 
-def drafter_loss(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: float, distill: float = 0.0,
-                 ce_weight: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """ce_weight·CE + distill·KL, each over the blocks (L_diff) plus λ times over clean rows (L_AR)."""
-    hidden = drafter.packed_hidden(batch)
+def _selection(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: float, distill: float) -> dict[str, Any]:
+    """Which rows carry a loss term, and with what weight: everything of the loss but the model."""
     labels = drafter.to_draft_ids(batch["labels"], missing=IGNORE)  # outside the draft vocabulary: no CE
     teacher_rows = batch.get("teacher_rows") if distill > 0 else None
     if distill > 0 and teacher_rows is None:
@@ -169,35 +169,82 @@ def drafter_loss(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: fl
     rows = has_label if teacher_rows is None else has_label | (teacher_rows >= 0)
     if lambda_ar == 0:  # the clean rows' terms weigh nothing: leave them out of the head
         rows = rows & batch["is_block"]
-    log_q = torch.log_softmax(drafter.draft_scores(hidden[rows]).float(), dim=-1)  # only rows with a target
-    weights, in_block = batch["weights"][rows], batch["is_block"][rows]
+    return {"rows": rows, "labels": labels[rows], "labelled": has_label[rows], "weights": batch["weights"][rows],
+            "in_block": batch["is_block"][rows],
+            "taught": teacher_rows[rows] >= 0 if teacher_rows is not None else None,
+            "teacher_rows": teacher_rows[rows] if teacher_rows is not None else None}
 
-    def split(per_row: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Weighted means over the block rows and over the clean rows where `used`."""
+
+def weight_sums(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: float,
+                distill: float = 0.0) -> torch.Tensor:
+    """(4,) float64: what each of the loss's weighted means divides by — CE over block rows, CE over
+    clean rows, KL over block rows, KL over clean rows. Summed over the ranks of a data-parallel run,
+    they make each rank's loss its share of the whole micro-batch's (`d3d.train.distributed`)."""
+    chosen = _selection(drafter, batch, lambda_ar, distill)
+    w, in_block = chosen["weights"].double(), chosen["in_block"]
+    sums = [(w * chosen["labelled"])[in_block].sum(), (w * chosen["labelled"])[~in_block].sum()]
+    taught = chosen["taught"]
+    sums += [(w * taught)[in_block].sum(), (w * taught)[~in_block].sum()] if taught is not None else [w.new_zeros(())] * 2
+    return torch.stack(sums).cpu()
+
+
+def drafter_loss(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: float, distill: float = 0.0,
+                 ce_weight: float = 1.0, sums: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """ce_weight·CE + distill·KL, each over the blocks (L_diff) plus λ times over clean rows (L_AR).
+
+    Each term is a weighted mean; `sums` (from `weight_sums`, default this batch's own) is what the
+    means divide by, so a rank holding part of a micro-batch returns its share of the whole's loss."""
+    chosen = _selection(drafter, batch, lambda_ar, distill)
+    if sums is None:
+        sums = weight_sums(drafter, batch, lambda_ar, distill)
+    sums = sums.float().clamp_min(1e-9).tolist()
+    hidden = drafter.packed_hidden(batch)
+    log_q = torch.log_softmax(drafter.draft_scores(hidden[chosen["rows"]]).float(), dim=-1)  # only rows with a target
+    weights, in_block = chosen["weights"], chosen["in_block"]
+
+    def split(per_row: torch.Tensor, used: torch.Tensor, block_sum: float, clean_sum: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted sums over the block rows and over the clean rows where `used`, over the given totals."""
         w = weights * used
-        return ((per_row * w)[in_block].sum() / w[in_block].sum().clamp_min(1e-9),
-                (per_row * w)[~in_block].sum() / w[~in_block].sum().clamp_min(1e-9))
+        return (per_row * w)[in_block].sum() / block_sum, (per_row * w)[~in_block].sum() / clean_sum
 
-    labelled = has_label[rows]
-    ce = -log_q.gather(-1, labels[rows].clamp_min(0)[:, None])[:, 0]
-    diff, ar = split(torch.where(labelled, ce, 0.0), labelled)
+    labelled, labels = chosen["labelled"], chosen["labels"]
+    ce = -log_q.gather(-1, labels.clamp_min(0)[:, None])[:, 0]
+    diff, ar = split(torch.where(labelled, ce, 0.0), labelled, sums[0], sums[1])
     loss = ce_weight * (diff + lambda_ar * ar)
     parts = {"diff": diff.item(), "ar": ar.item()}
-    if teacher_rows is not None:
-        taught = teacher_rows[rows] >= 0
-        source = teacher_rows[rows].clamp_min(0)
+    if chosen["taught"] is not None:
+        taught, source = chosen["taught"], chosen["teacher_rows"].clamp_min(0)
         kl = distill_kl(drafter, log_q, batch["teacher_ids"][source], batch["teacher_logprobs"][source])
-        kl_diff, kl_ar = split(torch.where(taught, kl, 0.0), taught)
+        kl_diff, kl_ar = split(torch.where(taught, kl, 0.0), taught, sums[2], sums[3])
         loss = loss + distill * (kl_diff + lambda_ar * kl_ar)
         parts.update(kl_diff=kl_diff.item(), kl_ar=kl_ar.item())
     return loss, parts
 
 
+class DrafterObjective(torch.nn.Module):
+    """The drafter's loss as a module's forward: DistributedDataParallel hooks `forward`, and the
+    loss calls the drafter's own passes (`packed_hidden`, `draft_scores`), not its forward."""
+
+    def __init__(self, drafter: Drafter, lambda_ar: float, distill: float, ce_weight: float) -> None:
+        super().__init__()
+        self.drafter, self.lambda_ar, self.distill, self.ce_weight = drafter, lambda_ar, distill, ce_weight
+
+    def forward(self, batch: dict[str, torch.Tensor], sums: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        return drafter_loss(self.drafter, batch, self.lambda_ar, self.distill, self.ce_weight, sums)
+
+
 class Trainer:
-    def __init__(self, target: Target, data_dir: str | Path, out_dir: str | Path, config: TrainConfig) -> None:
-        self.config, self.target = config, target
+    """One training run, in this process or as one rank of a data-parallel world (`world`): every
+    rank keeps the same counters over the same global order, and rank 0 alone evaluates and writes."""
+
+    def __init__(self, target: Target, data_dir: str | Path, out_dir: str | Path, config: TrainConfig,
+                 world: World = World()) -> None:
+        self.config, self.target, self.world = config, target, world
+        world.share([], config.batch_size)  # a global micro-batch that does not divide is refused now
         self.out = Path(out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        if world.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
         # the target's distributions: for the loss with `distill`, and for τ at T = 1 whenever the data has them
         has_teachers = config.distill > 0 or distill.available(data_dir)
         teachers: list[TopK] | None = [] if has_teachers else None
@@ -241,35 +288,50 @@ class Trainer:
                                            weight_decay=config.weight_decay)
         self.step, self.epoch, self.index = 0, 0, 0
         self.tokens_seen = 0  # response tokens of the sequences trained on so far (the τ scaling axis)
-        self.rng = random.Random(config.seed)
         self.order = self._order()
         if (self.out / "checkpoint" / "state.json").is_file():
             self._resume()
+        lambda_ar = {"ar": 1.0, "dflash": 0.0}.get(config.drafter_kind, config.lambda_ar)
+        # an AR drafter has no blocks: its loss is the clean rows' term alone, at weight 1; a
+        # DFlash-style drafter's clean rows are the target's hidden states, with nothing to predict
+        self.objective: torch.nn.Module = DrafterObjective(self.drafter, lambda_ar, config.distill, config.ce_weight)
+        if world.distributed:  # after resume: every rank starts from the same weights either way
+            device = self.drafter.decoder.device
+            self.objective = torch.nn.parallel.DistributedDataParallel(
+                self.objective, device_ids=[device.index] if device.type == "cuda" else None,
+                forward_sync_buffers=False)  # buffers (RoPE tables) are the same everywhere: synced once, at start
 
     # -- data --------------------------------------------------------------------------------
 
-    def _order(self) -> list[int]:
+    def _order(self, epoch: int | None = None) -> list[int]:
         order = list(range(len(self.train_set)))
-        random.Random(self.config.seed * 1000 + self.epoch).shuffle(order)
+        random.Random(self.config.seed * 1000 + (self.epoch if epoch is None else epoch)).shuffle(order)
         return order
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's share of the next global micro-batch of `batch_size` sequences. Each sequence's
+        anchors and masks come from its own generator, seeded by its place in the global order, so
+        they do not depend on which rank packs it."""
         c = self.config
-        examples, clean = [], []
-        while len(examples) < c.batch_size:
+        places = []  # (epoch, index) of each sequence of the global micro-batch
+        while len(places) < c.batch_size:
             if self.index >= len(self.order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self.order = self._order()
-            index = self.order[self.index]
+            places.append((self.epoch, self.index))
+            tokens, response_start = self.train_set[self.order[self.index]]
+            self.tokens_seen += len(tokens) - response_start
+            self.index += 1
+        examples, clean = [], []
+        for epoch, place in self.world.share(places, c.batch_size):
+            index = self.order[place] if epoch == self.epoch else self._order(epoch)[place]
             tokens, response_start = self.train_set[index]
             teacher = self.train_teachers[index] if self.train_teachers is not None else None
-            self.index += 1
-            self.tokens_seen += len(tokens) - response_start
-            anchors = [] if c.drafter_kind == "ar" else sample_anchors(len(tokens), response_start, c.anchors,
-                                                                       self.rng)
+            rng = random.Random(((c.seed * 65_537 + epoch) << 32) + place)
+            anchors = [] if c.drafter_kind == "ar" else sample_anchors(len(tokens), response_start, c.anchors, rng)
             examples.append(pack_example(tokens, response_start, anchors, c.block_size,
                                          self.drafter.config.mask_token_id, c.block_attention, c.gamma,
-                                         c.mask_ratio, self.rng, self.drafter.config.labels, teacher))
+                                         c.mask_ratio, rng, self.drafter.config.labels, teacher))
             clean.append(tokens)
         batch = collate(examples)
         if self.drafter.feature_projection is not None:  # DFlash-style: the target's hidden states, computed now
@@ -279,6 +341,9 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------
 
     def save(self) -> None:
+        """Rank 0 writes the checkpoint (every rank holds the same weights, moments and counters)."""
+        if not self.world.is_main:
+            return
         staging = self.out / "checkpoint.staging"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
@@ -288,11 +353,9 @@ class Trainer:
             for key, value in self.optimizer.state.get(p, {}).items():
                 tensors[f"{name}/{key}"] = value.detach().clone().contiguous()
         save_tensors(tensors, staging / "optimizer.safetensors")
-        version, internal, gauss = self.rng.getstate()
         state = {"step": self.step, "epoch": self.epoch, "index": self.index, "tokens_seen": self.tokens_seen,
-                 "config": self.config.to_dict(),
-                 "num_sequences": self.num_sequences,
-                 "python_rng": [version, list(internal), gauss]}
+                 "config": self.config.to_dict(), "num_sequences": self.num_sequences,
+                 "world_size": self.world.size}  # for the record: any world size resumes it
         (staging / "state.json").write_text(json.dumps(state))
         final = self.out / "checkpoint"
         previous = self.out / "checkpoint.previous"
@@ -320,13 +383,12 @@ class Trainer:
             if moments:
                 self.optimizer.state[p] = moments
         torch.set_rng_state(tensors["torch_rng"])
-        version, internal, gauss = state["python_rng"]
-        self.rng.setstate((version, tuple(internal), gauss))
         self.step, self.epoch, self.index = state["step"], state["epoch"], state["index"]
         self.tokens_seen = state.get("tokens_seen", 0)
         self.order = self._order()
         log = self.out / "log.jsonl"
-        if log.is_file():  # drop lines past the checkpoint: those steps are about to be redone
+        self.world.barrier()  # every rank has read the checkpoint before rank 0 may rewrite the log
+        if self.world.is_main and log.is_file():  # drop lines past the checkpoint: those steps are about to be redone
             kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= self.step]
             log.write_text("".join(line + "\n" for line in kept))
 
@@ -337,16 +399,22 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(c, self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {"loss": 0.0}
-        for _ in range(c.grad_accum):
+        objective = self.objective.module if self.world.distributed else self.objective
+        totals: dict[str, float] = {}
+        for micro in range(c.grad_accum):
             batch = self._next_batch()
-            with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=c.autocast):
-                # an AR drafter has no blocks: its loss is the clean rows' term alone, at weight 1; a
-                # DFlash-style drafter's clean rows are the target's hidden states, with nothing to predict
-                lambda_ar = {"ar": 1.0, "dflash": 0.0}.get(c.drafter_kind, c.lambda_ar)
-                loss, parts = drafter_loss(self.drafter, batch, lambda_ar, c.distill, c.ce_weight)
-            (loss / c.grad_accum).backward()
-            for name, value in {"loss": loss.item(), **parts}.items():
+            # the whole micro-batch's denominators, so each rank's loss is its share of the whole's
+            sums = self.world.sum(weight_sums(self.drafter, batch, objective.lambda_ar, c.distill))
+            last = micro == c.grad_accum - 1
+            # gradients are summed over the ranks once, after the last micro-batch
+            with self.objective.no_sync() if self.world.distributed and not last else contextlib.nullcontext():
+                with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=c.autocast):
+                    loss, parts = self.objective(batch, sums)
+                # DDP averages the ranks' gradients; the shares are meant to be summed
+                (loss * self.world.size / c.grad_accum).backward()
+            names = ["loss", *parts]
+            shares = self.world.sum(torch.tensor([loss.item(), *parts.values()], dtype=torch.float64))
+            for name, value in zip(names, shares.tolist()):
                 totals[name] = totals.get(name, 0.0) + value / c.grad_accum
         if c.clip > 0:
             torch.nn.utils.clip_grad_norm_(list(self.parameters.values()), c.clip)
@@ -355,6 +423,9 @@ class Trainer:
         return {**totals, "lr": learning_rate(c, self.step - 1)}
 
     def evaluate(self) -> dict[str, Any]:
+        """The held-out τ estimate, on rank 0 only (the others have nothing to add to it: {})."""
+        if not self.world.is_main:
+            return {}
         self.drafter.eval()
         with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
             estimate = teacher_forced_tau(self.drafter, self.held_out, seed=12345, teachers=self.held_teachers,
@@ -366,6 +437,8 @@ class Trainer:
         return result
 
     def log(self, record: dict[str, Any]) -> None:
+        if not self.world.is_main:
+            return
         with open(self.out / "log.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
@@ -373,7 +446,8 @@ class Trainer:
         c = self.config
         if self.step == 0:
             self.log({"step": 0, **self.evaluate()})
-        bar = tqdm(total=c.steps, initial=self.step, desc="train drafter", unit="step", disable=not progress)
+        bar = tqdm(total=c.steps, initial=self.step, desc="train drafter", unit="step",
+                   disable=not progress or not self.world.is_main)
         started = time.perf_counter()
         while self.step < c.steps:
             metrics = self.train_step()
@@ -387,7 +461,10 @@ class Trainer:
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"tau": record["tau"]} if "tau" in record else {}))
             bar.update(1)
         bar.close()
-        self.drafter.save_pretrained(self.out / "drafter", dtype=torch.bfloat16)
-        from d3d.train.curves import plot_curves
-        plot_curves(self.out / "log.jsonl", self.out / "curves.png")
-        return {"step": self.step, **self.evaluate()}
+        result = {"step": self.step, **self.evaluate()}
+        if self.world.is_main:
+            self.drafter.save_pretrained(self.out / "drafter", dtype=torch.bfloat16)
+            from d3d.train.curves import plot_curves
+            plot_curves(self.out / "log.jsonl", self.out / "curves.png")
+        self.world.barrier()  # no rank leaves (and closes the group) before the drafter is written
+        return result

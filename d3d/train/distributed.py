@@ -1,0 +1,83 @@
+"""Data-parallel training under `torchrun`: which process this is, and the few collectives training needs.
+
+`torchrun --nproc-per-node N -m d3d.cli train …` starts N processes with RANK, WORLD_SIZE,
+LOCAL_RANK and the rendezvous address in their environment; `World.from_environment` joins them
+into PyTorch's own process group (`gloo` on the CPU, `nccl` on CUDA). A plain `d3d train` is a
+world of one, with no process group and no collective ever called.
+
+How the trainer stays world-size independent (`d3d.train.trainer`): every rank walks the same
+global order of sequences and keeps the same counters, and takes its own slice of each global
+micro-batch (`World.share`); losses are normalised by denominators summed over the ranks, so the
+summed gradient is the one a single process computes over the whole micro-batch. A checkpoint
+therefore means the same thing for any world size, and a run resumes on any other.
+
+What it is not: a launcher (torchrun is) or a sharding strategy of its own (DDP and FSDP are
+PyTorch's).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from d3d.config import ConfigError
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the training processes."""
+
+    rank: int = 0  # 0 … size − 1; rank 0 writes checkpoints, logs and curves, and evaluates
+    size: int = 1  # processes training together
+    local_rank: int = 0  # index on this node (the CUDA device it drives)
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ConfigError(f"rank {self.rank} of a world of {self.size} processes does not exist")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @classmethod
+    def from_environment(cls, device: torch.device | None = None) -> "World":
+        """The world torchrun describes in the environment, its process group joined; a world of
+        one (nothing joined) when WORLD_SIZE is absent or 1."""
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size == 1:
+            return cls()
+        world = cls(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        return world
+
+    def share(self, items: list, total: int) -> list:
+        """This rank's slice of a global micro-batch of `total` items: items rank, rank + size, …
+        (disjoint across ranks, together the whole)."""
+        if total % self.size:
+            raise ConfigError(f"--batch-size {total} (the global micro-batch) must divide among "
+                              f"{self.size} processes")
+        return items[self.rank::self.size]
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum over the ranks (in place, and returned); the values themselves alone."""
+        if self.distributed:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
