@@ -168,12 +168,14 @@ class Drafter(nn.Module):
                      if not k.removeprefix("decoder.").startswith(SHARED_PREFIXES)}
         return state
 
-    def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Write config.json + model.safetensors (in `dtype`, default: as held)."""
+    def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None,
+                        state: dict[str, torch.Tensor] | None = None) -> None:
+        """Write config.json + model.safetensors (in `dtype`, default: as held). `state`: the tensors
+        of `own_state()` as given (a sharded training run passes them gathered whole)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().to(dtype if dtype and v.is_floating_point() else v.dtype).contiguous().cpu()
-                 for k, v in self.own_state().items()}  # ids (the draft vocabulary) keep their integer type
+                 for k, v in (self.own_state() if state is None else state).items()}  # ids (the draft vocabulary) keep their integer type
         save_tensors(state, folder / "model.safetensors", metadata={"format": FORMAT})
         document = {"format": FORMAT, "format_version": FORMAT_VERSION, **self.config.to_dict()}
         (folder / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True))

@@ -36,7 +36,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, size: int, port: int, data: str, out: str, steps_now: int) -> None:
+def _rank(rank: int, size: int, port: int, data: str, out: str, steps_now: int, fsdp: bool) -> None:
     """One rank: join the world from the environment torchrun would set, train `steps_now` steps
     (all of them: run(); fewer: stop there after a checkpoint, as a killed run leaves it)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -44,7 +44,7 @@ def _rank(rank: int, size: int, port: int, data: str, out: str, steps_now: int) 
     torch.set_num_threads(1)
     world = World.from_environment()
     try:
-        trainer = Trainer(tiny_train_target(), data, out, config(**SETTINGS), world)
+        trainer = Trainer(tiny_train_target(), data, out, config(**SETTINGS), world, fsdp=fsdp)
         if steps_now >= SETTINGS["steps"]:
             trainer.run(progress=False)
         else:
@@ -55,8 +55,8 @@ def _rank(rank: int, size: int, port: int, data: str, out: str, steps_now: int) 
         world.close()
 
 
-def train_on_ranks(size: int, data, out, steps_now: int = SETTINGS["steps"]) -> None:
-    mp.spawn(_rank, args=(size, free_port(), str(data), str(out), steps_now), nprocs=size, join=True)
+def train_on_ranks(size: int, data, out, steps_now: int = SETTINGS["steps"], fsdp: bool = False) -> None:
+    mp.spawn(_rank, args=(size, free_port(), str(data), str(out), steps_now, fsdp), nprocs=size, join=True)
 
 
 def train_alone(data, out, steps_now: int = SETTINGS["steps"]) -> None:
@@ -129,11 +129,13 @@ def test_ranks_pack_disjoint_halves_of_the_same_micro_batch(data_dir, tmp_path):
                     assert torch.equal(part[key][row], full[key][source][:n]), key
 
 
-def test_two_ranks_train_as_one_process(data_dir, alone, tmp_path):  # noqa: F811
-    """2 gloo ranks, global batch 4 (2 each) == 1 process, batch 4: losses, counters, weights; rank 0
-    alone wrote the log, checkpoint, drafter and curves."""
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_ranks_train_as_one_process(data_dir, alone, tmp_path, fsdp):  # noqa: F811
+    """2 gloo ranks, global batch 4 (2 each) == 1 process, batch 4: losses, counters, weights, whether
+    each rank holds a replica (DDP) or a shard (FSDP); rank 0 alone wrote the log, checkpoint, drafter
+    and curves, and they hold whole tensors."""
     out = tmp_path / "two"
-    train_on_ranks(2, data_dir, out)
+    train_on_ranks(2, data_dir, out, fsdp=fsdp)
     assert_same_run(alone, out)
     assert (out / "drafter" / "config.json").is_file() and (out / "curves.png").is_file()
     assert len((out / "log.jsonl").read_text().splitlines()) == SETTINGS["steps"] + 1  # step 0's τ, then each step once
@@ -141,9 +143,9 @@ def test_two_ranks_train_as_one_process(data_dir, alone, tmp_path):  # noqa: F81
 
 
 def test_a_run_resumes_on_another_world_size(data_dir, alone, tmp_path):  # noqa: F811
-    """Started on 2 ranks and resumed on 1, or started on 1 and resumed on 2: the same run."""
+    """Started on 2 sharded ranks and resumed on 1, or started on 1 and resumed on 2: the same run."""
     down, up = tmp_path / "down", tmp_path / "up"
-    train_on_ranks(2, data_dir, down, steps_now=3)
+    train_on_ranks(2, data_dir, down, steps_now=3, fsdp=True)
     assert json.loads((down / "checkpoint" / "state.json").read_text())["world_size"] == 2
     train_alone(data_dir, down)
     train_alone(data_dir, up, steps_now=3)
@@ -176,6 +178,10 @@ def test_torchrun_trains_through_the_cli(data_dir, tmp_path):  # noqa: F811
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1 and json.loads(lines[0])["step"] == 2
     assert (tmp_path / "run" / "drafter" / "config.json").is_file()
+    sharded = subprocess.run(argv + ["--fsdp", "--out", str(tmp_path / "sharded")], capture_output=True, text=True,
+                             env=env, timeout=300)
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert (tmp_path / "sharded" / "drafter" / "model.safetensors").is_file()
     odd = subprocess.run(argv[:argv.index("--batch-size") + 1] + ["3"] + argv[argv.index("--batch-size") + 2:]
                          + ["--out", str(tmp_path / "odd")], capture_output=True, text=True, env=env, timeout=300)
     # each rank exits 2 with d3d's own message (torchrun then reports the failed ranks its own way)

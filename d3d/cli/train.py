@@ -12,28 +12,45 @@ from d3d.config import ConfigError
 
 
 def data(args: argparse.Namespace) -> int:
-    """Generate the target's own greedy responses to training prompts (resumable)."""
+    """Generate the target's own greedy responses to training prompts (resumable): with the target
+    loaded here, or fetched from an OpenAI-compatible server serving it (--server)."""
+    import os
     from pathlib import Path
 
-    from d3d.loading import load_target
+    from d3d.loading import load_target, load_target_tokenizer
     from d3d.train.data import DataConfig, check_same_identity, check_sources, generate_data
+    from d3d.train.remote import ServerConfig
 
     config = DataConfig(sources=args.sources.split(","), max_prompts=args.max_prompts,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                         shard_size=args.shard_size, batch_size=args.batch_size, seed=args.seed)
     if args.distill_top_k < 0:
         raise ConfigError("--distill-top-k must be >= 0")
+    server = None
+    if args.server:
+        server = ServerConfig(url=args.server, served_model=args.served_model or "",
+                              concurrency=ServerConfig.concurrency if args.concurrency is None else args.concurrency,
+                              retries=ServerConfig.retries if args.retries is None else args.retries,
+                              api_key=args.api_key or os.environ.get("OPENAI_API_KEY", ""))
+    else:
+        for option, value in (("--served-model", args.served_model), ("--concurrency", args.concurrency),
+                              ("--retries", args.retries), ("--api-key", args.api_key)):
+            if value is not None:
+                raise ConfigError(f"{option} is an option of --server URL")
     # What can be refused without the model is refused before it loads (a resumed folder reads its
     # own prompts.jsonl, not the sources).
     out = Path(args.out)
-    if (out / "manifest.json").is_file():
-        check_same_identity(out, {"config": config.to_dict()})
+    if (out / "manifest.json").is_file():  # the served model is not known yet: local or server is checked
+        check_same_identity(out, {"config": config.to_dict(),
+                                  "server": {"url": server.base_url, "model": None} if server else None})
     if not (out / "prompts.jsonl").is_file():
         check_sources(config)
     torch.set_num_threads(args.threads) if args.threads else None
-    target = load_target(args.target, DTYPES[args.dtype])
-    manifest = generate_data(target, args.out, config, distill_top_k=args.distill_top_k)
-    print(json.dumps({k: manifest[k] for k in ("num_prompts", "shards_done", "num_shards", "response_tokens")}))
+    # with a server, only the tokenizer is needed here: to write the prompts and check the server's answers
+    target = load_target_tokenizer(args.target) if server else load_target(args.target, DTYPES[args.dtype])
+    manifest = generate_data(target, args.out, config, distill_top_k=args.distill_top_k, server=server)
+    keys = ("num_prompts", "shards_done", "num_shards", "response_tokens", "left_out_count")
+    print(json.dumps({k: manifest[k] for k in keys if k in manifest}))
     return 0
 
 
@@ -64,7 +81,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         target = load_target(args.target, torch.float32)  # fp32 master weights; compute autocasts to bf16
         target.decoder.to(device)
-        result = Trainer(target, args.data, args.out, config, world).run(progress=world.is_main)
+        result = Trainer(target, args.data, args.out, config, world, fsdp=args.fsdp).run(progress=world.is_main)
     finally:
         world.close()
     if world.is_main:
@@ -120,6 +137,16 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--distill-top-k", type=int, default=0,
                    help="also record the target's top-K next-token distributions for `d3d train --distill` "
                         "(shards made without them get them by one teacher-forced pass); 0 = off")
+    p.add_argument("--server", default="", metavar="URL",
+                   help="fetch the responses from this OpenAI-compatible server serving the target (vLLM, SGLang, "
+                        "llama.cpp's server, `d3d serve`), e.g. http://127.0.0.1:8000/v1; --target then names the "
+                        "local tokenizer it is checked against (no weights are loaded)")
+    p.add_argument("--served-model", default=None, help="with --server: the model id to ask for (default: its only one)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="with --server: requests in flight at once (default 8)")
+    p.add_argument("--retries", type=int, default=None,
+                   help="with --server: further tries of a failed request, with exponential backoff (default 4)")
+    p.add_argument("--api-key", default=None, help="with --server: its API key (default: $OPENAI_API_KEY)")
     p.set_defaults(handler=data)
     p = commands.add_parser("train", help="train a D3D (or AR baseline) drafter on the target's responses "
                                           "(resumable; data-parallel under torchrun: `torchrun --nproc-per-node N "
@@ -163,6 +190,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the drafter's weights, gradients and Adam moments over the processes "
+                        "(FSDP2) instead of a whole replica each (DDP); for drafters too large to replicate")
     p.add_argument("--device", default="cpu",
                    help="cpu (default), cuda or cuda:N; under torchrun, cuda is each rank's own GPU (LOCAL_RANK)")
     p.set_defaults(handler=train)

@@ -11,18 +11,25 @@ micro-batch (`World.share`); losses are normalised by denominators summed over t
 summed gradient is the one a single process computes over the whole micro-batch. A checkpoint
 therefore means the same thing for any world size, and a run resumes on any other.
 
+`wrap` gives the objective to PyTorch's DistributedDataParallel (each rank a whole replica, the
+default) or, for drafters too large to replicate, to FSDP2's `fully_shard` (`d3d train --fsdp`:
+parameters, gradients and Adam's moments sharded over the ranks); checkpoints hold whole tensors
+either way (`whole`, `laid_out_like`), so a sharded run resumes unsharded and back.
+
 What it is not: a launcher (torchrun is) or a sharding strategy of its own (DDP and FSDP are
 PyTorch's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from d3d.config import ConfigError
 
@@ -81,3 +88,50 @@ class World:
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def wrap(objective: torch.nn.Module, world: World, fsdp: bool, frozen: list[torch.nn.Parameter]) -> torch.nn.Module:
+    """The training objective as the world trains it: itself alone; DistributedDataParallel (each rank
+    a whole replica); or with `fsdp`, FSDP2 (`fully_shard`): each decoder layer its own group, the
+    rest of the drafter's own parameters in the root's, the `frozen` shared target weights left whole.
+    Build the optimizer after this: FSDP replaces the parameters it shards."""
+    if not world.distributed:
+        return objective
+    device = next(p.device for p in objective.parameters())
+    if not fsdp:
+        return torch.nn.parallel.DistributedDataParallel(
+            objective, device_ids=[device.index] if device.type == "cuda" else None,
+            forward_sync_buffers=False)  # buffers (RoPE tables) are the same everywhere: synced once, at start
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world.size,))
+    for layer in objective.drafter.decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(objective, mesh=mesh, ignored_params=set(frozen))
+
+
+def gradient_sync(module: torch.nn.Module, on: bool) -> contextlib.AbstractContextManager:
+    """Within it, backward passes sum gradients over the ranks only when `on` (the last micro-batch)."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if on else module.no_sync()
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        module.set_requires_gradient_sync(on)
+    return contextlib.nullcontext()
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    return hasattr(module, "set_requires_gradient_sync")
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole on every rank (FSDP's shards gathered: collective, same order on every rank)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def laid_out_like(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """A whole tensor (a checkpoint's optimizer moment) in the layout of `parameter`: this rank's shard
+    of it under FSDP; as it is otherwise, and for values of another shape (Adam's step)."""
+    if isinstance(parameter, DTensor) and value.shape == parameter.shape:
+        return distribute_tensor(value.to(parameter.device), parameter.device_mesh, parameter.placements)
+    return value.to(parameter.device)

@@ -16,7 +16,6 @@ steps a teacher-forced τ on held-out sequences goes to `log.jsonl` and `curves.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -26,7 +25,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
@@ -39,7 +38,7 @@ from d3d.estimate import teacher_forced_tau
 from d3d.files import save_tensors
 from d3d.loading import Target
 from d3d.train.batch import IGNORE, MaskRatio, collate, pack_example, sample_anchors
-from d3d.train.distributed import World
+from d3d.train.distributed import World, gradient_sync, is_sharded, laid_out_like, whole, wrap
 from d3d.train import distill
 from d3d.train.distill import TopK
 from d3d.train.shards import read_shards
@@ -230,7 +229,13 @@ class DrafterObjective(torch.nn.Module):
         super().__init__()
         self.drafter, self.lambda_ar, self.distill, self.ce_weight = drafter, lambda_ar, distill, ce_weight
 
-    def forward(self, batch: dict[str, torch.Tensor], sums: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def forward(self, batch: dict[str, torch.Tensor] | None = None, sums: torch.Tensor | None = None,
+                run: Callable[[], Any] | None = None) -> Any:
+        """The loss of `batch` over the `sums`, or with `run`, that pass's result instead: FSDP gathers
+        the drafter's top-level parameters around forward, so evaluation runs in here when sharded."""
+        if run is not None:
+            with torch.no_grad():
+                return run()
         return drafter_loss(self.drafter, batch, self.lambda_ar, self.distill, self.ce_weight, sums)
 
 
@@ -239,8 +244,10 @@ class Trainer:
     rank keeps the same counters over the same global order, and rank 0 alone evaluates and writes."""
 
     def __init__(self, target: Target, data_dir: str | Path, out_dir: str | Path, config: TrainConfig,
-                 world: World = World()) -> None:
+                 world: World = World(), fsdp: bool = False) -> None:
         self.config, self.target, self.world = config, target, world
+        if fsdp and not world.distributed:
+            raise ConfigError("--fsdp shards the drafter over the processes of a torchrun world; this is one process")
         world.share([], config.batch_size)  # a global micro-batch that does not divide is refused now
         self.out = Path(out_dir)
         if world.is_main:
@@ -281,25 +288,25 @@ class Trainer:
             self.feature_target = (target.decoder if target.decoder.dtype == wanted
                                    else copy.deepcopy(target.decoder).to(wanted))
         shared = {id(p) for p in target.decoder.parameters()}
-        self.parameters = {n: p for n, p in self.drafter.named_parameters() if id(p) not in shared}
         for p in target.decoder.parameters():
             p.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.parameters.values(), lr=config.lr,
-                                           weight_decay=config.weight_decay)
         self.step, self.epoch, self.index = 0, 0, 0
         self.tokens_seen = 0  # response tokens of the sequences trained on so far (the τ scaling axis)
         self.order = self._order()
-        if (self.out / "checkpoint" / "state.json").is_file():
-            self._resume()
+        resumed = (self.out / "checkpoint" / "state.json").is_file()
+        moments = self._resume() if resumed else {}
         lambda_ar = {"ar": 1.0, "dflash": 0.0}.get(config.drafter_kind, config.lambda_ar)
         # an AR drafter has no blocks: its loss is the clean rows' term alone, at weight 1; a
         # DFlash-style drafter's clean rows are the target's hidden states, with nothing to predict
-        self.objective: torch.nn.Module = DrafterObjective(self.drafter, lambda_ar, config.distill, config.ce_weight)
-        if world.distributed:  # after resume: every rank starts from the same weights either way
-            device = self.drafter.decoder.device
-            self.objective = torch.nn.parallel.DistributedDataParallel(
-                self.objective, device_ids=[device.index] if device.type == "cuda" else None,
-                forward_sync_buffers=False)  # buffers (RoPE tables) are the same everywhere: synced once, at start
+        objective = DrafterObjective(self.drafter, lambda_ar, config.distill, config.ce_weight)
+        # after resume, every rank holds the same whole weights; FSDP then keeps each rank's shard
+        self.objective = wrap(objective, world, fsdp, [p for p in self.drafter.parameters() if id(p) in shared])
+        self.parameters = {n: p for n, p in self.drafter.named_parameters() if id(p) not in shared}
+        self.optimizer = torch.optim.AdamW(self.parameters.values(), lr=config.lr,
+                                           weight_decay=config.weight_decay)
+        for name, p in self.parameters.items():
+            if name in moments:
+                self.optimizer.state[p] = {key: laid_out_like(value, p) for key, value in moments[name].items()}
 
     # -- data --------------------------------------------------------------------------------
 
@@ -340,18 +347,24 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
 
+    def _own_state(self) -> dict[str, torch.Tensor]:
+        """The drafter's own tensors, whole (gathered from the ranks' shards under FSDP: every rank calls it)."""
+        return {name: whole(value.detach()) for name, value in self.drafter.own_state().items()}
+
     def save(self) -> None:
-        """Rank 0 writes the checkpoint (every rank holds the same weights, moments and counters)."""
+        """Rank 0 writes the checkpoint: whole tensors (every rank holds the same counters), so any
+        world size, sharded or not, resumes it."""
+        weights = self._own_state()
+        tensors = {"torch_rng": torch.get_rng_state()}
+        for name, p in self.parameters.items():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                tensors[f"{name}/{key}"] = whole(value.detach()).cpu().clone().contiguous()
         if not self.world.is_main:
             return
         staging = self.out / "checkpoint.staging"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        self.drafter.save_pretrained(staging / "drafter")  # fp32: resume must be exact
-        tensors = {"torch_rng": torch.get_rng_state()}
-        for name, p in self.parameters.items():
-            for key, value in self.optimizer.state.get(p, {}).items():
-                tensors[f"{name}/{key}"] = value.detach().clone().contiguous()
+        self.drafter.save_pretrained(staging / "drafter", state=weights)  # fp32: resume must be exact
         save_tensors(tensors, staging / "optimizer.safetensors")
         state = {"step": self.step, "epoch": self.epoch, "index": self.index, "tokens_seen": self.tokens_seen,
                  "config": self.config.to_dict(), "num_sequences": self.num_sequences,
@@ -365,7 +378,9 @@ class Trainer:
         os.replace(staging, final)
         shutil.rmtree(previous, ignore_errors=True)
 
-    def _resume(self) -> None:
+    def _resume(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Weights, counters and generator from the checkpoint; returns Adam's moments by parameter
+        name, whole (the optimizer is built, and sharded, after)."""
         folder = self.out / "checkpoint"
         state = json.loads((folder / "state.json").read_text())
         defaults = TrainConfig(layers=self.config.layers, init_from=self.config.init_from).to_dict()
@@ -378,11 +393,11 @@ class Trainer:
         loaded = Drafter.from_pretrained(folder / "drafter", self.target.decoder, self.target.fingerprint)
         self.drafter.load_state_dict(loaded.float().state_dict())
         tensors = load_file(str(folder / "optimizer.safetensors"))
-        for name, p in self.parameters.items():
-            moments = {key.split("/", 1)[1]: value for key, value in tensors.items() if key.split("/", 1)[0] == name}
-            if moments:
-                self.optimizer.state[p] = moments
-        torch.set_rng_state(tensors["torch_rng"])
+        torch.set_rng_state(tensors.pop("torch_rng"))
+        moments: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            name, moment = key.split("/", 1)
+            moments.setdefault(name, {})[moment] = value
         self.step, self.epoch, self.index = state["step"], state["epoch"], state["index"]
         self.tokens_seen = state.get("tokens_seen", 0)
         self.order = self._order()
@@ -391,6 +406,7 @@ class Trainer:
         if self.world.is_main and log.is_file():  # drop lines past the checkpoint: those steps are about to be redone
             kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= self.step]
             log.write_text("".join(line + "\n" for line in kept))
+        return moments
 
     # -- loop --------------------------------------------------------------------------------
 
@@ -399,7 +415,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(c, self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        objective = self.objective.module if self.world.distributed else self.objective
+        objective = getattr(self.objective, "module", self.objective)  # DDP holds it; FSDP is it
         totals: dict[str, float] = {}
         for micro in range(c.grad_accum):
             batch = self._next_batch()
@@ -407,7 +423,7 @@ class Trainer:
             sums = self.world.sum(weight_sums(self.drafter, batch, objective.lambda_ar, c.distill))
             last = micro == c.grad_accum - 1
             # gradients are summed over the ranks once, after the last micro-batch
-            with self.objective.no_sync() if self.world.distributed and not last else contextlib.nullcontext():
+            with gradient_sync(self.objective, last):
                 with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=c.autocast):
                     loss, parts = self.objective(batch, sums)
                 # DDP averages the ranks' gradients; the shares are meant to be summed
@@ -424,13 +440,20 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         """The held-out τ estimate, on rank 0 only (the others have nothing to add to it: {})."""
-        if not self.world.is_main:
+        sharded = is_sharded(self.objective)  # then every rank runs it: its passes gather the shards
+        if not self.world.is_main and not sharded:
             return {}
         self.drafter.eval()
-        with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
-            estimate = teacher_forced_tau(self.drafter, self.held_out, seed=12345, teachers=self.held_teachers,
+
+        def held_out_tau():
+            with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
+                return teacher_forced_tau(self.drafter, self.held_out, seed=12345, teachers=self.held_teachers,
                                           target=self.feature_target)
+
+        estimate = self.objective(run=held_out_tau) if sharded else held_out_tau()
         self.drafter.train()
+        if not self.world.is_main:
+            return {}
         result = {"tau": round(estimate.tau, 4), "acceptance_rate": [round(r, 4) for r in estimate.acceptance_rate]}
         if estimate.tau_t1 is not None:
             result["tau_t1"] = round(estimate.tau_t1, 4)
@@ -462,8 +485,9 @@ class Trainer:
             bar.update(1)
         bar.close()
         result = {"step": self.step, **self.evaluate()}
+        weights = self._own_state()
         if self.world.is_main:
-            self.drafter.save_pretrained(self.out / "drafter", dtype=torch.bfloat16)
+            self.drafter.save_pretrained(self.out / "drafter", dtype=torch.bfloat16, state=weights)
             from d3d.train.curves import plot_curves
             plot_curves(self.out / "log.jsonl", self.out / "curves.png")
         self.world.barrier()  # no rank leaves (and closes the group) before the drafter is written
