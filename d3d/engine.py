@@ -27,7 +27,7 @@ from d3d.lookup import LookupConfig
 from d3d.models import Decoder
 from d3d.sampling import make_generator
 from d3d.sequence import Sequence, Step
-from d3d.run import Run
+from d3d.run import OnCommit, Run
 from d3d.sources import DraftSource, default_sources
 from d3d.target_step import pick, prefill, score_rows
 
@@ -65,12 +65,13 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
 
 @torch.no_grad()
 def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_ids: list[int],
-                          config: GenerationConfig, adaptive: bool = False) -> Iterator[Step]:
+                          config: GenerationConfig, adaptive: bool = False,
+                          on_commit: OnCommit | None = None) -> Iterator[Step]:
     """`speculative_generate` over any drafting sources, asked in order: the first that proposes
     drafts the step (see `d3d.sources`); a step none drafts is a plain AR step. Sources that read the
     target's hidden states (DFlash-style) get them from every target forward, whoever drafted.
-    The generation is one `d3d.run.Run`, scored alone."""
-    run = Run(target, sources, prompt_ids, config, adaptive)
+    The generation is one `d3d.run.Run`, scored alone; `on_commit` gets each step's logits (`d3d.run.OnCommit`)."""
+    run = Run(target, sources, prompt_ids, config, adaptive, on_commit)
     while not run.finished:
         part = run.rows()
         started = time.perf_counter()

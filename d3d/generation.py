@@ -21,7 +21,7 @@ from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
 from d3d.batch import SharedBatch
 from d3d.engine import generate_from_sources, reference_generate
-from d3d.run import Run
+from d3d.run import OnCommit, Run
 from d3d.export import exported_from
 from d3d.loading import Target, load_target
 from d3d.lookup import LookupConfig
@@ -102,13 +102,17 @@ class Pipeline:
                                 sampling=sampling)
 
     def steps(self, prompt_ids: list[int], config: GenerationConfig, method: Method = "speculative",
-              batch: SharedBatch | None = None) -> Iterator[Step]:
+              batch: SharedBatch | None = None, on_commit: OnCommit | None = None) -> Iterator[Step]:
         """The token engine for `method` (see `Method`); with `batch`, a run in that continuous batch
         (`d3d.batch`: the same steps as alone, decoded together with the batch's other runs) unless
-        the method is "async"."""
+        the method is "async". `on_commit` gets the target's logits of every committed token
+        (`d3d.run.OnCommit`; what the server's logprobs report): every method but "async", whose
+        verification happens beside its drafting thread, gives them."""
         decoder = self.target.decoder
         if method not in METHODS:
             raise ConfigError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
+        if method == "async" and on_commit is not None:
+            raise ConfigError("method 'async' does not report the target's logits: use another method")
         if method == "ar_drafter" and self.ar_drafter is None:
             raise ConfigError("method 'ar_drafter' needs an AR drafter: pass --ar-drafter PATH "
                               "(trained by `d3d train --drafter-kind ar`)")
@@ -119,10 +123,11 @@ class Pipeline:
                                   timeline=self.timeline)
         sources, adaptive = self.sources(method)
         if batch is not None:
-            return batch.submit(Run(decoder, sources, prompt_ids, config, adaptive))
-        if method == "ar":
+            return batch.submit(Run(decoder, sources, prompt_ids, config, adaptive, on_commit))
+        if method == "ar" and on_commit is None:
             return reference_generate(decoder, prompt_ids, config)
-        return generate_from_sources(decoder, sources, prompt_ids, config, adaptive)
+        # with on_commit, plain decoding is a run with no drafting source: the same tokens (the batch's "ar")
+        return generate_from_sources(decoder, sources, prompt_ids, config, adaptive, on_commit)
 
     def sources(self, method: Method) -> tuple[list[DraftSource], bool]:
         """A synchronous `method`'s drafting sources, fresh for one generation (none for "ar"), and

@@ -52,6 +52,20 @@ class Target:
         return tokenizer_fingerprint(self.tokenizer)
 
 
+@dataclass
+class TargetTokenizer:
+    """A target's tokenizer and what identifies it, without its weights: what `d3d data --server`
+    checks a served model against (`load_target_tokenizer`). Same names and fields as `Target`'s."""
+
+    tokenizer: Any  # a transformers tokenizer
+    name: str  # where it came from, as `load_target` names it
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def fingerprint(self) -> str:
+        return tokenizer_fingerprint(self.tokenizer)
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("D3D_CACHE", Path.home() / ".cache" / "d3d"))
 
@@ -154,9 +168,26 @@ def _eos_ids(tokenizer: Any, generation_config: dict[str, Any] | None) -> list[i
     return ids
 
 
+def read_tokenizer(folder: Path) -> tuple[Any, list[int]]:
+    """A Hugging Face folder's tokenizer and end-of-sequence ids (generation_config.json's and the tokenizer's)."""
+    from transformers import AutoTokenizer
+
+    generation = folder / "generation_config.json"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # as for the config: whatever transformers raises, the folder is at fault
+        raise LoadError(f"{folder} holds no tokenizer transformers can read "
+                        f"({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
+    try:
+        generation_config = json.loads(generation.read_text(encoding="utf-8")) if generation.is_file() else None
+    except (ValueError, OSError) as error:
+        raise LoadError(f"{generation} is not readable JSON ({error})") from None
+    return tokenizer, _eos_ids(tokenizer, generation_config)
+
+
 def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") -> Target:
     """A local Hugging Face folder: config.json, *.safetensors (single or sharded), tokenizer files."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     if not (folder / "config.json").is_file():
         raise LoadError(f"{folder} has no config.json: not a Hugging Face model folder")
@@ -180,13 +211,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") ->
         state.update(read_safetensors(file))
     decoder = Decoder(config)
     load_state(decoder, state, str(folder))
-    generation = folder / "generation_config.json"
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except Exception as error:  # as for the config: whatever transformers raises, the folder is at fault
-        raise LoadError(f"{folder} holds no tokenizer transformers can read "
-                        f"({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
-    eos = _eos_ids(tokenizer, json.loads(generation.read_text()) if generation.is_file() else None)
+    tokenizer, eos = read_tokenizer(folder)
     # A target never trains: frozen weights let every forward of it run the row-exact kernels,
     # in any thread, grad mode or not (see Decoder.kernels_for).
     decoder = decoder.to(dtype).eval().requires_grad_(False)
@@ -270,3 +295,27 @@ def load_target(source: str | os.PathLike | None = None, dtype: torch.dtype = to
         return load_hf_folder(path, dtype, weights)
     raise LoadError(f"target {source!r} is neither a .gguf file nor a Hugging Face folder "
                     "(nothing is downloaded: give a local path, or 'default')")
+
+
+def load_target_tokenizer(source: str | os.PathLike | None = None) -> TargetTokenizer:
+    """The tokenizer `load_target(source)` would give, and its name and end-of-sequence ids, without
+    reading the weights — of a Hugging Face folder directly; of a GGUF file (or the embedded default)
+    from its conversion cache, made first if missing (as `load_target` would)."""
+    if source is None or str(source) == DEFAULT_TARGET:
+        gguf, name = embedded_gguf_path(), "SmolLM2-135M-Instruct (embedded)"
+    else:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise LoadError(f"{path} has no config.json: not a Hugging Face model folder")
+            tokenizer, eos = read_tokenizer(path)
+            return TargetTokenizer(tokenizer, str(path), eos)
+        if not (path.suffix == ".gguf" and path.is_file()):
+            raise LoadError(f"target {source!r} is neither a .gguf file nor a Hugging Face folder "
+                            "(nothing is downloaded: give a local path, or 'default')")
+        gguf, name = path, str(path)
+    folder = _gguf_cache_dir(gguf)
+    if not (folder / "model.safetensors").is_file():
+        convert_gguf(gguf, folder)
+    tokenizer, eos = read_tokenizer(folder)
+    return TargetTokenizer(tokenizer, name, eos)

@@ -2,8 +2,11 @@
 and the OpenAI-shaped error responses.
 
 Unknown fields are ignored, as OpenAI's servers do; parameters that would change the sampled
-distribution (penalties, logit_bias) or that one-sequence engines cannot give (n > 1, logprobs) are
-refused with an `ApiError` (HTTP 400), never silently ignored. OpenAI's own limits hold too: a
+distribution (penalties, logit_bias) or that one-sequence engines cannot give (n > 1) are refused
+with an `ApiError` (HTTP 400), never silently ignored. Chat completions give `logprobs` and
+`top_logprobs` (`d3d.logprobs`: the target's own), also with vLLM's `return_tokens_as_token_ids`;
+both endpoints give vLLM's `return_token_ids` (the prompt's and the completion's token ids), so a
+client written for vLLM reads the same fields here. OpenAI's own limits hold too: a
 message's role is one OpenAI accepts (`ROLES`; a "developer" message is the system message of
 OpenAI's newer models and reaches the chat template as "system"; a "tool" message answers a tool
 call, and tool calling is refused), at most `MAX_STOP` stop strings, and text that is valid
@@ -25,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from d3d.generation import Method
+from d3d.logprobs import MAX_TOP_LOGPROBS
 
 ONE_SEQUENCE = "the engine decodes one sequence at a time"
 Role = Literal["system", "user", "assistant", "developer", "tool"]  # the roles OpenAI's chat API accepts
@@ -36,8 +40,6 @@ CHANGES_DISTRIBUTION = "it changes the distribution that lossless decoding repro
 REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("n", lambda v: v not in (None, 1), f"only n = 1 is supported: {ONE_SEQUENCE}"),
     ("best_of", lambda v: v not in (None, 1), f"only best_of = 1 is supported: {ONE_SEQUENCE}"),
-    ("logprobs", bool, "logprobs are not supported by this server"),
-    ("top_logprobs", bool, "logprobs are not supported by this server"),
     ("presence_penalty", bool, f"penalties are not supported: {CHANGES_DISTRIBUTION}"),
     ("frequency_penalty", bool, f"penalties are not supported: {CHANGES_DISTRIBUTION}"),
     ("logit_bias", bool, f"logit_bias is not supported: {CHANGES_DISTRIBUTION}"),
@@ -78,10 +80,15 @@ class SamplingRequest(BaseModel):
     stream: bool | None = False  # Server-Sent Events in OpenAI's chunk format
     stream_options: StreamOptions | None = None
     d3d: Extension | None = None  # extension (see `Extension`)
-    # Refused unless left at their defaults (see REFUSED):
-    n: int | None = None
+    # vLLM's extensions: the prompt's and the completion's token ids ("prompt_token_ids", a choice's
+    # "token_ids"); logprobs entries naming their tokens "token_id:N" instead of their text
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # chat: a boolean, and top_logprobs alternatives per token; completions: refused (see `completion_job`)
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
+    # Refused unless left at their defaults (see REFUSED):
+    n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -141,10 +148,14 @@ class Job:
     include_usage: bool
     method: Method | None = None  # None: the server's
     steps: bool = False  # per-step facts in streamed chunks
+    logprobs: bool = False  # each generated token's log-probability (`d3d.logprobs`)
+    top_logprobs: int = 0  # with logprobs: this many most likely alternatives per token
+    tokens_as_ids: bool = False  # logprobs entries name their tokens "token_id:N"
+    token_ids: bool = False  # the prompt's and the completion's token ids in the response
 
 
 def make_job(request: SamplingRequest, chat: bool, prompt: str | list[dict[str, str]],
-             max_tokens: int | None) -> Job:
+             max_tokens: int | None, logprobs: bool = False, top_logprobs: int = 0) -> Job:
     for name, asked, why in REFUSED:
         if asked(getattr(request, name, None)):
             raise ApiError(f"{name}: {why}", param=name, code="unsupported_parameter")
@@ -160,7 +171,21 @@ def make_job(request: SamplingRequest, chat: bool, prompt: str | list[dict[str, 
         raise ApiError("d3d.steps: per-step facts come with streamed responses: set stream to true", param="d3d")
     return Job(chat, prompt, max_tokens, 1.0 if request.temperature is None else request.temperature,
                request.top_k or 0, 1.0 if request.top_p is None else request.top_p, request.seed, stop,
-               bool(request.stream), bool(options and options.include_usage), extension.method, extension.steps)
+               bool(request.stream), bool(options and options.include_usage), extension.method, extension.steps,
+               logprobs, top_logprobs, bool(request.return_tokens_as_token_ids), bool(request.return_token_ids))
+
+
+def logprob_options(request: ChatRequest) -> tuple[bool, int]:
+    """A chat request's (logprobs, top_logprobs), checked as OpenAI checks them."""
+    logprobs, top = request.logprobs, request.top_logprobs
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ApiError(f"logprobs: a boolean on chat completions, got {logprobs!r} (the number of alternatives "
+                       "is top_logprobs)", param="logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs")
+    if top and not logprobs:
+        raise ApiError("top_logprobs: set logprobs to true to ask for alternatives", param="top_logprobs")
+    return bool(logprobs), top or 0
 
 
 def check_text(text: str, where: str, param: str) -> None:
@@ -189,7 +214,7 @@ def chat_job(request: ChatRequest) -> Job:
         # OpenAI: developer messages are the system instructions of its newer models
         messages.append({"role": "system" if message.role == "developer" else message.role, "content": content or ""})
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    return make_job(request, True, messages, max_tokens)
+    return make_job(request, True, messages, max_tokens, *logprob_options(request))
 
 
 def completion_job(request: CompletionRequest) -> Job:
@@ -199,6 +224,10 @@ def completion_job(request: CompletionRequest) -> Job:
             raise ApiError(f"prompt: send one prompt per request ({ONE_SEQUENCE})", param="prompt")
         prompt = prompt[0]
     check_text(prompt, "prompt", "prompt")
+    for name in ("logprobs", "top_logprobs"):  # 0 asks for them too in the legacy API: only None or false is off
+        if getattr(request, name) is not None and getattr(request, name) is not False:
+            raise ApiError(f"{name}: logprobs are given on /v1/chat/completions only", param=name,
+                           code="unsupported_parameter")
     return make_job(request, False, prompt, request.max_tokens)
 
 

@@ -25,6 +25,12 @@ from d3d.sources import DraftSource, check_vocabulary, verify_reach
 from d3d.target_step import TargetStates, judge, pick, reads_target_states
 
 
+# Called after each step with the target's logits (n, V) of the step's n committed tokens and those
+# tokens: row j is the distribution committed token j was chosen from (what `d3d data
+# --distill-top-k` keeps and the server's logprobs report).
+OnCommit = Callable[[torch.Tensor, list[int]], None]
+
+
 class Run:
     """One speculative generation between target forwards: `rows` says what it feeds the next one
     — the prompt (or, with `prefill_rows`, its next piece), else the anchor and the drafts its
@@ -35,7 +41,7 @@ class Run:
     a run batched with others commits what it commits alone."""
 
     def __init__(self, target: Decoder, sources: list[DraftSource], prompt_ids: list[int],
-                 config: GenerationConfig, adaptive: bool = False) -> None:
+                 config: GenerationConfig, adaptive: bool = False, on_commit: OnCommit | None = None) -> None:
         check_vocabulary(sources, target)
         self.target, self.sources, self.config = target, sources, config
         self.gate = None
@@ -51,9 +57,7 @@ class Run:
         self.states = TargetStates(sources, target.config.hidden_size) if any(map(reads_target_states, sources)) else None
         self.cache = target.new_cache(self.sequence.max_length)
         self.prefilled = 0  # prompt tokens in the cache
-        # called with the target's logits (n, V) of each step's n committed tokens, row j the
-        # distribution committed token j was chosen from (what `d3d data --distill-top-k` keeps)
-        self.on_commit: Callable[[torch.Tensor], None] | None = None
+        self.on_commit = on_commit
         self.source, self.drafts, self.draft_probs = "none", _no_drafts(target.device), None
 
     @property
@@ -129,7 +133,7 @@ class Run:
 
     def _committed(self, step: Step, logits: torch.Tensor) -> Step:
         if self.on_commit is not None:
-            self.on_commit(logits[:len(step.tokens)])
+            self.on_commit(logits[:len(step.tokens)], step.tokens)
         return step
 
 

@@ -7,6 +7,8 @@ temperature 0 exactly what plain autoregressive decoding gives. Responses and er
 OpenAI's shapes; a `d3d` object adds the decoding statistics (τ = tokens per verification step,
 bonus token included), and a request's opt-in `d3d` field (`d3d.openai_schema.Extension`) picks
 another method or streams per-step facts: which tokens were accepted drafts, from which source.
+Chat completions give `logprobs` / `top_logprobs`, the target's own (`d3d.logprobs`), and both
+endpoints vLLM's `return_token_ids`, so a client of vLLM (`d3d data --server`) reads the same fields.
 
 Limits (`Limits`): `max_batch` generations at a time — decoding together in one continuous batch
 (`d3d.batch`), each exactly as alone — with a bounded queue (full → 429, `d3d.scheduler`), a
@@ -44,6 +46,7 @@ from d3d.batch import Batch, SharedBatch
 from d3d.config import ConfigError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
 from d3d.guard import Guard
+from d3d.logprobs import TokenLogprobs, content
 from d3d.metrics import CONTENT_TYPE, ServerMetrics
 from d3d.openai_schema import (ApiError, ChatRequest, CompletionRequest, Job, api_error, chat_job, completion_job,
                                http_error, invalid_request, server_error)
@@ -94,6 +97,9 @@ class Generation:
     method: Method
     deadline: float = float("inf")  # time.monotonic() after which it stops
     origins: list[str] = field(default_factory=list)  # [i]: "lookup" / "drafter" (an accepted draft) or "target"
+    token_ids: list[int] = field(default_factory=list)  # the committed tokens so far
+    logprobs: TokenLogprobs | None = None  # with logprobs asked for: each committed token's
+    reported: int = 0  # generated tokens whose ids / logprobs a streamed event carried
     last: Chunk | None = None  # the latest chunk served
     stopped: str | None = None  # why it ended early: "deadline", "shutdown", "error"
     ended: bool = False
@@ -125,14 +131,18 @@ def start_generation(pipeline: Pipeline, job: Job, method: Method, batch: Shared
         prompt_ids = pipeline.encode(job.prompt, chat=job.chat)
     except Exception as error:  # a chat template or tokenizer refusing this input is the input's fault
         raise ApiError(f"{param} cannot be encoded: {error}", param=param) from None
+    logprobs = TokenLogprobs(job.top_logprobs) if job.logprobs else None
+    if logprobs is not None and method == "async":
+        raise ApiError("logprobs: method 'async' verifies beside its drafting thread and does not report the "
+                       "target's logits; use another method (d3d.method)", param="logprobs")
     try:
-        chunks = pipeline.stream_text(pipeline.steps(prompt_ids, config, method, batch), job.stop)
+        chunks = pipeline.stream_text(pipeline.steps(prompt_ids, config, method, batch, on_commit=logprobs), job.stop)
         first = next(chunks)
     except PromptError as error:
         raise ApiError(str(error), param=param) from None
     except ConfigError as error:
         raise ApiError(str(error), param="d3d" if job.method else None) from None
-    return Generation(prompt_ids, first, chunks, method)
+    return Generation(prompt_ids, first, chunks, method, logprobs=logprobs)
 
 
 def extension(method: Method, stats: SpecStats) -> dict[str, Any]:
@@ -140,6 +150,19 @@ def extension(method: Method, stats: SpecStats) -> dict[str, Any]:
     return {"method": method, "tau": round(stats.tau, 3), "steps": stats.steps,
             "drafted": sum(stats.drafted_at), "accepted": sum(stats.accepted_at),
             "tokens_per_second": round(stats.tokens_per_second, 2), "wall_seconds": round(stats.wall_seconds, 3)}
+
+
+def token_report(job: Job, generation: Generation, tokenizer: Any, upto: int) -> dict[str, Any]:
+    """A choice's `logprobs` and (vLLM's `return_token_ids`) `token_ids` for the generated tokens
+    not yet reported, up to `upto` (a chunk's `num_tokens`: with a stop string, up to the token
+    that completed it), as far as the request asked for them."""
+    start, generation.reported = generation.reported, max(generation.reported, upto)
+    report: dict[str, Any] = {}
+    if generation.logprobs is not None:
+        report["logprobs"] = {"content": content(generation.logprobs.entries[start:upto], tokenizer, job.tokens_as_ids)}
+    if job.token_ids:
+        report["token_ids"] = generation.token_ids[start:upto]
+    return report
 
 
 def step_facts(generation: Generation, chunk: Chunk) -> dict[str, Any]:
@@ -209,6 +232,7 @@ class Server:
         step = chunk.step
         drafts = min(step.num_accepted, len(step.tokens))
         generation.origins += [step.source] * drafts + ["target"] * (len(step.tokens) - drafts)
+        generation.token_ids += step.tokens
         if generation.last is not None:  # the first chunk is the prefill's token: nothing was verified
             self.metrics.record_step(generation.method, step)
         generation.last = chunk
@@ -261,8 +285,12 @@ class Server:
         finish_reason = FINISH_REASONS[chunks[-1].finish_reason or "length"]
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if job.chat
                   else {"index": 0, "text": text})
-        return {**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}],
-                "usage": self.usage(generation, chunks), "d3d": extension(generation.method, chunks[-1].step.stats)}
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        choice.update(token_report(job, generation, self.pipeline.target.tokenizer, chunks[-1].num_tokens))
+        if job.token_ids:
+            head["prompt_token_ids"] = generation.prompt_ids
+        return {**head, "choices": [choice], "usage": self.usage(generation, chunks),
+                "d3d": extension(generation.method, chunks[-1].step.stats)}
 
     async def events(self, job: Job, generation: Generation, head: dict[str, Any]) -> AsyncIterator[str]:
         """Server-Sent Events: text deltas, a chunk with the finish reason and the `d3d` object,
@@ -271,8 +299,11 @@ class Server:
         head = {**head, "object": "chat.completion.chunk" if job.chat else "text_completion"}
         if job.include_usage:
             head["usage"] = None  # OpenAI: null on every chunk but the last
+        tokenizer = self.pipeline.target.tokenizer
+        prompt_sent = not job.token_ids  # vLLM: prompt_token_ids come with the first event only
 
         def event(chunk: Chunk | None, finish_reason: str | None = None, first: bool = False, **extra: Any) -> str:
+            nonlocal prompt_sent
             text = chunk.text if chunk is not None else ""
             if not job.chat:
                 choice = {"index": 0, "text": text}
@@ -280,8 +311,12 @@ class Server:
                 delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta}
             choice.update(logprobs=None, finish_reason=finish_reason)
+            # the tokens this event's text stands for (at the end: all the text stands for)
+            choice.update(token_report(job, generation, tokenizer, (chunk or chunks[-1]).num_tokens))
             if job.steps and chunk is not None:
                 extra["d3d_step"] = step_facts(generation, chunk)
+            if not prompt_sent:
+                extra["prompt_token_ids"], prompt_sent = generation.prompt_ids, True
             return sse({**head, "choices": [choice], **extra})
 
         chunks = [generation.first]

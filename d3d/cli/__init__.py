@@ -27,6 +27,7 @@ from d3d.config import ConfigError, SamplingConfig
 from d3d.loading import LoadError
 from d3d.prompts import DatasetError
 from d3d.sequence import PromptError
+from d3d.train.remote import RemoteError
 
 
 def version() -> str:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "max_new_tokens", 1) < 1:
             raise ConfigError("--max-new-tokens must be at least 1")
         return args.handler(args)
-    except (ConfigError, PromptError, LoadError, DatasetError) as error:
+    except (ConfigError, PromptError, LoadError, DatasetError, RemoteError) as error:
         print(f"d3d: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

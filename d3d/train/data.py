@@ -7,10 +7,14 @@ turns after the recorded first exchange ("sharegpt-turn2"), Python standard-libr
 turned into code requests ("stdlib"), templated arithmetic word problems ("math"), and user JSONL
 files. Prompts are deduplicated, and none that shares a turn with a benchmark prompt is kept.
 
+The responses come from the target loaded here (`generate_continuous`) or, with `--server`, from
+an OpenAI-compatible server serving it (`d3d.train.remote`): one loop, two ways to answer a shard.
+
 Layout of an output folder:
     prompts.jsonl        the fixed, ordered prompt list (written once; resume reuses it)
     shards/shard-NNNNN.jsonl  {"id", "prompt_ids", "response_ids"} per line, written atomically
-    manifest.json        config, target fingerprint, shards and tokens done
+    manifest.json        config, target fingerprint, the server (when one answered), shards and
+                         tokens done, and the records a server's answer left out (`left_out`)
     distill/shard-NNNNN.safetensors  with --distill-top-k: the target's distributions (d3d.train.distill)
 A shard exists completely or not at all, so a run killed at any moment loses at most the shard
 in flight, and re-running the same command continues where it stopped.
@@ -22,6 +26,7 @@ import ast
 import importlib.util
 import json
 import random
+import sys
 import sysconfig
 import time
 from collections.abc import Iterator
@@ -35,12 +40,13 @@ from tqdm import tqdm
 from d3d.batch import Batch
 from d3d.config import ConfigError, GenerationConfig, _JsonMixin
 from d3d.run import Run
-from d3d.loading import Target
+from d3d.loading import Target, TargetTokenizer
 from d3d.masks import causal_mask
 from d3d.models import Decoder
 from d3d.prompts import DatasetError, benchmark_fingerprints, load_prompt_file, text_fingerprint
 from d3d.train import distill
-from d3d.train.distill import TopK, keep_top
+from d3d.train.distill import Generated, TopK, keep_top
+from d3d.train.remote import LeftOut, RemoteTarget, ServerConfig
 from d3d.train.shards import jsonl_lines, write_atomic
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -208,14 +214,6 @@ def collect_prompts(config: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
     return kept
 
 
-@dataclass
-class Generated:
-    """One greedy response, and with `top_k` the distributions that chose its tokens."""
-
-    response_ids: list[int]
-    distributions: TopK | None = None  # row j: the target's top-k when it chose response token j
-
-
 @torch.no_grad()
 def generate_continuous(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int,
                         eos_token_ids: list[int], top_k: int = 0, width: int = 16) -> list[Generated]:
@@ -232,10 +230,8 @@ def generate_continuous(decoder: Decoder, prompts: list[list[int]], max_new_toke
         index = next(waiting, None)
         if index is None:
             return
-        run = Run(decoder, [], prompts[index], config)
-        if top_k:
-            run.on_commit = lambda logits: chosen_from[index].append(keep_top(logits, top_k))
-        owner[batch.add(run)] = index
+        keep = (lambda logits, tokens: chosen_from[index].append(keep_top(logits, top_k))) if top_k else None
+        owner[batch.add(Run(decoder, [], prompts[index], config, on_commit=keep))] = index
 
     for _ in range(width):
         admit()
@@ -315,13 +311,25 @@ def show(value: Any) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
+def answered_by(server: dict[str, Any] | None) -> str:
+    return f"the server {server['url']} (model {server['model']!r})" if server else "the local target"
+
+
 def identity_differences(previous: dict[str, Any], identity: dict[str, Any]) -> list[str]:
-    """What a folder's recorded identity and this run's differ in: the options (as typed), the target."""
+    """What a folder's recorded identity and this run's differ in: the options (as typed), who
+    answered (the local target, or which served model: its URL may change), the target."""
     found = []
     before, now = previous.get("config") or {}, identity["config"]
     for key in sorted(set(before) | set(now)):
         if before.get(key) != now.get(key):
             found.append(f"--{key.replace('_', '-')} {show(before.get(key))} there, {show(now.get(key))} now")
+    server_before, server_now = previous.get("server"), identity.get("server")
+    if (server_before is None) != (server_now is None):
+        now_by = "a server (--server)" if server_now else "the local target"
+        found.append(f"responses from {answered_by(server_before)} there, from {now_by} now")
+    elif server_before and server_now and server_now.get("model") is not None \
+            and server_now["model"] != server_before.get("model"):
+        found.append(f"the served model: {server_before.get('model')!r} there, {server_now['model']!r} now")
     if previous.get("target") != identity["target"]:
         found.append(f"the target: {previous.get('target')} there, {identity['target']} now")
     elif previous.get("tokenizer_fingerprint") != identity["tokenizer_fingerprint"]:
@@ -329,35 +337,50 @@ def identity_differences(previous: dict[str, Any], identity: dict[str, Any]) -> 
     return found
 
 
-def check_same_identity(out: Path, identity: dict[str, Any]) -> None:
-    """Refuse to resume a folder made with other options or another target, naming what differs
-    (`identity` may leave the target out: the options alone are checked before a model is loaded)."""
+def read_manifest(out: Path) -> dict[str, Any]:
     try:
-        previous = json.loads((out / "manifest.json").read_text())
+        return json.loads((out / "manifest.json").read_text())
     except (OSError, ValueError) as error:
         raise ConfigError(f"{out / 'manifest.json'} cannot be read ({error}); use a new folder") from None
+
+
+def check_same_identity(out: Path, identity: dict[str, Any]) -> None:
+    """Refuse to resume a folder made with other options, another target or another served model,
+    naming what differs. `identity` may leave the target out (the options alone are checked before a
+    model is loaded), the server too, or give it without its model (before the server is asked)."""
+    previous = read_manifest(out)
     if "target" not in identity:
         previous = {**previous, "target": None, "tokenizer_fingerprint": None}
         identity = {**identity, "target": None, "tokenizer_fingerprint": None}
+    if "server" not in identity:
+        previous = {**previous, "server": None}
     differences = identity_differences(previous, identity)
     if differences:
         raise ConfigError(f"{out} holds data made with another config or target ({'; '.join(differences)}): "
                           "use a new folder or the same options")
 
 
-def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progress: bool = True,
-                  distill_top_k: int = 0) -> dict[str, Any]:
+def generate_data(target: Target | TargetTokenizer, out_dir: str | Path, config: DataConfig, progress: bool = True,
+                  distill_top_k: int = 0, server: ServerConfig | None = None) -> dict[str, Any]:
     """Generate (or continue generating) the target's responses into `out_dir`; returns the manifest.
 
+    With `server`, the responses come from that OpenAI-compatible server (`d3d.train.remote`), checked
+    against `target`'s tokenizer (a `TargetTokenizer` is enough); records whose token ids cannot be
+    trusted are left out of their shard and listed in the manifest's `left_out`.
     With `distill_top_k`, each shard also gets the target's top-k distributions over its responses
     (`d3d.train.distill`): recorded while generating, and computed for shards made without them.
     """
     out = Path(out_dir)
+    remote = RemoteTarget(server, target) if server is not None else None
+    identity = {"config": config.to_dict(), "target": target.name, "tokenizer_fingerprint": target.fingerprint}
+    if remote is not None:
+        identity["server"] = remote.connect()  # before the folder is made: an unreachable server changes nothing
     (out / "shards").mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
-    identity = {"config": config.to_dict(), "target": target.name, "tokenizer_fingerprint": target.fingerprint}
+    previous: dict[str, Any] = {}
     if manifest_path.is_file():
-        check_same_identity(out, identity)
+        check_same_identity(out, {"server": None, **identity})  # no server: the local target answered
+        previous = read_manifest(out)
     else:  # record the identity before anything else, so a rerun with other options is refused
         write_atomic(manifest_path, json.dumps({**identity, "shards_done": 0}, indent=2))
     prompts_path = out / "prompts.jsonl"
@@ -375,9 +398,19 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
                       for line in jsonl_lines(out / "shards" / name))
     if distill_top_k:
         distill.check_top_k(out, distill_top_k)
-        distill.add_missing(target.decoder, out, distill_top_k, progress)
+        if remote is None:
+            distill.add_missing(target.decoder, out, distill_top_k, progress)
+        elif not all(distill.path_for(out / "shards" / name).is_file() for name in done):
+            raise ConfigError(f"{out} has finished shards without distributions, and a server's answers cannot add "
+                              "them (that takes the target's weights): run `d3d data` with --distill-top-k from the "
+                              "start, or in a new folder")
+    if remote is not None:  # what a server's answers left out, of the finished shards (one in flight redoes its own)
+        shard_of = {p["id"]: f"shard-{i // config.shard_size:05d}.jsonl" for i, p in enumerate(prompts)}
+        manifest["left_out"] = {pid: why for pid, why in (previous.get("left_out") or {}).items()
+                                if shard_of.get(pid) in done}
+        manifest["left_out_count"] = len(manifest["left_out"])
     bar = tqdm(total=num_shards, initial=len(done), desc="target responses", unit="shard", disable=not progress)
-    started, new_tokens = time.perf_counter(), 0
+    started, new_tokens, checked = time.perf_counter(), 0, False
     for index in range(num_shards):
         name = f"shard-{index:05d}.jsonl"
         if name in done:
@@ -385,9 +418,25 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
         shard = prompts[index * config.shard_size:(index + 1) * config.shard_size]
         shard = sorted(shard, key=lambda p: len(p["prompt_ids"]))  # the order shards have always had
         lines, distributions = [], []
-        generated = generate_continuous(target.decoder, [p["prompt_ids"] for p in shard], config.max_new_tokens,
-                                        target.eos_token_ids, distill_top_k, config.batch_size)
+        if remote is None:
+            generated: list[Generated | LeftOut] = generate_continuous(
+                target.decoder, [p["prompt_ids"] for p in shard], config.max_new_tokens, target.eos_token_ids,
+                distill_top_k, config.batch_size)
+        else:
+            if not checked:  # before the first shard is written: is this the local target?
+                remote.check(shard[0], config.max_new_tokens, distill_top_k)
+                checked = True
+            generated = remote.generate(shard, config.max_new_tokens, distill_top_k)
+            left_out = {p["id"]: a.reason for p, a in zip(shard, generated) if isinstance(a, LeftOut)}
+            if left_out:
+                report_left_out(name, left_out, len(shard))
+                manifest["left_out"].update(left_out)  # recorded before the shard: a finished one is never missing them
+                manifest["left_out_count"] = len(manifest["left_out"])
+                write_atomic(manifest_path, json.dumps({**manifest, "shards_done": len(done),
+                                                        "response_tokens": tokens_done}, indent=2))
         for prompt, answer in zip(shard, generated):
+            if isinstance(answer, LeftOut):
+                continue
             lines.append(json.dumps({"id": prompt["id"], "prompt_ids": prompt["prompt_ids"],
                                      "response_ids": answer.response_ids}) + "\n")
             distributions.append(answer.distributions)
@@ -405,3 +454,11 @@ def generate_data(target: Target, out_dir: str | Path, config: DataConfig, progr
     manifest.update(shards_done=len(done), response_tokens=tokens_done)
     write_atomic(manifest_path, json.dumps(manifest, indent=2))
     return manifest
+
+
+def report_left_out(name: str, left_out: dict[str, str], size: int) -> None:
+    """The warning line for a shard whose records a server's answers left out."""
+    reasons = sorted(set(left_out.values()))
+    tqdm.write(f"d3d: warning: {len(left_out)} of {size} responses left out of {name} ({reasons[0]}"
+               f"{f'; and {len(reasons) - 1} other reasons' if len(reasons) > 1 else ''}); listed in manifest.json "
+               "under left_out", file=sys.stderr)

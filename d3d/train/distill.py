@@ -53,6 +53,15 @@ class TopK:
         return TopK(self.ids[rows], self.logprobs[rows])
 
 
+@dataclass
+class Generated:
+    """One greedy response, and with `top_k` the distributions that chose its tokens: what `d3d data`
+    gets for a prompt, from the local target (`d3d.train.data`) or a server (`d3d.train.remote`)."""
+
+    response_ids: list[int]
+    distributions: TopK | None = None  # row j: the target's top-k when it chose response token j
+
+
 def keep_top(logits: torch.Tensor, k: int) -> TopK:
     """(n, V) logits → their top-k tokens and log-probabilities (softmax in fp32)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -66,10 +75,12 @@ def path_for(shard: Path) -> Path:
 
 
 def write(path: Path, records: list[TopK]) -> None:
-    """One shard's distributions, record by record (at least one record)."""
+    """One shard's distributions, record by record (none for a shard whose every record a server's
+    answers left out, `d3d.train.remote`)."""
     lengths = torch.tensor([0] + [len(r) for r in records], dtype=torch.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.tmp")
+    records = records or [TopK(torch.zeros((0, 0), dtype=torch.int32), torch.zeros((0, 0)))]  # no rows, no record
     save_tensors({"ids": torch.cat([r.ids for r in records]).contiguous(),
                   "logprobs": torch.cat([r.logprobs for r in records]).float().contiguous(),
                   "offsets": lengths.cumsum(0)}, staging)
