@@ -452,7 +452,7 @@ def test_vllm_serves_the_same_data(tmp_path):
     spec.loader.exec_module(check)
     tiny = tiny_config("llama", hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1, head_dim=32,
                        max_position_embeddings=256, tie_word_embeddings=False)
-    tokenizer = hf_tokenizer(60)
+    tokenizer = hf_tokenizer(tiny.vocab_size)  # every id the random model can emit is a word
     target = Target(make_decoder(tiny, seed=1), tokenizer, "tiny-random", [tokenizer.eos_token_id])
     export_target(target, tmp_path / "target")
     source = tmp_path / "prompts.jsonl"

@@ -234,7 +234,9 @@ class RemoteTarget:
         vocab_size = max(tokenizer.get_vocab().values()) + 1
         if any(not 0 <= token < vocab_size for token in ids):
             raise RemoteError(f"{refusal}: it returns token ids outside the local vocabulary of {vocab_size}")
-        if tokenizer.decode(ids, skip_special_tokens=True) != text:
+        # ends' whitespace aside: detokenizers differ there (vLLM's incremental one gives a word-level
+        # vocabulary a leading space that transformers' decode does not)
+        if tokenizer.decode(ids, skip_special_tokens=True).strip() != text.strip():
             raise RemoteError(f"{refusal}: the token ids it returns decode to other text with the local tokenizer")
 
     def body(self, messages: list[dict[str, str]], max_new_tokens: int, top_k: int) -> dict[str, Any]:
