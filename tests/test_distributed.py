@@ -36,21 +36,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def train_until(trainer: Trainer, steps_now: int) -> None:
+    """All the steps (run()), or stop after `steps_now` with a checkpoint, as a killed run leaves it."""
+    if steps_now >= SETTINGS["steps"]:
+        trainer.run(progress=False)
+        return
+    while trainer.step < steps_now:
+        trainer.log({"step": trainer.step + 1, **trainer.train_step()})
+    trainer.save()
+
+
 def _rank(rank: int, size: int, port: int, data: str, out: str, steps_now: int, fsdp: bool) -> None:
-    """One rank: join the world from the environment torchrun would set, train `steps_now` steps
-    (all of them: run(); fewer: stop there after a checkpoint, as a killed run leaves it)."""
+    """One rank: join the world from the environment torchrun would set, train until `steps_now`."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     world = World.from_environment()
     try:
-        trainer = Trainer(tiny_train_target(), data, out, config(**SETTINGS), world, fsdp=fsdp)
-        if steps_now >= SETTINGS["steps"]:
-            trainer.run(progress=False)
-        else:
-            while trainer.step < steps_now:
-                trainer.log({"step": trainer.step + 1, **trainer.train_step()})
-            trainer.save()
+        train_until(Trainer(tiny_train_target(), data, out, config(**SETTINGS), world, fsdp=fsdp), steps_now)
     finally:
         world.close()
 
@@ -60,13 +63,7 @@ def train_on_ranks(size: int, data, out, steps_now: int = SETTINGS["steps"], fsd
 
 
 def train_alone(data, out, steps_now: int = SETTINGS["steps"]) -> None:
-    trainer = Trainer(tiny_train_target(), data, out, config(**SETTINGS))
-    if steps_now >= SETTINGS["steps"]:
-        trainer.run(progress=False)
-    else:
-        while trainer.step < steps_now:
-            trainer.log({"step": trainer.step + 1, **trainer.train_step()})
-        trainer.save()
+    train_until(Trainer(tiny_train_target(), data, out, config(**SETTINGS)), steps_now)
 
 
 def losses(out) -> list[tuple[int, float]]:
