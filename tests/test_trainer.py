@@ -158,6 +158,30 @@ def test_shared_target_weights_stay_frozen_and_unsaved(data_dir, tmp_path):
     assert not any("embed_tokens" in k or "lm_head" in k for k in optimizer_keys)
 
 
+def test_a_released_target_trains_the_same_run_without_its_layers(data_dir, tmp_path):
+    """release_target frees the target's layers once the drafter is built (a resumed run too) and
+    changes nothing else: the same losses and weights, bit for bit; a DFlash-style drafter that reads
+    the target's own layers keeps them."""
+    kept, released = tiny_train_target(), tiny_train_target()
+    runs = {}
+    for name, target, release in (("kept", kept, False), ("released", released, True)):
+        trainer = Trainer(target, data_dir, tmp_path / name, config(steps=4, save_every=2), release_target=release)
+        trainer.run(progress=False)
+        runs[name] = [(r["step"], r.get("loss")) for r in map(json.loads, (tmp_path / name / "log.jsonl").read_text().splitlines())]
+    assert len(kept.decoder.layers) == 2 and len(released.decoder.layers) == 0
+    assert runs["kept"] == runs["released"]
+    assert load_file(str(tmp_path / "kept" / "drafter" / "model.safetensors")).keys() == \
+           load_file(str(tmp_path / "released" / "drafter" / "model.safetensors")).keys()
+    for key, value in load_file(str(tmp_path / "kept" / "drafter" / "model.safetensors")).items():
+        assert torch.equal(value, load_file(str(tmp_path / "released" / "drafter" / "model.safetensors"))[key]), key
+    resumed = tiny_train_target()
+    Trainer(resumed, data_dir, tmp_path / "released", config(steps=4, save_every=2), release_target=True)
+    assert len(resumed.decoder.layers) == 0
+    reader = tiny_train_target()
+    Trainer(reader, data_dir, tmp_path / "dflash", config(drafter_kind="dflash", lambda_ar=0.0), release_target=True)
+    assert len(reader.decoder.layers) == 2  # fp32 without autocast: the trainer reads these very layers
+
+
 def test_run_writes_log_drafter_and_curves(data_dir, tmp_path):
     """run(): log.jsonl with losses and τ entries, a bf16 drafter/ that loads, and curves.png."""
     target = tiny_train_target()

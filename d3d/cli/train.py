@@ -81,7 +81,8 @@ def train(args: argparse.Namespace) -> int:
     try:
         target = load_target(args.target, torch.float32)  # fp32 master weights; compute autocasts to bf16
         target.decoder.to(device)
-        result = Trainer(target, args.data, args.out, config, world, fsdp=args.fsdp).run(progress=world.is_main)
+        trainer = Trainer(target, args.data, args.out, config, world, fsdp=args.fsdp, release_target=True)
+        result = trainer.run(progress=world.is_main)
     finally:
         world.close()
     if world.is_main:
