@@ -333,7 +333,8 @@ _batch_measured: dict[Path, tuple[float, ...]] = {}
 
 def batch_costs(target: Decoder) -> tuple[float, ...]:
     """`measure_batch` for this machine and target: from memory, from disk, or measured and stored
-    beside the verification costs (checked against the one-token step like them)."""
+    beside the verification costs. Unlike them it is not re-measured when the machine was busy: its
+    entries are medians of per-round ratios to a one-row forward timed in the same round."""
     key = json.dumps([machine_key(target), "batch", BATCH_SEQUENCES, BATCH_CONTEXT, MEASUREMENT, BATCH_MEASUREMENT],
                      sort_keys=True)
     path = cache_root() / "costs" / f"batch-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
