@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from d3d.config import ConfigError
 
@@ -124,14 +123,25 @@ def is_sharded(module: torch.nn.Module) -> bool:
     return hasattr(module, "set_requires_gradient_sync")
 
 
+def _dtensor() -> type | None:
+    """DTensor, where this torch build has torch.distributed (not every platform's does)."""
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor whole on every rank (FSDP's shards gathered: collective, same order on every rank)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    dtensor = _dtensor()
+    return tensor.full_tensor() if dtensor is not None and isinstance(tensor, dtensor) else tensor
 
 
 def laid_out_like(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
     """A whole tensor (a checkpoint's optimizer moment) in the layout of `parameter`: this rank's shard
     of it under FSDP; as it is otherwise, and for values of another shape (Adam's step)."""
-    if isinstance(parameter, DTensor) and value.shape == parameter.shape:
+    dtensor = _dtensor()
+    if dtensor is not None and isinstance(parameter, dtensor) and value.shape == parameter.shape:
+        from torch.distributed.tensor import distribute_tensor
         return distribute_tensor(value.to(parameter.device), parameter.device_mesh, parameter.placements)
     return value.to(parameter.device)
