@@ -46,24 +46,28 @@ def train_until(trainer: Trainer, steps_now: int) -> None:
     trainer.save()
 
 
-def _rank(rank: int, size: int, port: int, data: str, out: str, steps_now: int, fsdp: bool) -> None:
+def _rank(rank: int, size: int, port: int, data: str, out: str, steps_now: int, fsdp: bool,
+          overrides: dict) -> None:
     """One rank: join the world from the environment torchrun would set, train until `steps_now`."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     world = World.from_environment()
     try:
-        train_until(Trainer(tiny_train_target(), data, out, config(**SETTINGS), world, fsdp=fsdp), steps_now)
+        trainer = Trainer(tiny_train_target(), data, out, config(**{**SETTINGS, **overrides}), world, fsdp=fsdp)
+        train_until(trainer, steps_now)
     finally:
         world.close()
 
 
-def train_on_ranks(size: int, data, out, steps_now: int = SETTINGS["steps"], fsdp: bool = False) -> None:
-    mp.spawn(_rank, args=(size, free_port(), str(data), str(out), steps_now, fsdp), nprocs=size, join=True)
+def train_on_ranks(size: int, data, out, steps_now: int = SETTINGS["steps"], fsdp: bool = False,
+                   **overrides) -> None:
+    mp.spawn(_rank, args=(size, free_port(), str(data), str(out), steps_now, fsdp, overrides), nprocs=size,
+             join=True)
 
 
-def train_alone(data, out, steps_now: int = SETTINGS["steps"]) -> None:
-    train_until(Trainer(tiny_train_target(), data, out, config(**SETTINGS)), steps_now)
+def train_alone(data, out, steps_now: int = SETTINGS["steps"], **overrides) -> None:
+    train_until(Trainer(tiny_train_target(), data, out, config(**{**SETTINGS, **overrides})), steps_now)
 
 
 def losses(out) -> list[tuple[int, float]]:
@@ -104,6 +108,18 @@ def test_share_is_disjoint_and_whole():
         World(0, 3).share(items[:8], 8)
     with pytest.raises(ConfigError, match="does not exist"):
         World(2, 2)
+
+
+def test_gradient_accumulation_sums_once_over_the_ranks(data_dir, tmp_path):  # noqa: F811
+    """Global micro-batches of 2 (one sequence a rank), 2 accumulated per step: the ranks skip the
+    gradient sum on the first micro-batch (DDP's no_sync, FSDP's requires_gradient_sync) and still
+    train as one process does."""
+    alone_out, ddp, fsdp = tmp_path / "alone", tmp_path / "ddp", tmp_path / "fsdp"
+    train_alone(data_dir, alone_out, batch_size=2, grad_accum=2)
+    train_on_ranks(2, data_dir, ddp, batch_size=2, grad_accum=2)
+    train_on_ranks(2, data_dir, fsdp, fsdp=True, batch_size=2, grad_accum=2)
+    assert_same_run(alone_out, ddp)
+    assert_same_run(alone_out, fsdp)
 
 
 def test_ranks_pack_disjoint_halves_of_the_same_micro_batch(data_dir, tmp_path):  # noqa: F811
