@@ -69,10 +69,14 @@ class World:
     def share(self, items: list, total: int) -> list:
         """This rank's slice of a global micro-batch of `total` items: items rank, rank + size, …
         (disjoint across ranks, together the whole)."""
+        self.check_divides(total)
+        return items[self.rank::self.size]
+
+    def check_divides(self, total: int) -> None:
+        """Refuse a global micro-batch of `total` sequences that the processes cannot share evenly."""
         if total % self.size:
             raise ConfigError(f"--batch-size {total} (the global micro-batch) must divide among "
                               f"{self.size} processes")
-        return items[self.rank::self.size]
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """The element-wise sum over the ranks (in place, and returned); the values themselves alone."""

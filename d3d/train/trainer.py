@@ -179,7 +179,10 @@ def weight_sums(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: flo
     """(4,) float64: what each of the loss's weighted means divides by — CE over block rows, CE over
     clean rows, KL over block rows, KL over clean rows. Summed over the ranks of a data-parallel run,
     they make each rank's loss its share of the whole micro-batch's (`d3d.train.distributed`)."""
-    chosen = _selection(drafter, batch, lambda_ar, distill)
+    return _sums(_selection(drafter, batch, lambda_ar, distill))
+
+
+def _sums(chosen: dict[str, Any]) -> torch.Tensor:
     w, in_block = chosen["weights"].double(), chosen["in_block"]
     sums = [(w * chosen["labelled"])[in_block].sum(), (w * chosen["labelled"])[~in_block].sum()]
     taught = chosen["taught"]
@@ -194,9 +197,7 @@ def drafter_loss(drafter: Drafter, batch: dict[str, torch.Tensor], lambda_ar: fl
     Each term is a weighted mean; `sums` (from `weight_sums`, default this batch's own) is what the
     means divide by, so a rank holding part of a micro-batch returns its share of the whole's loss."""
     chosen = _selection(drafter, batch, lambda_ar, distill)
-    if sums is None:
-        sums = weight_sums(drafter, batch, lambda_ar, distill)
-    sums = sums.float().clamp_min(1e-9).tolist()
+    sums = (_sums(chosen) if sums is None else sums).float().clamp_min(1e-9).tolist()
     hidden = drafter.packed_hidden(batch)
     log_q = torch.log_softmax(drafter.draft_scores(hidden[chosen["rows"]]).float(), dim=-1)  # only rows with a target
     weights, in_block = chosen["weights"], chosen["in_block"]
@@ -252,7 +253,7 @@ class Trainer:
         self.config, self.target, self.world = config, target, world
         if fsdp and not world.distributed:
             raise ConfigError("--fsdp shards the drafter over the processes of a torchrun world; this is one process")
-        world.share([], config.batch_size)  # a global micro-batch that does not divide is refused now
+        world.check_divides(config.batch_size)  # refused now, before any loading
         self.out = Path(out_dir)
         if world.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
