@@ -211,6 +211,8 @@ def test_costs_are_measured_after_each_context_and_read_by_it(tmp_path, monkeypa
     assert costs.by_context("verify").at(64) == costs.verify_by_context[1]
     assert costs.by_context("catch_up").at(16) == (costs.catch_up[0],)
     new_process()
+    # as fast as when measured: a tiny model's step timed on a shared machine can look BUSY times slower
+    monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: costs.step_ms)
     assert forward_costs(target, drafter, max_drafts=15) == costs  # stored with its contexts
 
 
