@@ -72,11 +72,13 @@ def test_causal_attention_rows_equal_single_queries(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim,cached", [(9, 3, 64, 21), (4, 1, 80, 3), (6, 6, 128, 40)])
+@pytest.mark.parametrize("heads,kv_heads,dim,cached", [(9, 3, 64, 21), (4, 1, 80, 3), (6, 6, 128, 40), (16, 1, 64, 7),
+                                                     (3, 1, 33, 9)])
 def test_attention_rows_are_exact_at_model_shapes(kernels, dtype, heads, kv_heads, dim, cached):
     """SmolLM2's heads (9 over 3 KV heads, dim 64) and others: key tiles with tails, head dims not a
-    multiple of 16, query groups that fill part of a chunk — every query of a 13-query call equals
-    that query alone, and all match SDPA."""
+    multiple of 16 (or odd: no bf16 pairs), query groups that fill part of a chunk or exceed the heads
+    whose weighted sums share V rows — every query of a 13-query call (several queries' heads summed
+    together) equals that query alone (its key tiles scored without being stored), and all match SDPA."""
     q = randn(1, 13, heads, dim, seed=0, dtype=dtype)
     k = randn(1, kv_heads, cached + 13, dim, seed=1, dtype=dtype, scale=2.0)
     v = randn(1, kv_heads, cached + 13, dim, seed=2, dtype=dtype)

@@ -38,6 +38,9 @@ static inline __m512 load16_bf16(const uint16_t *a, __mmask16 live) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, a)), 16));
 }
 static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_maskz_loadu_ps(live, a); }
+/* Two bf16 values in a 32-bit lane (a pair), widened to fp32: the low one, the high one. */
+#define PAIR_LOW(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(p), 16))
+#define PAIR_HIGH(p) _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), _mm512_set1_epi32((int)0xffff0000u)))
 #define HEAD_FMA16(q, a, b)                                                                          \
     if ((q) != 0.0f) {                                                                               \
         __m512 pv_ = _mm512_set1_ps(q);                                                              \
@@ -66,8 +69,122 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
             _mm512_storeu_ps((o)[i_] + 16, all_[i_][1]);                                             \
         }                                                                                            \
     } while (0)
-#define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_VECTOR(bf16, uint16_t, p, p_stride, n, v, S, D, d0, dn, o)
+/* bf16 values move as pairs (PAIR_LOW, PAIR_HIGH below): one load and two bit operations per V row
+ * instead of two widening shuffles; lane j of a / b sums d0 + 2j / d0 + 2j + 1 — the same chains. */
+#define WEIGHTED_SUM_PAIRS(p, p_stride, n, v, S, D, d0, dn, o)                                      \
+    do {                                                                                             \
+        __mmask16 live_ = (dn) >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << ((dn) / 2)) - 1);      \
+        const float *p0_ = (p), *p1_ = p0_ + ((n) > 1) * (p_stride), *p2_ = p0_ + ((n) > 2) * 2 * (p_stride), \
+                    *p3_ = p0_ + ((n) > 3) * 3 * (p_stride);                                         \
+        __m512 a0_ = _mm512_setzero_ps(), b0_ = a0_, a1_ = a0_, b1_ = a0_, a2_ = a0_, b2_ = a0_, a3_ = a0_, b3_ = a0_; \
+        for (int64_t s = 0; s < (S); s++) {                                                          \
+            const uint16_t *vr = (v) + s * (D) + (d0);                                               \
+            __builtin_prefetch(vr + PREFETCH_KEYS * (D), 0, 0);                                      \
+            __m512 x_ = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(live_, vr));                    \
+            __m512 v0_ = PAIR_LOW(x_), v1_ = PAIR_HIGH(x_);                                          \
+            HEAD_FMA16(p0_[s], a0_, b0_)                                                             \
+            if ((n) > 1) { HEAD_FMA16(p1_[s], a1_, b1_) }                                            \
+            if ((n) > 2) { HEAD_FMA16(p2_[s], a2_, b2_) }                                            \
+            if ((n) > 3) { HEAD_FMA16(p3_[s], a3_, b3_) }                                            \
+        }                                                                                            \
+        __m512 all_[4][2] = {{a0_, b0_}, {a1_, b1_}, {a2_, b2_}, {a3_, b3_}};                        \
+        for (int i_ = 0; i_ < (n); i_++) {                                                           \
+            float even_[16], odd_[16];                                                               \
+            _mm512_storeu_ps(even_, all_[i_][0]);                                                    \
+            _mm512_storeu_ps(odd_, all_[i_][1]);                                                     \
+            for (int j_ = 0; j_ < 16; j_++) (o)[i_][2 * j_] = even_[j_], (o)[i_][2 * j_ + 1] = odd_[j_]; \
+        }                                                                                            \
+    } while (0)
+#define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o)                                       \
+    if ((dn) % 2)                                                                                    \
+        WEIGHTED_SUM_VECTOR(bf16, uint16_t, p, p_stride, n, v, S, D, d0, dn, o);                     \
+    else                                                                                             \
+        WEIGHTED_SUM_PAIRS(p, p_stride, n, v, S, D, d0, dn, o)
 #define WEIGHTED_SUM_f32(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_VECTOR(f32, float, p, p_stride, n, v, S, D, d0, dn, o)
+/* The weighted sums of N ≤ SUM_HEADS heads with their own rows p_i and ends (several queries'), over
+ * one V row at a time: each (head, d) chain is WEIGHTED_SUM's — keys s < end_i in order, p_i[s] = 0
+ * skipped. The bf16 rows move as pairs (lane j: d0 + 2j, d0 + 2j + 1), fp32 rows as two halves. */
+#define SUM_HEADS 8
+#define SUM_QUERIES(group) ((group) >= SUM_HEADS ? 1 : SUM_HEADS / (group))
+#define SUM_TOGETHER(group) ((group) <= SUM_HEADS)
+#define HEADS_FMA(i, s)                                                                              \
+    {                                                                                                \
+        float ps_ = rows[i][s];                                                                      \
+        if (ps_ != 0.0f) {                                                                           \
+            __m512 pv_ = _mm512_set1_ps(ps_);                                                        \
+            a[i] = _mm512_fmadd_ps(pv_, lo, a[i]);                                                   \
+            b[i] = _mm512_fmadd_ps(pv_, hi, b[i]);                                                   \
+        }                                                                                            \
+    }
+#define SUM_HEADS_LOOP(LOAD_ROW)                                                                     \
+    int64_t first_end = ends[0], last_end = ends[0];                                                 \
+    for (int i = 1; i < N; i++) {                                                                    \
+        first_end = ends[i] < first_end ? ends[i] : first_end;                                       \
+        last_end = ends[i] > last_end ? ends[i] : last_end;                                          \
+    }                                                                                                \
+    __m512 a[SUM_HEADS], b[SUM_HEADS];                                                               \
+    for (int i = 0; i < N; i++) a[i] = b[i] = _mm512_setzero_ps();                                   \
+    for (int64_t s = 0; s < first_end; s++) {  /* every head sees these keys */                      \
+        __m512 lo, hi;                                                                               \
+        LOAD_ROW(s);                                                                                 \
+        for (int i = 0; i < N; i++) HEADS_FMA(i, s)                                                  \
+    }                                                                                                \
+    for (int64_t s = first_end; s < last_end; s++) {                                                 \
+        __m512 lo, hi;                                                                               \
+        LOAD_ROW(s);                                                                                 \
+        for (int i = 0; i < N; i++)                                                                  \
+            if (s < ends[i]) HEADS_FMA(i, s)                                                         \
+    }
+#define PAIR_ROW(s)                                                                                  \
+    const uint16_t *vr = v + (s) * D + d0;                                                           \
+    __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 0);                                                \
+    __m512 x_ = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(live, vr));                             \
+    lo = PAIR_LOW(x_), hi = PAIR_HIGH(x_)
+#define HALVES_ROW(s)                                                                                \
+    const float *vr = v + (s) * D + d0;                                                              \
+    __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 0);                                                \
+    lo = load16_f32(vr, m0), hi = load16_f32(vr + 16, m1)
+static inline __attribute__((always_inline)) void sum_heads_bf16(const float *const *rows, const int64_t *ends,
+                                                                 const int N, const uint16_t *v, int64_t D,
+                                                                 int64_t d0, int64_t dn, float (*o)[PART_DIMS]) {
+    __mmask16 live = dn >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << (dn / 2)) - 1);
+    SUM_HEADS_LOOP(PAIR_ROW)
+    for (int i = 0; i < N; i++) {
+        float even[16], odd[16];
+        _mm512_storeu_ps(even, a[i]);
+        _mm512_storeu_ps(odd, b[i]);
+        for (int j = 0; j < 16; j++) o[i][2 * j] = even[j], o[i][2 * j + 1] = odd[j];
+    }
+}
+static inline __attribute__((always_inline)) void sum_heads_f32(const float *const *rows, const int64_t *ends,
+                                                                const int N, const float *v, int64_t D,
+                                                                int64_t d0, int64_t dn, float (*o)[PART_DIMS]) {
+    __mmask16 m0 = dn >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << dn) - 1);
+    __mmask16 m1 = dn >= 32 ? (__mmask16)0xffff : dn <= 16 ? 0 : (__mmask16)((1u << (dn - 16)) - 1);
+    SUM_HEADS_LOOP(HALVES_ROW)
+    for (int i = 0; i < N; i++) {
+        _mm512_storeu_ps(o[i], a[i]);
+        _mm512_storeu_ps(o[i] + 16, b[i]);
+    }
+}
+/* one copy of the loop per head count, so that the accumulators stay in registers */
+#define SUM_HEADS_SWITCH(FN, rows, ends, n, v, D, d0, dn, o)                                         \
+    switch (n) {                                                                                     \
+        case 1: FN(rows, ends, 1, v, D, d0, dn, o); break;                                           \
+        case 2: FN(rows, ends, 2, v, D, d0, dn, o); break;                                           \
+        case 3: FN(rows, ends, 3, v, D, d0, dn, o); break;                                           \
+        case 4: FN(rows, ends, 4, v, D, d0, dn, o); break;                                           \
+        case 5: FN(rows, ends, 5, v, D, d0, dn, o); break;                                           \
+        case 6: FN(rows, ends, 6, v, D, d0, dn, o); break;                                           \
+        case 7: FN(rows, ends, 7, v, D, d0, dn, o); break;                                           \
+        default: FN(rows, ends, 8, v, D, d0, dn, o); break;                                          \
+    }
+#define WEIGHTED_SUM_HEADS_bf16(rows, ends, n, v, D, d0, dn, o)                                      \
+    if ((dn) % 2) {                                                                                  \
+        for (int h_ = 0; h_ < (n); h_++) WEIGHTED_SUM_bf16((rows)[h_], 0, 1, v, (ends)[h_], D, d0, dn, (o) + h_); \
+    } else                                                                                           \
+        SUM_HEADS_SWITCH(sum_heads_bf16, rows, ends, n, v, D, d0, dn, o)
+#define WEIGHTED_SUM_HEADS_f32(rows, ends, n, v, D, d0, dn, o) SUM_HEADS_SWITCH(sum_heads_f32, rows, ends, n, v, D, d0, dn, o)
 #elif defined(D3D_AVX2)
 static inline __attribute__((always_inline)) v8 load8_bf16(const uint16_t *a) { return v8_from_bf16(a); }
 static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { return v8_load(a); }
@@ -105,6 +222,13 @@ static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { retu
 #else
 #define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_PORTABLE(uint16_t, bf16_to_f32, p, p_stride, n, v, S, D, d0, dn, o)
 #define WEIGHTED_SUM_f32(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_PORTABLE(float, IDENTITY, p, p_stride, n, v, S, D, d0, dn, o)
+#endif
+#ifndef SUM_HEADS  /* no multi-head sums: an item is one query's heads */
+#define SUM_HEADS 4
+#define SUM_QUERIES(group) 1
+#define SUM_TOGETHER(group) 0
+#define WEIGHTED_SUM_HEADS_bf16(rows, ends, n, v, D, d0, dn, o)
+#define WEIGHTED_SUM_HEADS_f32(rows, ends, n, v, D, d0, dn, o)
 #endif
 
 /* row[s] = exp(row[s] - top) (0 for -inf), and sums[l] += row[s] for s = l mod 16, in s order. */
@@ -182,8 +306,8 @@ static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { retu
         _mm512_storeu_ps((acc)[4], a4_); _mm512_storeu_ps((acc)[5], a5_);                            \
         _mm512_storeu_ps((acc)[6], a6_); _mm512_storeu_ps((acc)[7], a7_);                            \
     } while (0)
-/* kt[d][l] = key l's element d, as float (0 for l ≥ n): 16 × 16 blocks transposed in registers. */
-static inline void transpose16_store(__m512 r[16], float (*kt)[KEY_TILE], int64_t d0, int64_t D) {
+/* out[j] lane l = r[l] lane j: a 16 × 16 transpose of 32-bit lanes in registers. */
+static inline __attribute__((always_inline)) void transpose16(const __m512 r[16], __m512 out[16]) {
     __m512 t[16], u[16];
     for (int p = 0; p < 8; p++) {
         t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
@@ -198,12 +322,58 @@ static inline void transpose16_store(__m512 r[16], float (*kt)[KEY_TILE], int64_
     for (int m = 0; m < 4; m++) {  /* column 4c + m gathers lane c of u[m], u[4+m], u[8+m], u[12+m] */
         __m512 v0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
         __m512 v2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44), v3 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
-        __m512 out[4] = {_mm512_shuffle_f32x4(v0, v2, 0x88), _mm512_shuffle_f32x4(v0, v2, 0xDD),
-                         _mm512_shuffle_f32x4(v1, v3, 0x88), _mm512_shuffle_f32x4(v1, v3, 0xDD)};
-        for (int c = 0; c < 4; c++)
-            if (d0 + 4 * c + m < D) _mm512_storeu_ps(kt[d0 + 4 * c + m], out[c]);
+        out[m] = _mm512_shuffle_f32x4(v0, v2, 0x88), out[4 + m] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+        out[8 + m] = _mm512_shuffle_f32x4(v1, v3, 0x88), out[12 + m] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
     }
 }
+/* kt[d][l] = key l's element d, as float (0 for l ≥ n): 16 × 16 blocks transposed in registers. */
+static inline void transpose16_store(__m512 r[16], float (*kt)[KEY_TILE], int64_t d0, int64_t D) {
+    __m512 out[16];
+    transpose16(r, out);
+    for (int j = 0; j < 16; j++)
+        if (d0 + j < D) _mm512_storeu_ps(kt[d0 + j], out[j]);
+}
+/* A bf16 key tile (D even) moves as pairs: lane l of pairs[p] holds key l's elements d0 + 2p (low
+ * half) and d0 + 2p + 1 (high half), 0 for l ≥ n — one 16 × 16 transpose per 32 values of d, half
+ * the shuffles of transposing the widened values. */
+static inline __attribute__((always_inline)) void key_pairs(const uint16_t *kb, int64_t n, int64_t D, int64_t d0,
+                                                            __m512 pairs[16]) {
+    int64_t live_pairs = (D - d0) / 2 < 16 ? (D - d0) / 2 : 16;
+    __mmask16 live = live_pairs >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << live_pairs) - 1);
+    __m512 r[16];
+    for (int l = 0; l < KEY_TILE; l++)
+        r[l] = l < n ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(live, kb + l * D + d0)) : _mm512_setzero_ps();
+    transpose16(r, pairs);
+}
+/* SCORE_CHAINS for C ≤ 4 queries straight from a bf16 key tile: the same chains, d in order, over
+ * the same widened values, without storing the transposed tile (a one-token step's job). */
+static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16_t *kb, int64_t n, int64_t D,
+                                                                    float (*qs)[512], const int C,
+                                                                    float (*acc)[KEY_TILE]) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m512 pairs[16];
+        key_pairs(kb, n, D, d0, pairs);
+        int np = (D - d0) / 2 < 16 ? (int)((D - d0) / 2) : 16;
+        for (int p = 0; p < np; p++) {
+            __m512 lo = PAIR_LOW(pairs[p]), hi = PAIR_HIGH(pairs[p]);
+            int64_t d = d0 + 2 * p;
+            for (int i = 0; i < C; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d]), lo, a[i]);
+            for (int i = 0; i < C; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d + 1]), hi, a[i]);
+        }
+    }
+    for (int i = 0; i < C; i++) _mm512_storeu_ps(acc[i], a[i]);
+}
+#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)                                                  \
+    switch (chunk) {                                                                                 \
+        case 1: fused_scores_bf16(kb, n, D, qs, 1, acc); break;                                      \
+        case 2: fused_scores_bf16(kb, n, D, qs, 2, acc); break;                                      \
+        case 3: fused_scores_bf16(kb, n, D, qs, 3, acc); break;                                      \
+        default: fused_scores_bf16(kb, n, D, qs, 4, acc); break;                                     \
+    }
+#define FUSES_bf16(D) ((D) % 2 == 0)
+#define FUSES_f32(D) 0
+#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc)
 /* out[d] = q[d] · scale (0 where not `live`), one rounding each, 16 at a time. */
 #define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out)                                           \
     for (int64_t d0_ = 0; d0_ < (D); d0_ += 16) {                                                    \
@@ -211,13 +381,23 @@ static inline void transpose16_store(__m512 r[16], float (*kt)[KEY_TILE], int64_
         _mm512_storeu_ps((out) + d0_, _mm512_mul_ps(load16_##SUFFIX((qr) + d0_, m_), _mm512_set1_ps(scale))); \
     }
 #define TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt)                                           \
-    for (int64_t d0_ = 0; d0_ < (D); d0_ += 16) {                                                    \
-        __mmask16 live_ = (D) - d0_ >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << ((D) - d0_)) - 1); \
-        __m512 r_[16];                                                                               \
-        for (int l_ = 0; l_ < KEY_TILE; l_++)                                                        \
-            r_[l_] = l_ < (n) ? load16_##SUFFIX((kb) + l_ * (D) + d0_, live_) : _mm512_setzero_ps();  \
-        transpose16_store(r_, (kt), d0_, (D));                                                       \
-    }
+    if (FUSES_##SUFFIX(D))                                                                           \
+        for (int64_t d0_ = 0; d0_ < (D); d0_ += 32) {                                                \
+            __m512 pairs_[16];                                                                       \
+            key_pairs((const uint16_t *)(kb), (n), (D), d0_, pairs_);                                \
+            for (int p_ = 0; p_ < 16 && d0_ + 2 * p_ < (D); p_++) {                                  \
+                _mm512_storeu_ps((kt)[d0_ + 2 * p_], PAIR_LOW(pairs_[p_]));                          \
+                _mm512_storeu_ps((kt)[d0_ + 2 * p_ + 1], PAIR_HIGH(pairs_[p_]));                     \
+            }                                                                                        \
+        }                                                                                            \
+    else                                                                                             \
+        for (int64_t d0_ = 0; d0_ < (D); d0_ += 16) {                                                \
+            __mmask16 live_ = (D) - d0_ >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << ((D) - d0_)) - 1); \
+            __m512 r_[16];                                                                           \
+            for (int l_ = 0; l_ < KEY_TILE; l_++)                                                    \
+                r_[l_] = l_ < (n) ? load16_##SUFFIX((kb) + l_ * (D) + d0_, live_) : _mm512_setzero_ps();  \
+            transpose16_store(r_, (kt), d0_, (D));                                                   \
+        }
 /* The largest of row[0 … S-1]; NaNs are passed over, as the scalar `x > top ? x : top` does. */
 static inline float ROW_MAX(const float *row, int64_t S) {
     __m512 top = _mm512_set1_ps(-INFINITY);
@@ -232,6 +412,10 @@ static inline float ROW_MAX(const float *row, int64_t S) {
 }
 #elif defined(D3D_AVX2)
 #define QUERY_CHUNK 4  /* 4 queries x 2 halves of the tile: 8 chains */
+#define FUSES_bf16(D) 0
+#define FUSES_f32(D) 0
+#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)
+#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc)
 #define SCORE_CHAINS(kt, qs, D, acc, chunk)                                                                 \
     do {                                                                                             \
         v8 a0_ = v8_zero(), a1_ = a0_, b0_ = a0_, b1_ = a0_, c0_ = a0_, c1_ = a0_, d0_ = a0_, d1_ = a0_; \
@@ -292,6 +476,10 @@ static inline float ROW_MAX(const float *row, int64_t S) {
 }
 #else
 #define QUERY_CHUNK 4
+#define FUSES_bf16(D) 0
+#define FUSES_f32(D) 0
+#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)
+#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc)
 #define SCORE_CHAINS(kt, qs, D, acc, chunk)                                                                 \
     do {                                                                                             \
         for (int i_ = 0; i_ < QUERY_CHUNK; i_++)                                                     \
@@ -359,6 +547,7 @@ static void NAME##_body(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const
                         T_ELEM *out, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S,        \
                         int64_t D, int64_t kv_batch, int64_t kv_head, float scale, float *scores) {  \
     int64_t group = H / Hkv, threads = omp_get_num_threads(), me = omp_get_thread_num();             \
+    SCORE_JOB_STATE(T_ELEM)                                                                          \
     int64_t rows = T < QUERY_BLOCK ? T : QUERY_BLOCK;  /* scratch rows per batch row */              \
     float *totals = scores + B * rows * H * S;  /* each query's softmax denominator */               \
     for (int64_t t0 = 0; t0 < T; t0 += QUERY_BLOCK) {                                                \
@@ -377,6 +566,11 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
 }
 
 /* One job of each pass, over the variables of the body that runs it (see ATTENTION_PASSES). */
+/* A thread's scaled queries: the chunk whose first query is at qs_of (chunk queries), kept across jobs. */
+#define SCORE_JOB_STATE(T_ELEM)                                                                      \
+    float qs[QUERY_CHUNK][512];                                                                      \
+    const T_ELEM *qs_of = NULL;                                                                      \
+    int qs_chunk = 0;
 #define ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                    \
     {                                                                                                \
         int64_t b = job / (Hkv * tiles), g = (job / tiles) % Hkv, s0 = (job % tiles) * KEY_TILE;     \
@@ -392,9 +586,11 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         const T_ELEM *kb = k + b * kv_batch + g * kv_head + s0 * D;                                  \
         float kt[512][KEY_TILE];                                                                     \
         int transposed = 0;                                                                          \
+        /* one chunk of at most 4 queries (a one-token step's job) reads the tile without storing it */ \
+        int fused = FUSES_##SUFFIX(D) && (t1 - first_t) * group <= 4;                                \
         /* the group's queries (t, h), QUERY_CHUNK at a time: their chains interleave, each unchanged */ \
         for (int64_t i0 = first_t * group; i0 < t1 * group; i0 += QUERY_CHUNK) {                    \
-            float qs[QUERY_CHUNK][512], acc[QUERY_CHUNK][KEY_TILE];                                   \
+            float acc[QUERY_CHUNK][KEY_TILE];                                                        \
             int chunk = t1 * group - i0 < QUERY_CHUNK ? (int)(t1 * group - i0) : QUERY_CHUNK;        \
             int seen = !mask;                                                                        \
             for (int i = 0; i < chunk && !seen; i++)                                                 \
@@ -407,16 +603,25 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                 }                                                                                    \
                 continue;                                                                            \
             }                                                                                        \
-            if (!transposed) {                                                                       \
+            if (!transposed && !fused) {                                                             \
                 TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt);                                  \
                 transposed = 1;                                                                      \
             }                                                                                        \
-            for (int i = 0; i < QUERY_CHUNK; i++) {                                                  \
-                int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                      \
-                const T_ELEM *qr = i < chunk ? q + ((b * T + t) * H + h) * D : q;  /* past: zeros */ \
-                SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, i < chunk, qs[i]);                           \
+            /* the scaled queries of the thread's last chunk are kept: consecutive jobs share them */ \
+            const T_ELEM *q0 = q + ((b * T + i0 / group) * H + g * group + i0 % group) * D;          \
+            if (q0 != qs_of || chunk != qs_chunk) {                                                  \
+                for (int i = 0; i < QUERY_CHUNK; i++) {                                              \
+                    int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                  \
+                    const T_ELEM *qr = i < chunk ? q + ((b * T + t) * H + h) * D : q;  /* past: zeros */ \
+                    SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, i < chunk, qs[i]);                       \
+                }                                                                                    \
+                qs_of = q0, qs_chunk = chunk;                                                        \
             }                                                                                        \
-            SCORE_CHAINS(kt, qs, D, acc, chunk);                                                            \
+            if (fused) {                                                                             \
+                FUSED_SCORES_##SUFFIX(kb, n, D, qs, chunk, acc)                                      \
+            } else {                                                                                 \
+                SCORE_CHAINS(kt, qs, D, acc, chunk);                                                 \
+            }                                                                                        \
             for (int i = 0; i < chunk; i++) {                                                        \
                 int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                      \
                 const uint8_t *mrow = mask ? mask + (b * T + t) * S + s0 : NULL;                     \
@@ -436,24 +641,51 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         totals[(b * rows + t - t0) * H + h] = fold_lanes(sums);                                      \
     }
 
+/* A sum item: (batch row, a batch of SUM_QUERIES(group) queries, KV head, PART_DIMS values of d).
+ * Where the ISA has WEIGHTED_SUM_HEADS, all the batch's heads (≤ SUM_HEADS) read each V row once —
+ * a k-row verification or a prompt's block streams V k / SUM_QUERIES times, not k times — each head's
+ * chain over its own keys unchanged; elsewhere each query's heads go as before. */
 #define ATTENTION_SUM_ITEM(SUFFIX, T_ELEM, LOAD, STORE)                                              \
     {                                                                                                \
-        int64_t bt = item / (Hkv * parts), g = (item / parts) % Hkv, d0 = (item % parts) * PART_DIMS; \
-        int64_t b = bt / nt, t = t0 + bt % nt, dn = D - d0 < PART_DIMS ? D - d0 : PART_DIMS;         \
-        int64_t end = visible_end(mask ? mask + (b * T + t) * S : NULL, S, T, t);                    \
+        int64_t per = SUM_QUERIES(group), batches = (nt + per - 1) / per;                            \
+        int64_t bq = item / (Hkv * parts), g = (item / parts) % Hkv, d0 = (item % parts) * PART_DIMS; \
+        int64_t b = bq / batches, tb = t0 + (bq % batches) * per, te = tb + per < t1 ? tb + per : t1; \
+        int64_t dn = D - d0 < PART_DIMS ? D - d0 : PART_DIMS;                                        \
         const T_ELEM *vb = v + b * kv_batch + g * kv_head;                                           \
-        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {                                \
-            int nh = (g + 1) * group - h0 < 4 ? (int)((g + 1) * group - h0) : 4;                     \
-            float o[4][PART_DIMS];                                                                   \
-            WEIGHTED_SUM_##SUFFIX(ROW(b, t, h0), S, nh, vb, end, D, d0, dn, o);                      \
-            for (int i = 0; i < nh; i++) {                                                           \
-                float total = totals[(b * rows + t - t0) * H + h0 + i], inv = total > 0.0f ? 1.0f / total : 0.0f; \
-                T_ELEM *outr = out + ((b * T + t) * H + h0 + i) * D + d0;                            \
+        if (SUM_TOGETHER(group)) {                                                                   \
+            const float *rows_[SUM_HEADS];                                                           \
+            int64_t ends_[SUM_HEADS], at_[SUM_HEADS];  /* at_: (b * T + t) * H + h */               \
+            int n_ = 0;                                                                              \
+            for (int64_t t = tb; t < te; t++) {                                                      \
+                int64_t end = visible_end(mask ? mask + (b * T + t) * S : NULL, S, T, t);            \
+                for (int64_t h = g * group; h < (g + 1) * group; h++, n_++)                          \
+                    rows_[n_] = ROW(b, t, h), ends_[n_] = end, at_[n_] = (b * T + t) * H + h;        \
+            }                                                                                        \
+            float o[SUM_HEADS][PART_DIMS];                                                           \
+            WEIGHTED_SUM_HEADS_##SUFFIX(rows_, ends_, n_, vb, D, d0, dn, o);                         \
+            for (int i = 0; i < n_; i++) {                                                           \
+                int64_t t = at_[i] / H % T, h = at_[i] % H;                                          \
+                float total = totals[(b * rows + t - t0) * H + h], inv = total > 0.0f ? 1.0f / total : 0.0f; \
+                T_ELEM *outr = out + at_[i] * D + d0;                                                \
                 for (int64_t d = 0; d < dn; d++) outr[d] = STORE(o[i][d] * inv);                     \
             }                                                                                        \
-        }                                                                                            \
+        } else                                                                                       \
+            for (int64_t t = tb; t < te; t++) {                                                      \
+                int64_t end = visible_end(mask ? mask + (b * T + t) * S : NULL, S, T, t);            \
+                for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {                        \
+                    int nh = (g + 1) * group - h0 < 4 ? (int)((g + 1) * group - h0) : 4;             \
+                    float o[4][PART_DIMS];                                                           \
+                    WEIGHTED_SUM_##SUFFIX(ROW(b, t, h0), S, nh, vb, end, D, d0, dn, o);              \
+                    for (int i = 0; i < nh; i++) {                                                   \
+                        float total = totals[(b * rows + t - t0) * H + h0 + i], inv = total > 0.0f ? 1.0f / total : 0.0f; \
+                        T_ELEM *outr = out + ((b * T + t) * H + h0 + i) * D + d0;                    \
+                        for (int64_t d = 0; d < dn; d++) outr[d] = STORE(o[i][d] * inv);             \
+                    }                                                                                \
+                }                                                                                    \
+            }                                                                                        \
     }
-
+/* sum items of a block of nt queries */
+#define SUM_ITEMS(B, nt) ((B) * (((nt) + SUM_QUERIES(group) - 1) / SUM_QUERIES(group)) * Hkv * parts)
 
 /* the scratch row of query (b, t, h), t in the block t0 … t1-1 */
 #define ROW(b, t, h) (scores + (((b) * rows + (t) - t0) * H + (h)) * S)
@@ -467,7 +699,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
     _Pragma("omp barrier")                                                                           \
     /* 3. the weighted sums of V, per (query, KV head, PART_DIMS values of d), its heads together */ \
     int64_t parts = (D + PART_DIMS - 1) / PART_DIMS;                                                 \
-    for (int64_t item = me; item < B * nt * Hkv * parts; item += threads) ATTENTION_SUM_ITEM(SUFFIX, T_ELEM, LOAD, STORE)\
+    for (int64_t item = me; item < SUM_ITEMS(B, nt); item += threads) ATTENTION_SUM_ITEM(SUFFIX, T_ELEM, LOAD, STORE)\
     _Pragma("omp barrier")
 
 ATTENTION(d3d_attention_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
@@ -530,6 +762,7 @@ static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d
                                  int64_t n_segments, int64_t layer, int64_t H, int64_t Hkv, int64_t D,        \
                                  float scale, float *scratch) {                                      \
     int64_t group = H / Hkv, threads = omp_get_num_threads(), me = omp_get_thread_num();             \
+    SCORE_JOB_STATE(T_ELEM)                                                                          \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
         for (int64_t job = first_; job < jobs; job += threads) ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)\
         base_ += jobs;                                                                               \
@@ -542,9 +775,9 @@ static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d
     _Pragma("omp barrier")                                                                           \
     int64_t parts = (D + PART_DIMS - 1) / PART_DIMS;                                                 \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
-        for (int64_t item = first_; item < nt * Hkv * parts; item += threads)                        \
+        for (int64_t item = first_; item < SUM_ITEMS(1, nt); item += threads)                        \
             ATTENTION_SUM_ITEM(SUFFIX, T_ELEM, LOAD, STORE)                                          \
-        base_ += nt * Hkv * parts;                                                                   \
+        base_ += SUM_ITEMS(1, nt);                                                                   \
     })                                                                                               \
     _Pragma("omp barrier")                                                                           \
     (void)scale; (void)group;                                                                        \
