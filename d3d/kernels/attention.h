@@ -69,37 +69,7 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
             _mm512_storeu_ps((o)[i_] + 16, all_[i_][1]);                                             \
         }                                                                                            \
     } while (0)
-/* bf16 values move as pairs (PAIR_LOW, PAIR_HIGH below): one load and two bit operations per V row
- * instead of two widening shuffles; lane j of a / b sums d0 + 2j / d0 + 2j + 1 — the same chains. */
-#define WEIGHTED_SUM_PAIRS(p, p_stride, n, v, S, D, d0, dn, o)                                      \
-    do {                                                                                             \
-        __mmask16 live_ = (dn) >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << ((dn) / 2)) - 1);      \
-        const float *p0_ = (p), *p1_ = p0_ + ((n) > 1) * (p_stride), *p2_ = p0_ + ((n) > 2) * 2 * (p_stride), \
-                    *p3_ = p0_ + ((n) > 3) * 3 * (p_stride);                                         \
-        __m512 a0_ = _mm512_setzero_ps(), b0_ = a0_, a1_ = a0_, b1_ = a0_, a2_ = a0_, b2_ = a0_, a3_ = a0_, b3_ = a0_; \
-        for (int64_t s = 0; s < (S); s++) {                                                          \
-            const uint16_t *vr = (v) + s * (D) + (d0);                                               \
-            __builtin_prefetch(vr + PREFETCH_KEYS * (D), 0, 0);                                      \
-            __m512 x_ = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(live_, vr));                    \
-            __m512 v0_ = PAIR_LOW(x_), v1_ = PAIR_HIGH(x_);                                          \
-            HEAD_FMA16(p0_[s], a0_, b0_)                                                             \
-            if ((n) > 1) { HEAD_FMA16(p1_[s], a1_, b1_) }                                            \
-            if ((n) > 2) { HEAD_FMA16(p2_[s], a2_, b2_) }                                            \
-            if ((n) > 3) { HEAD_FMA16(p3_[s], a3_, b3_) }                                            \
-        }                                                                                            \
-        __m512 all_[4][2] = {{a0_, b0_}, {a1_, b1_}, {a2_, b2_}, {a3_, b3_}};                        \
-        for (int i_ = 0; i_ < (n); i_++) {                                                           \
-            float even_[16], odd_[16];                                                               \
-            _mm512_storeu_ps(even_, all_[i_][0]);                                                    \
-            _mm512_storeu_ps(odd_, all_[i_][1]);                                                     \
-            for (int j_ = 0; j_ < 16; j_++) (o)[i_][2 * j_] = even_[j_], (o)[i_][2 * j_ + 1] = odd_[j_]; \
-        }                                                                                            \
-    } while (0)
-#define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o)                                       \
-    if ((dn) % 2)                                                                                    \
-        WEIGHTED_SUM_VECTOR(bf16, uint16_t, p, p_stride, n, v, S, D, d0, dn, o);                     \
-    else                                                                                             \
-        WEIGHTED_SUM_PAIRS(p, p_stride, n, v, S, D, d0, dn, o)
+#define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_VECTOR(bf16, uint16_t, p, p_stride, n, v, S, D, d0, dn, o)
 #define WEIGHTED_SUM_f32(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_VECTOR(f32, float, p, p_stride, n, v, S, D, d0, dn, o)
 /* The weighted sums of N ≤ SUM_HEADS heads with their own rows p_i and ends (several queries'), over
  * one V row at a time: each (head, d) chain is WEIGHTED_SUM's — keys s < end_i in order, p_i[s] = 0
