@@ -173,6 +173,25 @@ def test_fused_residual_is_the_separate_add(kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_stores_each_output_as_pytorch_rounds_it(kernels, dtype):
+    """Exact dot products (one-hot rows pick one weight), so every output is `weight + bias` rounded
+    once, then `+ residual` rounded again: ties to even, overflow to ±inf, for every row count and
+    the columns past the last full group of 16 (37 outputs)."""
+    outputs, width = 37, 64
+    weight = torch.tensor([1.0, -2.5, 3.0e38, -3.0e38, 1.0 + 2 ** -8, 2 ** -130, 0.0, 7.0],
+                          dtype=torch.float32).repeat(outputs * width // 8 + 1)[:outputs * width].reshape(outputs, width)
+    weight = weight * randn(outputs, width, seed=1, dtype=torch.float32).sign()
+    weight = weight.to(dtype)
+    bias = torch.tensor([2 ** -8, 3.0e38, 3 * 2 ** -8, 1.0], dtype=torch.float32).repeat(10)[:outputs].to(dtype)
+    residual = randn(17, outputs, seed=2, dtype=dtype, scale=4.0)
+    for rows in (0, 1, 4, 7, 17):
+        x = torch.eye(width, dtype=dtype)[:rows]
+        picked = (weight.T[:rows].float() + bias.float()).to(dtype)
+        assert same_bits(kernels.linear(x, weight, bias), picked), f"{rows} rows"
+        assert same_bits(kernels.linear(x, weight, bias, residual[:rows]), residual[:rows] + picked), f"{rows} rows"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_matches_pytorch_bit_for_bit(kernels, dtype):
     """The fused RoPE + KV store gives PyTorch's q, k and v exactly, and fills the cache slots."""
     from d3d.cache import KVCache
