@@ -45,6 +45,42 @@ FORMAT_VERSION = 1
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
 
+
+LAYERS_HELP = "'0,1,2,3', ranges ('0-3,8'), 'all' (every layer: a copy of the target) or 'every:K' (layers 0, K, 2K, …)"
+
+
+def layer_selection(text: str, depth: int | None = None, option: str = "layers") -> list[int]:
+    """The target layers a drafter starts from, as a command line names them (LAYERS_HELP). With
+    `depth` None only the syntax is checked and "all" / "every:K" give []; otherwise every index must
+    be one of the target's `depth` layers, each named once. ConfigError for anything else."""
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"{option} takes {LAYERS_HELP}; {why}")
+
+    text = text.strip()
+    if text == "all" or text.startswith("every:"):
+        try:
+            step = int(text[len("every:"):]) if text != "all" else 1
+        except ValueError:
+            raise refuse(f"got {text!r}") from None
+        if step < 1:
+            raise refuse(f"K must be at least 1, got {step}")
+        return [] if depth is None else list(range(0, depth, step))
+    layers: list[int] = []
+    for piece in text.split(","):
+        first, dash, last = piece.strip().partition("-")
+        try:
+            layers += range(int(first), int(last) + 1) if dash else [int(first)]
+        except ValueError:
+            raise refuse(f"got {text!r}") from None
+    if not layers:
+        raise refuse(f"{text!r} names no layer")
+    if len(set(layers)) != len(layers):
+        raise refuse(f"{text!r} names a layer twice")
+    if depth is not None and any(not 0 <= i < depth for i in layers):
+        raise refuse(f"{text!r} is outside the target's layers 0-{depth - 1}")
+    return layers
+
+
 class Drafter(nn.Module):
     def __init__(self, config: DrafterConfig, target: Decoder) -> None:
         super().__init__()

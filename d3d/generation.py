@@ -18,7 +18,7 @@ import torch
 
 from d3d.async_engine import AsyncConfig, async_generate
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
-from d3d.drafter import Drafter
+from d3d.drafter import Drafter, layer_selection
 from d3d.batch import SharedBatch
 from d3d.engine import generate_from_sources, reference_generate
 from d3d.run import OnCommit, Run
@@ -67,14 +67,15 @@ class Pipeline:
 
     @classmethod
     def load(cls, target: str | None = None, drafter: str | Path | None = "default",
-             dtype: torch.dtype = torch.bfloat16, drafter_layers: list[int] | None = None,
+             dtype: torch.dtype = torch.bfloat16, drafter_layers: list[int] | str | None = None,
              ar_drafter: str | Path | None = None, async_config: AsyncConfig | None = None,
              weights: str = "stored") -> "Pipeline":
         """Load a target and a drafter.
 
         `drafter`: a checkpoint folder; "default" for the shipped drafter when the target is the
         embedded default (context lookup alone when none is shipped); "untrained" for a drafter
-        copied from `drafter_layers` of the target (all layers when None); None for no drafter.
+        copied from `drafter_layers` of the target (indices or "all" / "every:K" / ranges; all layers when
+        None); None for no drafter.
         `ar_drafter`: an AR drafter checkpoint folder, for method "ar_drafter" (None: none).
         `async_config`: how method "async" drafts ahead (None: the defaults).
         `weights`: how the kernels read the target's weights (`d3d.loading.load_target`).
@@ -262,8 +263,9 @@ def load_ar_drafter(target: Target, folder: str | Path | None) -> Drafter | None
 
 
 def resolve_drafter(target: Target, drafter: str | Path | None, target_source: str | None,
-                    drafter_layers: list[int] | None) -> tuple[Drafter | None, str]:
-    """The drafter and a description of where it came from."""
+                    drafter_layers: list[int] | str | None) -> tuple[Drafter | None, str]:
+    """The drafter and a description of where it came from; an untrained one copies `drafter_layers`
+    (indices, or their command-line form: `d3d.drafter.layer_selection`; None: every layer)."""
     if drafter is None:
         return None, "none"
     fingerprint = target.fingerprint
@@ -281,7 +283,9 @@ def resolve_drafter(target: Target, drafter: str | Path | None, target_source: s
         return None, ("none trained for this target yet: context lookup only (--drafter PATH for a trained one, "
                       "--drafter untrained to try one)")
     if str(drafter) == "untrained":
-        layers = drafter_layers or list(range(decoder.config.num_layers))
+        depth = decoder.config.num_layers
+        layers = (layer_selection(drafter_layers, depth, "--drafter-layers") if isinstance(drafter_layers, str)
+                  else drafter_layers or list(range(depth)))
         untrained = Drafter.from_target(decoder, layers, tokenizer_fingerprint=fingerprint).eval()
         return untrained, "UNTRAINED (copied from the target's layers; no trained drafter for this target)"
     return Drafter.from_pretrained(drafter, decoder, fingerprint), str(drafter)

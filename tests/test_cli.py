@@ -215,6 +215,16 @@ def test_malformed_drafter_layers(capsys, tiny_default):
     assert code == 2 and "error:" in err and "--drafter-layers" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("spec", ["all", "every:2", "0-1"])
+def test_drafter_layers_by_name(capsys, tiny_default, spec):
+    """--drafter-layers all / every:K / a range: the untrained drafter copies those layers of the target."""
+    depth = tiny_target().decoder.config.num_layers
+    expected = {"all": depth, "every:2": (depth + 1) // 2, "0-1": 2}[spec]
+    code, _, err = run_cli(capsys, "generate", "hello", "--drafter", "untrained", "--drafter-layers", spec,
+                           "--max-new-tokens", "4")
+    assert code == 0 and f"drafter: {expected}-layer drafter" in err
+
+
 def test_drafter_method_without_drafter(capsys, tiny_default):
     """--method drafter --drafter none: exit 2 with a message, not a ValueError traceback."""
     code, _, err = run_cli(capsys, "generate", "hello", "--method", "drafter", "--drafter", "none")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_decoder, perturb_drafter, tiny_config
 from d3d.config import ConfigError, DrafterConfig
-from d3d.drafter import Drafter
+from d3d.drafter import Drafter, layer_selection
 from d3d.loading import LoadError
 
 TOKENS = [3, 17, 42, 5, 9, 33, 60, 1, 12]
@@ -80,6 +80,24 @@ def test_from_target_copies_the_chosen_layers(target):
 def test_from_target_refuses_bad_layers(target, layers):
     with pytest.raises(ConfigError, match="layers"):
         Drafter.from_target(target, layers)
+
+
+@pytest.mark.parametrize("text,depth,layers", [
+    ("0,1,2,3", 30, [0, 1, 2, 3]), (" 5 ", 30, [5]), ("0-3,8", 30, [0, 1, 2, 3, 8]), ("all", 4, [0, 1, 2, 3]),
+    ("every:2", 5, [0, 2, 4]), ("every:1", 3, [0, 1, 2]), ("all", None, []), ("every:3", None, []),
+    ("29", None, [29])])
+def test_layer_selection_names_target_layers(text, depth, layers):
+    """The command line's forms: indices, ranges, every layer (a copy of the target), every K-th."""
+    assert layer_selection(text, depth) == layers
+
+
+@pytest.mark.parametrize("text,depth,why", [
+    ("0,x", None, "got '0,x'"), ("every:0", 30, "at least 1"), ("every:two", 30, "got"), ("", None, "got"),
+    ("0,0", 30, "twice"), ("1-2,2", 30, "twice"), ("30", 30, "outside the target's layers 0-29"),
+    ("-1", 30, "got"), ("copy", 30, "got 'copy'")])
+def test_layer_selection_refuses_what_names_no_layers(text, depth, why):
+    with pytest.raises(ConfigError, match=why):
+        layer_selection(text, depth, option="--layers")
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 16])

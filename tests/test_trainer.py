@@ -275,6 +275,25 @@ def test_cli_train_runs_resumes_and_refuses_another_config(capsys, data_dir, tmp
     assert "d3d: error:" in err and "another config" in err and "Traceback" not in err
 
 
+def test_cli_train_copies_every_layer_or_every_kth(capsys, data_dir, tmp_path, patched_load_target):
+    """`--layers all` starts from a copy of the whole target, `every:K` from layers 0, K, 2K, …; a
+    malformed list exits 2 before anything loads."""
+    depth = tiny_train_target().decoder.config.num_layers
+    common = ["--data", str(data_dir), "--block-size", "4", "--steps", "1", "--batch-size", "2", "--anchors", "2",
+              "--max-length", "64", "--warmup", "1", "--eval-every", "0", "--save-every", "1"]
+    for spec, layers in (("all", list(range(depth))), ("every:2", list(range(0, depth, 2)))):
+        out = tmp_path / spec.replace(":", "-")
+        assert main(["train", "--out", str(out), "--layers", spec, *common]) == 0
+        capsys.readouterr()
+        saved = json.loads((out / "drafter" / "config.json").read_text())
+        assert saved["target_layers"] == layers
+    loads = len(patched_load_target)
+    assert main(["train", "--out", str(tmp_path / "bad"), "--layers", "0,x", *common]) == 2
+    err = capsys.readouterr().err
+    assert "d3d: error: --layers takes" in err and "Traceback" not in err
+    assert len(patched_load_target) == loads  # refused before the target loaded
+
+
 def test_reduced_draft_vocabulary_trains_on_frequent_tokens(data_dir, tmp_path):
     """With draft_vocab_size, the drafter's vocabulary is the most frequent response tokens, the loss
     falls, and the saved drafter drafts only inside that vocabulary."""

@@ -14,6 +14,7 @@ from d3d.async_engine import AsyncConfig
 from d3d.config import ConfigError
 from d3d.devices import resolve_device
 from d3d.exactness import kernel_name
+from d3d.drafter import LAYERS_HELP, layer_selection
 from d3d.generation import Pipeline, load_ar_drafter, resolve_drafter
 from d3d.quantized import WEIGHTS
 
@@ -22,10 +23,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 
 def load_pipeline(args: argparse.Namespace) -> Pipeline:
     started = time.perf_counter()
-    try:
-        layers = [int(x) for x in args.drafter_layers.split(",")] if args.drafter_layers else None
-    except ValueError:
-        raise ConfigError(f"--drafter-layers takes comma-separated layer indices, got {args.drafter_layers!r}") from None
+    layers = args.drafter_layers
+    if layers:
+        layer_selection(layers, option="--drafter-layers")  # refused before anything loads; resolved with the target
     drafter = None if args.drafter == "none" else args.drafter
     device = resolve_device(args.device)
     async_config = AsyncConfig(max_branches=args.branches)
@@ -57,7 +57,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default="default",
                         help="drafter checkpoint folder, 'default', 'untrained' or 'none' (plain AR)")
     parser.add_argument("--drafter-layers", default=None,
-                        help="with an untrained drafter: comma-separated target layers to copy (default: all)")
+                        help=f"with an untrained drafter: the target layers to copy, {LAYERS_HELP} (default: all)")
     parser.add_argument("--ar-drafter", default="",
                         help="an AR drafter checkpoint (`d3d train --drafter-kind ar`) for --method ar_drafter")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))

@@ -9,6 +9,7 @@ import torch
 
 from d3d.cli.common import DTYPES
 from d3d.config import ConfigError
+from d3d.drafter import LAYERS_HELP, layer_selection
 
 
 def data(args: argparse.Namespace) -> int:
@@ -63,16 +64,22 @@ def train(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = TrainConfig(layers=[int(x) for x in args.layers.split(",")] if args.layers else [],
-                         drafter_kind=args.drafter_kind, init_from=args.init_from, block_size=args.block_size,
-                         feature_layers=[int(x) for x in args.feature_layers.split(",")] if args.feature_layers else [],
-                         block_attention=args.block_attention, labels=args.labels, steps=args.steps,
-                         batch_size=args.batch_size,
-                         grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup, lambda_ar=args.lambda_ar,
-                         gamma=args.gamma, distill=args.distill, ce_weight=args.ce_weight,
-                         mask_ratio=args.mask_ratio, anchors=args.anchors,
-                         max_length=args.max_length, eval_every=args.eval_every, save_every=args.save_every,
-                         draft_vocab_size=args.draft_vocab_size, max_sequences=args.max_sequences, seed=args.seed)
+    def config_for(depth: int | None) -> TrainConfig:
+        """The run's options; layers named as "all" / "every:K" need the target's `depth` (None: [])."""
+        layers = layer_selection(args.layers, depth, "--layers") if args.layers else []
+        features = layer_selection(args.feature_layers, depth, "--feature-layers") if args.feature_layers else []
+        if not layers and args.layers and depth is None:
+            layers = [0]  # stands for "all" / "every:K" while only the options are checked
+        return TrainConfig(layers=layers, drafter_kind=args.drafter_kind,
+                           init_from=args.init_from, block_size=args.block_size, feature_layers=features,
+                           block_attention=args.block_attention, labels=args.labels, steps=args.steps,
+                           batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr, warmup=args.warmup,
+                           lambda_ar=args.lambda_ar, gamma=args.gamma, distill=args.distill,
+                           ce_weight=args.ce_weight, mask_ratio=args.mask_ratio, anchors=args.anchors,
+                           max_length=args.max_length, eval_every=args.eval_every, save_every=args.save_every,
+                           draft_vocab_size=args.draft_vocab_size, max_sequences=args.max_sequences, seed=args.seed)
+
+    config_for(None)  # bad options are refused before anything loads
     device = resolve_device(args.device)
     # under torchrun: one process per rank (gloo on the CPU, nccl on CUDA: each rank its own GPU)
     world = World.from_environment(device)
@@ -81,6 +88,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         target = load_target(args.target, torch.float32)  # fp32 master weights; compute autocasts to bf16
         target.decoder.to(device)
+        config = config_for(target.decoder.config.num_layers)
         trainer = Trainer(target, args.data, args.out, config, world, fsdp=args.fsdp, release_target=True)
         result = trainer.run(progress=world.is_main)
     finally:
@@ -155,14 +163,14 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--data", required=True, help="a `d3d data` output folder")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, drafter/, log.jsonl, curves.png")
     p.add_argument("--target", default="default")
-    p.add_argument("--layers", default="0,1,2,3", help="comma-separated target layers to start from")
+    p.add_argument("--layers", default="0,1,2,3", help=f"the target layers to start from: {LAYERS_HELP}")
     p.add_argument("--init-from", default="", help="start from this drafter checkpoint instead")
     p.add_argument("--drafter-kind", default="d3d", choices=["d3d", "ar", "dflash"],
                    help="d3d: the block-diffusion drafter; ar: the AR-drafter baseline (next-token loss only, "
                         "KL too with --distill; --block-size then bounds its drafts per verification); dflash: "
                         "the DFlash-style baseline, D3D's blocks over the target's hidden states (d3d.dflash)")
     p.add_argument("--feature-layers", default="",
-                   help="with --drafter-kind dflash: comma-separated target layers it reads (default: as many as "
+                   help=f"with --drafter-kind dflash: the target layers it reads, {LAYERS_HELP} (default: as many as "
                         "--layers, spread from the second to the fourth-last)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--block-attention", default="anchor_causal", choices=["anchor_causal", "bidirectional", "causal"])
