@@ -545,8 +545,8 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
     {                                                                                                \
         int64_t b = job / (Hkv * tiles), g = (job / tiles) % Hkv, s0 = (job % tiles) * KEY_TILE;     \
         int64_t n = S - s0 < KEY_TILE ? S - s0 : KEY_TILE;                                           \
-        if (job + TILES_AHEAD * threads < jobs) {                                                    \
-            int64_t next = job + TILES_AHEAD * threads, nb = next / (Hkv * tiles), ng = (next / tiles) % Hkv; \
+        if (job + TILES_AHEAD * job_step_ < job_end_) {                                              \
+            int64_t next = job + TILES_AHEAD * job_step_, nb = next / (Hkv * tiles), ng = (next / tiles) % Hkv; \
             const char *tile = (const char *)(k + nb * kv_batch + ng * kv_head + (next % tiles) * KEY_TILE * D); \
             for (int64_t at = 0; at < KEY_TILE * D * (int64_t)sizeof(T_ELEM); at += 64)              \
                 __builtin_prefetch(tile + at, 0, 0);                                                 \
@@ -662,7 +662,8 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
 #define ATTENTION_PASSES(SUFFIX, T_ELEM, LOAD, STORE)                                                \
     /* 1. scores. Jobs go round-robin (causal tiles late in S serve fewer queries), and each thread   \
      * prefetches the key tile of its job TILES_AHEAD on (a long context streams K from memory). */   \
-    for (int64_t job = me; job < jobs; job += threads) ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)     \
+    for (int64_t job = me, job_step_ = threads, job_end_ = jobs; job < jobs; job += threads)         \
+        ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                    \
     _Pragma("omp barrier")                                                                           \
     /* 2. per query: max, exp and the sum of the exps, up to its last visible key */                 \
     for (int64_t item = me; item < B * nt * H; item += threads) ATTENTION_EXP_ITEM                   \
@@ -702,6 +703,12 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H) {
     return together > alone ? together : alone;
 }
 
+/* A thread's share of a segment's n jobs or items: a contiguous block, so that each thread streams
+ * its own run of K tiles and V rows (round-robin shares, each thread every other 2 KB tile or every
+ * other half row, made both threads' prefetchers fetch what the other one reads); which thread gets
+ * the larger block rotates from segment to segment (base_), as the round-robin's first item did. */
+#define SPAN_FIRST(n) ((n) * first_ / threads)
+#define SPAN_END(n) ((n) * (first_ + 1) / threads)
 /* for each segment of at most QUERY_BLOCK rows: the variables a pass's job reads, then BODY */
 #define FOR_SHORT_SEGMENTS(T_ELEM, BODY)                                                             \
     {                                                                                                \
@@ -721,7 +728,7 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H) {
             const int64_t keys = mask ? S : S - T + t1, tiles = (keys + KEY_TILE - 1) / KEY_TILE;    \
             const int64_t jobs = Hkv * tiles;                                                        \
             (void)B; (void)nt; (void)totals; (void)kv_batch; (void)jobs; (void)out; (void)q; (void)k; (void)v;\
-            int64_t first_ = ((me - base_) % threads + threads) % threads;  /* this thread's first */\
+            int64_t first_ = ((me - base_) % threads + threads) % threads;  /* this thread's rank here */\
             BODY                                                                                     \
             area_ += rows * H * (S + 1);                                                             \
         }                                                                                            \
@@ -734,18 +741,19 @@ static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d
     int64_t group = H / Hkv, threads = omp_get_num_threads(), me = omp_get_thread_num();             \
     SCORE_JOB_STATE(T_ELEM)                                                                          \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
-        for (int64_t job = first_; job < jobs; job += threads) ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)\
+        for (int64_t job = SPAN_FIRST(jobs), job_step_ = 1, job_end_ = SPAN_END(jobs); job < job_end_; job++) \
+            ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                \
         base_ += jobs;                                                                               \
     })                                                                                               \
     _Pragma("omp barrier")                                                                           \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
-        for (int64_t item = first_; item < nt * H; item += threads) ATTENTION_EXP_ITEM               \
+        for (int64_t item = SPAN_FIRST(nt * H); item < SPAN_END(nt * H); item++) ATTENTION_EXP_ITEM  \
         base_ += nt * H;                                                                             \
     })                                                                                               \
     _Pragma("omp barrier")                                                                           \
     int64_t parts = (D + PART_DIMS - 1) / PART_DIMS;                                                 \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
-        for (int64_t item = first_; item < SUM_ITEMS(1, nt); item += threads)                        \
+        for (int64_t item = SPAN_FIRST(SUM_ITEMS(1, nt)); item < SPAN_END(SUM_ITEMS(1, nt)); item++) \
             ATTENTION_SUM_ITEM(SUFFIX, T_ELEM, LOAD, STORE)                                          \
         base_ += SUM_ITEMS(1, nt);                                                                   \
     })                                                                                               \
