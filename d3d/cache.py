@@ -1,7 +1,11 @@
 """Preallocated KV cache with append and rewind.
 
-One tensor pair per model, shaped (layers, batch, kv_heads, capacity, head_dim), filled from slot 0
-up to `length`. A forward pass writes its new keys/values at `length ... length+T` and the caller
+One tensor pair per model, filled from slot 0 up to `length`: keys shaped (layers, batch, kv_heads,
+capacity, head_dim); values the same, or with `split_values` (layers, batch, kv_heads, head_dim /
+V_PART, capacity, V_PART) — each V_PART-wide slice of d stored for every slot before the next, the
+layout the row-exact kernels' weighted sums stream fastest (d3d/kernels/attention.h). A values tensor
+with one dimension more than its keys is split; every reader and writer of the cache tells them apart
+that way. A forward pass writes its new keys/values at `length ... length+T` and the caller
 decides how many of them to keep (`commit`) — speculative decoding keeps the accepted prefix and
 drops the rest. Asking for more than the capacity fails loudly instead of reallocating.
 This module knows nothing about models or tokens.
@@ -12,6 +16,19 @@ from __future__ import annotations
 import torch
 
 
+V_PART = 32  # values of d a split V stores together (attention.h's V_PART)
+
+
+def split_values(values: torch.Tensor) -> torch.Tensor:
+    """Values (..., T, D) as a split cache stores them: (..., D / V_PART, T, V_PART)."""
+    return values.unflatten(-1, (values.shape[-1] // V_PART, V_PART)).transpose(-3, -2)
+
+
+def joined_values(values: torch.Tensor) -> torch.Tensor:
+    """A split cache's values (..., D / V_PART, T, V_PART) as rows (..., T, D) (a copy)."""
+    return values.transpose(-3, -2).flatten(-2)
+
+
 class CacheFullError(RuntimeError):
     """The sequence would exceed the cache's capacity (the model's context limit)."""
 
@@ -19,13 +36,21 @@ class CacheFullError(RuntimeError):
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  batch_size: int = 1, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", split: bool = False) -> None:
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        if split and head_dim % V_PART:
+            raise ValueError(f"split values need a head_dim that is a multiple of {V_PART}, not {head_dim}")
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        value_shape = (*shape[:3], head_dim // V_PART, capacity, V_PART) if split else shape
+        self.values = torch.zeros(value_shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0  # committed slots
         self.pending = 0  # slots written by the last forward but not yet committed
+
+    @property
+    def split(self) -> bool:
+        """Whether the values are stored split (module docstring)."""
+        return self.values.dim() == self.keys.dim() + 1
 
     @property
     def batch_size(self) -> int:
@@ -44,6 +69,9 @@ class KVCache:
         start, end = self.length, self.length + keys.shape[2]
         assert end - start == self.pending, "write() must follow reserve() with the same token count"
         self.keys[layer, :, :, start:end] = keys
+        if self.split:
+            self.values[layer, ..., start:end, :] = split_values(values)
+            return self.keys[layer, :, :, :end], joined_values(self.values[layer, ..., :end, :])
         self.values[layer, :, :, start:end] = values
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from conftest import make_decoder, tiny_config
-from d3d.cache import CacheFullError
+from d3d.cache import CacheFullError, KVCache, joined_values
 from d3d.config import ModelConfig
 from d3d.loading import load_state
 from d3d.masks import draft_mask
 import d3d.models
-from d3d.models import Decoder, chunk_bounds
+from d3d.kernels import TorchKernels
+from d3d.models import Decoder, SequenceRows, chunk_bounds
 
 HF_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
@@ -225,6 +226,58 @@ def test_fused_forward_is_the_per_op_forward(dtype, family):
         assert torch.equal(fused_cache.keys, per_op_cache.keys) and torch.equal(fused_cache.values, per_op_cache.values)
         fused_cache.commit(kept)
         per_op_cache.commit(kept)
+
+
+def torch_forward(decoder: Decoder, ids: torch.Tensor, cache, mask=None) -> torch.Tensor:
+    """Logits from PyTorch's own ops (`TorchKernels`), layer by layer."""
+    batch, length = ids.shape
+    positions = torch.arange(cache.length, cache.length + length)[None].expand(batch, -1)
+    cache.reserve(length)
+    cos, sin = decoder.rope(positions, decoder.dtype)
+    x = decoder.embed_tokens(ids)
+    for index, layer in enumerate(decoder.layers):
+        x = layer(x, cos, sin, mask, cache, index, TorchKernels)
+    return decoder.logits(decoder.norm(x, TorchKernels))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_split_values_change_no_bit(dtype):
+    """A cache whose V is stored by slices of d (what `new_cache` gives the row-exact kernels when
+    head_dim allows) gives the bits of a plain cache on every path — fused, one kernel per operation,
+    PyTorch's ops, several sequences in one forward — and holds the same values."""
+    config = tiny_config("qwen3", head_dim=64, num_heads=2, num_kv_heads=1)
+    decoder = make_decoder(config, dtype=dtype)
+    assert decoder.new_cache().split and decoder.new_cache().values.shape == (2, 1, 1, 2, 128, 32)
+    c = decoder.config
+
+    def cache(split: bool) -> KVCache:
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1, dtype, split=split)
+
+    prefix, block = random_ids(9, seed=1), random_ids(5, seed=2)
+    mask = torch.rand(1, 3, 14, generator=torch.Generator().manual_seed(4)) < 0.6
+    mask[..., 11:] |= torch.eye(3, dtype=torch.bool)  # after 9 + 2 kept: every query sees itself
+    fused = lambda ids, kv, m: decoder(ids, cache=kv, mask=m)  # noqa: E731
+    per_op = lambda ids, kv, m: per_op_forward(decoder, ids, kv, m)  # noqa: E731
+    torch_ops = lambda ids, kv, m: torch_forward(decoder, ids, kv, m)  # noqa: E731
+    for forward in (fused, per_op, torch_ops):
+        plain, split = cache(False), cache(True)
+        for ids, step_mask, kept in ((prefix, None, 9), (block, None, 2), (block[:, 2:], mask, 0)):
+            assert torch.equal(forward(ids, plain, step_mask), forward(ids, split, step_mask))
+            assert torch.equal(plain.values, joined_values(split.values))
+            plain.commit(kept)
+            split.commit(kept)
+    caches = [cache(True), cache(False)]
+    for kv in caches:
+        decoder(prefix, cache=kv)
+        kv.commit()
+    rows = decoder.forward_rows([SequenceRows(block[0], caches[0]), SequenceRows(block[0, :3], caches[1])])
+    assert torch.equal(rows[0][0][:3], rows[1][0])
+
+
+def test_split_values_need_whole_slices():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        KVCache(1, 1, 48, 8, split=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,6 +1,10 @@
 /* ---------------------------------------------------------------------------------------------
- * attention: q (B, T, H, D) contiguous; k, v: element (b, g, s, d) at b*kv_batch + g*kv_head +
- * s*D + d (the KV cache's layout); out (B, T, H, D). Query t of a causal call (mask NULL) sees keys
+ * attention: q (B, T, H, D) contiguous; k: element (b, g, s, d) at b*kv_batch + g*kv_head + s*D + d;
+ * v: element (b, g, s, d) at b*kv_batch + g*kv_head + (d / V_PART)*v_part + s*v_row + d % V_PART —
+ * rows of D values (v_row = D, v_part = V_PART) or, in a cache of capacity C with D a multiple of
+ * V_PART, each V_PART values of d stored for every slot before the next (v_row = V_PART,
+ * v_part = C*V_PART), so that a weighted-sum item, which reads one V_PART slice of d for every key,
+ * streams contiguous memory (KVCache's split values); out (B, T, H, D). Query t of a causal call (mask NULL) sees keys
  * 0 … S-T+t; with a mask (B, T, S) bytes, the keys whose byte is 1. In fp32:
  *  1. scores: a tile of 16 keys is transposed once and serves every query of its KV head; a
  *     score is one FMA chain over d = 0 … D-1 (q pre-scaled), whatever the tile or query count
@@ -17,6 +21,7 @@
  * whatever n, d0 or dn. The heads of a group read each V row once, and splitting d gives two threads
  * work even when a one-token step has fewer KV heads than threads' worth of items. */
 #define PART_DIMS 32
+#define V_PART PART_DIMS  /* values of d stored together in a split V (one weighted-sum item's) */
 #define PREFETCH_KEYS 128  /* V rows ahead of the one summed: a long context streams V from memory
                             * (AMD EPYC Zen 5, 4K keys, 30 layers: 8 rows 8.5 ms, 64: 5.7, 128: 5.2, 256: 5.7) */
 #define TILES_AHEAD 2  /* jobs ahead whose key tile a thread prefetches (1: 5.2 ms, 2: 4.8, 4: 5.2) */
@@ -515,7 +520,8 @@ int64_t d3d_attention_scratch(int64_t B, int64_t T, int64_t H, int64_t S) {
 #define ATTENTION(NAME, SUFFIX, T_ELEM, LOAD, STORE)                                                         \
 static void NAME##_body(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask,      \
                         T_ELEM *out, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S,        \
-                        int64_t D, int64_t kv_batch, int64_t kv_head, float scale, float *scores) {  \
+                        int64_t D, int64_t kv_batch, int64_t kv_head, int64_t v_row, int64_t v_part, \
+                        float scale, float *scores) {                                                \
     int64_t group = H / Hkv, threads = omp_get_num_threads(), me = omp_get_thread_num();             \
     SCORE_JOB_STATE(T_ELEM)                                                                          \
     int64_t rows = T < QUERY_BLOCK ? T : QUERY_BLOCK;  /* scratch rows per batch row */              \
@@ -530,9 +536,10 @@ static void NAME##_body(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const
 }                                                                                                    \
 void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask, T_ELEM *out,       \
           int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,                        \
-          int64_t kv_batch, int64_t kv_head, float scale, float *scores, int threads) {              \
+          int64_t kv_batch, int64_t kv_head, int64_t v_row, int64_t v_part, float scale, float *scores, \
+          int threads) {                                                                             \
     _Pragma("omp parallel num_threads(threads)")                                                     \
-    NAME##_body(q, k, v, mask, out, B, T, H, Hkv, S, D, kv_batch, kv_head, scale, scores);          \
+    NAME##_body(q, k, v, mask, out, B, T, H, Hkv, S, D, kv_batch, kv_head, v_row, v_part, scale, scores); \
 }
 
 /* One job of each pass, over the variables of the body that runs it (see ATTENTION_PASSES). */
@@ -621,7 +628,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         int64_t bq = item / (Hkv * parts), g = (item / parts) % Hkv, d0 = (item % parts) * PART_DIMS; \
         int64_t b = bq / batches, tb = t0 + (bq % batches) * per, te = tb + per < t1 ? tb + per : t1; \
         int64_t dn = D - d0 < PART_DIMS ? D - d0 : PART_DIMS;                                        \
-        const T_ELEM *vb = v + b * kv_batch + g * kv_head;                                           \
+        const T_ELEM *vb = v + b * kv_batch + g * kv_head + d0 / V_PART * v_part;  /* slice d0 … */ \
         if (SUM_TOGETHER(group)) {                                                                   \
             const float *rows_[SUM_HEADS];                                                           \
             int64_t ends_[SUM_HEADS], at_[SUM_HEADS];  /* at_: (b * T + t) * H + h */               \
@@ -632,7 +639,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                     rows_[n_] = ROW(b, t, h), ends_[n_] = end, at_[n_] = (b * T + t) * H + h;        \
             }                                                                                        \
             float o[SUM_HEADS][PART_DIMS];                                                           \
-            WEIGHTED_SUM_HEADS_##SUFFIX(rows_, ends_, n_, vb, D, d0, dn, o);                         \
+            WEIGHTED_SUM_HEADS_##SUFFIX(rows_, ends_, n_, vb, v_row, 0, dn, o);                      \
             for (int i = 0; i < n_; i++) {                                                           \
                 int64_t t = at_[i] / H % T, h = at_[i] % H;                                          \
                 float total = totals[(b * rows + t - t0) * H + h], inv = total > 0.0f ? 1.0f / total : 0.0f; \
@@ -645,7 +652,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                 for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {                        \
                     int nh = (g + 1) * group - h0 < 4 ? (int)((g + 1) * group - h0) : 4;             \
                     float o[4][PART_DIMS];                                                           \
-                    WEIGHTED_SUM_##SUFFIX(ROW(b, t, h0), S, nh, vb, end, D, d0, dn, o);              \
+                    WEIGHTED_SUM_##SUFFIX(ROW(b, t, h0), S, nh, vb, end, v_row, 0, dn, o);           \
                     for (int i = 0; i < nh; i++) {                                                   \
                         float total = totals[(b * rows + t - t0) * H + h0 + i], inv = total > 0.0f ? 1.0f / total : 0.0f; \
                         T_ELEM *outr = out + ((b * T + t) * H + h0 + i) * D + d0;                    \
@@ -678,12 +685,13 @@ ATTENTION(d3d_attention_f32, f32, float, IDENTITY, IDENTITY)
 
 /* The sequences of one batched forward (rowexact.c's d3d_forward), each after its own KV cache:
  * `rows` new queries at slots start … start+rows-1, keys/values of layer l at
- * k_cache/v_cache + l*kv_layer (element (g, s, d) at g*kv_head + s*D + d), `mask` (rows, start+rows)
+ * k_cache/v_cache + l*kv_layer (k element (g, s, d) at g*kv_head + s*D + d, v as above with v_row and
+ * v_part), `mask` (rows, start+rows)
  * or NULL for causal. */
 typedef struct {
     int64_t rows, start;
     void *k_cache, *v_cache;
-    int64_t kv_layer, kv_head;
+    int64_t kv_layer, kv_head, v_row, v_part;
     const uint8_t *mask;
 } d3d_segment;
 
@@ -724,10 +732,10 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H) {
             const uint8_t *mask = seg_->mask;                                                        \
             T_ELEM *out = out_all + row0_ * H * D;                                                   \
             float *scores = area_, *totals = scores + rows * H * S;                                  \
-            const int64_t kv_batch = 0, kv_head = seg_->kv_head;                                     \
+            const int64_t kv_batch = 0, kv_head = seg_->kv_head, v_row = seg_->v_row, v_part = seg_->v_part; \
             const int64_t keys = mask ? S : S - T + t1, tiles = (keys + KEY_TILE - 1) / KEY_TILE;    \
             const int64_t jobs = Hkv * tiles;                                                        \
-            (void)B; (void)nt; (void)totals; (void)kv_batch; (void)jobs; (void)out; (void)q; (void)k; (void)v;\
+            (void)B; (void)nt; (void)totals; (void)kv_batch; (void)v_row; (void)v_part; (void)jobs; (void)out; (void)q; (void)k; (void)v;\
             int64_t first_ = ((me - base_) % threads + threads) % threads;  /* this thread's rank here */\
             BODY                                                                                     \
             area_ += rows * H * (S + 1);                                                             \

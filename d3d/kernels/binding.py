@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from d3d.cache import V_PART
 from d3d.config import MAX_HEAD_DIM
 from d3d.kernels.build import KernelBuildError, build
 from d3d.kernels.packing import (MAX_PARTS, WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks,
@@ -70,7 +71,7 @@ class SegmentArgs(ctypes.Structure):
     """d3d_segment: one sequence's rows of a fused forward and its own KV cache."""
 
     _fields_ = [("rows", c_i64), ("start", c_i64), ("k_cache", c_ptr), ("v_cache", c_ptr), ("kv_layer", c_i64),
-                ("kv_head", c_i64), ("mask", c_ptr)]
+                ("kv_head", c_i64), ("v_row", c_i64), ("v_part", c_i64), ("mask", c_ptr)]
 
 
 class ForwardArgs(ctypes.Structure):
@@ -84,12 +85,21 @@ class ForwardArgs(ctypes.Structure):
                 ("linear_scratch", c_ptr), ("threads", c_i64)]
 
 
+def value_strides(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
+    """(v_row, v_part) of attention.h for values beside their keys: elements between two slots' values
+    and between two V_PART-wide slices of d — rows of D (…, S, D), or a split cache's slices
+    (…, D / V_PART, S, V_PART: d3d.cache), told apart by the extra dimension."""
+    if values.dim() == keys.dim() + 1:
+        return values.stride(-2), values.stride(-3)
+    return values.stride(-2), V_PART * values.stride(-1)
+
+
 @dataclass(frozen=True)
 class Segment:
     """One sequence's rows in a fused forward (`RowExactKernels.forward_segments`): `rows` new tokens
-    stored at slots start … start+rows-1 of its own KV cache (keys, values: (L, H_kv, capacity, D)
-    views, e.g. one batch row of a `KVCache`), attending over its cache only, causally or by `mask`
-    (rows, start+rows)."""
+    stored at slots start … start+rows-1 of its own KV cache (keys: (L, H_kv, capacity, D), values the
+    same or split: (L, H_kv, D / V_PART, capacity, V_PART) — views, e.g. one batch row of a `KVCache`),
+    attending over its cache only, causally or by `mask` (rows, start+rows)."""
 
     rows: int
     keys: torch.Tensor
@@ -132,9 +142,9 @@ class RowExactKernels:
             getattr(library, f"d3d_linear_{suffix}").argtypes = [ptr, i64, ctypes.POINTER(Weight), ptr, ptr, ptr,
                                                                  i64, i64, i64, ptr, i32]
             getattr(library, f"d3d_rope_store_{suffix}").argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
-                                                                      i64, i64, i64, i64, i64]
+                                                                      i64, i64, i64, i64, i64, i64, i64]
             getattr(library, f"d3d_attention_{suffix}").argtypes = [
-                ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32]
+                ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32]
             getattr(library, f"d3d_rms_norm_{suffix}").argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
             getattr(library, f"d3d_silu_mul_{suffix}").argtypes = [ptr, ptr, i64, i64, i32]
             getattr(library, f"d3d_forward_{suffix}").argtypes = [ctypes.POINTER(ForwardArgs)]
@@ -374,9 +384,10 @@ class RowExactKernels:
         masks = []  # kept alive through the call
         for struct, segment in zip(structs, segments):
             keys, values = segment.keys, segment.values
-            assert keys.dtype == x.dtype and keys.shape == values.shape and keys.stride() == values.stride()
+            assert keys.dtype == x.dtype == values.dtype and keys.stride()[:2] == values.stride()[:2]
             assert keys.stride(-1) == 1 and keys.stride(-2) == shape.head_dim, "a cache's slots must be contiguous"
             assert segment.start + segment.rows <= keys.shape[2], "KV slots out of range"
+            struct.v_row, struct.v_part = value_strides(keys, values)
             mask = segment.mask
             if mask is not None:
                 mask = mask.to(torch.uint8).contiguous()
@@ -417,25 +428,31 @@ class RowExactKernels:
         """`TorchKernels.rope_store` in one call, the same bits (IEEE products and sums, rounded alike)."""
         if slots is None:
             return TorchKernels.rope_store(qkv, cos, sin, heads, kv_heads, slots)
-        keys, values, start = slots  # (B, H_kv, capacity, D), contiguous
+        keys, values, start = slots  # keys (B, H_kv, capacity, D), values the same or split; contiguous
         batch, length, width = qkv.shape
         dim = width // (heads + 2 * kv_heads)
         assert keys.is_contiguous() and values.is_contiguous() and start + length <= keys.shape[2]
+        v_row, v_part = value_strides(keys, values)
         qkv = qkv.contiguous()
         q = torch.empty(batch, length, heads, dim, dtype=qkv.dtype)
         cos, sin = cos.reshape(batch * length, dim).contiguous(), sin.reshape(batch * length, dim).contiguous()
         self._fn("rope_store", qkv.dtype)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
                                           keys.data_ptr(), values.data_ptr(), batch, length, heads, kv_heads, dim,
-                                          start, keys.stride(0), keys.stride(1))
+                                          start, keys.stride(0), keys.stride(1), v_row, v_part)
         end = start + length
-        return q, keys[:, :, :end], values[:, :, :end]
+        return q, keys[:, :, :end], values[..., :end, :]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q (B, T, H, D) over k/v (B, H_kv, S, D) → (B, T, H, D); mask (B, T, S), None = causal."""
+        """q (B, T, H, D) over k (B, H_kv, S, D) and v, the same or a split cache's (B, H_kv, D / V_PART,
+        S, V_PART) → (B, T, H, D); mask (B, T, S), None = causal."""
         batch, length, heads, dim = q.shape
         kv_heads, keys = k.shape[1], k.shape[2]
-        if k.stride(-1) != 1 or k.stride(-2) != dim or k.stride() != v.stride():  # a cache slice passes as is
-            k, v = k.contiguous(), v.contiguous()
+        if v.dim() == k.dim():  # rows of D values: a cache slice passes as is
+            if k.stride(-1) != 1 or k.stride(-2) != dim or k.stride() != v.stride():
+                k, v = k.contiguous(), v.contiguous()
+        else:  # a split cache's slice: slices of d, slots contiguous within each
+            assert k.stride(-1) == 1 and k.stride(-2) == dim and k.stride()[:2] == v.stride()[:2] and v.stride(-1) == 1
+        v_row, v_part = value_strides(k, v)
         assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         q = q.contiguous()
         if mask is not None:
@@ -446,7 +463,7 @@ class RowExactKernels:
         scratch = self._attention_scratch(batch, length, heads, keys)
         self._fn("attention", q.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(),
                                        batch, length, heads, kv_heads, keys, dim, k.stride(0), k.stride(1),
-                                       dim ** -0.5, scratch.data_ptr(), threads)
+                                       v_row, v_part, dim ** -0.5, scratch.data_ptr(), threads)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

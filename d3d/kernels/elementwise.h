@@ -89,8 +89,9 @@ NORMS(f32, float, IDENTITY, IDENTITY)
 
 /* ---------------------------------------------------------------------------------------------
  * RoPE and the KV store: from qkv (M, (H + 2 Hkv) D) rows, M = B*T, write q rotated to
- * q_out (M, H, D) and k rotated, v as is into the cache slots start … start+T-1 of batch row b at
- * k_cache + b*kv_batch + g*kv_head + slot*D. Rotation with PyTorch's rounding:
+ * q_out (M, H, D) and k rotated, v as is into the cache slots start … start+T-1 of batch row b: k at
+ * k_cache + b*kv_batch + g*kv_head + slot*D, v element d at v_cache + b*kv_batch + g*kv_head +
+ * (d / V_PART)*v_part + slot*v_row + d % V_PART (the V layouts of attention.h). Rotation with PyTorch's rounding:
  * to_dtype(to_dtype(x*cos) + to_dtype(rotate_half(x)*sin)). Row m's cos/sin are row m of cos_/sin_
  * (M, D), or with `positions`, row positions[m] of tables cos_/sin_ (P, D).
  * ------------------------------------------------------------------------------------------- */
@@ -108,24 +109,28 @@ static inline void rotate_##SUFFIX(const T_ELEM *x, const T_ELEM *cos_, const T_
 static void rope_store_body_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM *sin_,      \
                                      const int64_t *positions, T_ELEM *q_out, T_ELEM *k_cache,       \
                                      T_ELEM *v_cache, int64_t B, int64_t T, int64_t H, int64_t Hkv,  \
-                                     int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head) {  \
+                                     int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head,    \
+                                     int64_t v_row, int64_t v_part) {                                \
     int64_t width = (H + 2 * Hkv) * D;                                                               \
     for (int64_t m = 0; m < B * T; m++) {                                                            \
         int64_t b = m / T, slot = start + m % T, row_at = (positions ? positions[m] : m) * D;        \
         const T_ELEM *row = qkv + m * width, *c = cos_ + row_at, *s = sin_ + row_at;                 \
         for (int64_t h = 0; h < H; h++) rotate_##SUFFIX(row + h * D, c, s, q_out + (m * H + h) * D, D); \
         for (int64_t g = 0; g < Hkv; g++) {                                                          \
-            int64_t at = b * kv_batch + g * kv_head + slot * D;                                      \
-            rotate_##SUFFIX(row + (H + g) * D, c, s, k_cache + at, D);                               \
-            memcpy(v_cache + at, row + (H + Hkv + g) * D, D * sizeof(T_ELEM));                       \
+            int64_t at = b * kv_batch + g * kv_head;                                                 \
+            rotate_##SUFFIX(row + (H + g) * D, c, s, k_cache + at + slot * D, D);                    \
+            for (int64_t d0 = 0; d0 < D; d0 += V_PART)                                               \
+                memcpy(v_cache + at + d0 / V_PART * v_part + slot * v_row, row + (H + Hkv + g) * D + d0, \
+                       (D - d0 < V_PART ? D - d0 : V_PART) * sizeof(T_ELEM));                        \
         }                                                                                            \
     }                                                                                                \
 }                                                                                                    \
 void d3d_rope_store_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *q_out, \
                              T_ELEM *k_cache, T_ELEM *v_cache, int64_t B, int64_t T, int64_t H,      \
-                             int64_t Hkv, int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head) { \
+                             int64_t Hkv, int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head, \
+                             int64_t v_row, int64_t v_part) {                                        \
     rope_store_body_##SUFFIX(qkv, cos_, sin_, NULL, q_out, k_cache, v_cache, B, T, H, Hkv, D, start, \
-                             kv_batch, kv_head);                                                     \
+                             kv_batch, kv_head, v_row, v_part);                                      \
 }
 
 ROPE_STORE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The KV slots a forward writes: a layer's keys and values (B, H_kv, capacity, D) and the first
-# slot to write; None without a cache.
+from d3d.cache import joined_values, split_values
+
+# The KV slots a forward writes: a layer's keys (B, H_kv, capacity, D) and values (the same, or
+# split: d3d.cache) and the first slot to write; None without a cache.
 KVSlots = tuple[torch.Tensor, torch.Tensor, int]
 
 
@@ -44,8 +46,13 @@ class TorchKernels:
             keys, values, start = slots
             end = start + length
             keys[:, :, start:end] = k
-            values[:, :, start:end] = v
-            k, v = keys[:, :, :end], values[:, :, :end]
+            k = keys[:, :, :end]
+            if values.dim() == keys.dim() + 1:  # a split cache (d3d.cache)
+                values[..., start:end, :] = split_values(v)
+                v = joined_values(values[..., :end, :])
+            else:
+                values[:, :, start:end] = v
+                v = values[:, :, :end]
         return q, k, v
 
     @staticmethod
