@@ -256,7 +256,7 @@ class Drafter(nn.Module):
         """A cache for committed tokens plus one block; may reach B positions past the context."""
         c = self.config.model
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity + self.block_size,
-                       1, self.decoder.dtype, self.decoder.device)
+                       1, self.decoder.dtype, self.decoder.device, split=self.decoder.splits_values)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) ids, MASK included → (B, T, hidden)."""

@@ -289,12 +289,15 @@ class Decoder(nn.Module):
             raise ValueError(f"cache of {capacity} exceeds the model's context of "
                              f"{self.config.max_position_embeddings} positions")
         c = self.config
-        # V split into slices of d where the row-exact kernels will read it (d3d.cache): their weighted
-        # sums stream it ~1.2x faster (docs/performance.md)
-        split = (self.row_exact is not None and self.device.type == "cpu" and c.head_dim % V_PART == 0
-                 and self.dtype in (torch.bfloat16, torch.float32))
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, batch_size, self.dtype, self.device,
-                       split=split)
+                       split=self.splits_values)
+
+    @property
+    def splits_values(self) -> bool:
+        """Whether this model's caches store V by slices of d (d3d.cache): where the row-exact kernels
+        read them, whose weighted sums stream that layout faster (docs/performance.md)."""
+        return (self.row_exact is not None and self.device.type == "cpu" and self.config.head_dim % V_PART == 0
+                and self.dtype in (torch.bfloat16, torch.float32))
 
     def rope_table_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The cos/sin table (2, positions, D) in `dtype`, converted once."""
