@@ -1,7 +1,7 @@
 """Preallocated KV cache with append and rewind.
 
 One tensor pair per model, filled from slot 0 up to `length`: keys shaped (layers, batch, kv_heads,
-capacity, head_dim); values the same, or with `split_values` (layers, batch, kv_heads, head_dim /
+capacity, head_dim); values the same, or with `split=True` (layers, batch, kv_heads, head_dim /
 V_PART, capacity, V_PART) — each V_PART-wide slice of d stored for every slot before the next, the
 layout the row-exact kernels' weighted sums stream fastest (d3d/kernels/attention.h). A values tensor
 with one dimension more than its keys is split; every reader and writer of the cache tells them apart
@@ -27,6 +27,19 @@ def split_values(values: torch.Tensor) -> torch.Tensor:
 def joined_values(values: torch.Tensor) -> torch.Tensor:
     """A split cache's values (..., D / V_PART, T, V_PART) as rows (..., T, D) (a copy)."""
     return values.transpose(-3, -2).flatten(-2)
+
+
+def store(keys: torch.Tensor, values: torch.Tensor, start: int, new_keys: torch.Tensor,
+          new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one layer's new K/V (B, H_kv, T, D) at slots start … start+T-1 of its keys and values
+    (plain or split); return K/V over slots 0 … start+T-1, V as rows (a copy when split)."""
+    end = start + new_keys.shape[2]
+    keys[:, :, start:end] = new_keys
+    if values.dim() == keys.dim() + 1:
+        values[..., start:end, :] = split_values(new_values)
+        return keys[:, :, :end], joined_values(values[..., :end, :])
+    values[:, :, start:end] = new_values
+    return keys[:, :, :end], values[:, :, :end]
 
 
 class CacheFullError(RuntimeError):
@@ -66,14 +79,8 @@ class KVCache:
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a layer's new K/V (B, H_kv, T, D) in the reserved slots; return K/V over all slots so far."""
-        start, end = self.length, self.length + keys.shape[2]
-        assert end - start == self.pending, "write() must follow reserve() with the same token count"
-        self.keys[layer, :, :, start:end] = keys
-        if self.split:
-            self.values[layer, ..., start:end, :] = split_values(values)
-            return self.keys[layer, :, :, :end], joined_values(self.values[layer, ..., :end, :])
-        self.values[layer, :, :, start:end] = values
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        assert keys.shape[2] == self.pending, "write() must follow reserve() with the same token count"
+        return store(self.keys[layer], self.values[layer], self.length, keys, values)
 
     def commit(self, num_kept: int | None = None) -> None:
         """Keep the first `num_kept` slots of the last forward (all when None); drop the rest."""

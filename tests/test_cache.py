@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from d3d.cache import CacheFullError, KVCache
+from d3d.cache import CacheFullError, KVCache, joined_values
 
 
 def make_cache(capacity: int = 8) -> KVCache:
@@ -144,3 +144,15 @@ def test_select_rows_keeps_the_chosen_batch_rows():
     assert cache.batch_size == 2 and cache.length == 2
     assert torch.equal(cache.keys[0, :, 0, :2, 0], torch.tensor([[0.0, 0.0], [2.0, 2.0]]))
     assert torch.equal(cache.values[0, :, 0, :2, 0], torch.tensor([[10.0, 10.0], [12.0, 12.0]]))
+
+
+def test_split_values_hold_the_same_values():
+    """A split cache (V by 32-wide slices of d) stores and returns exactly what a plain one does."""
+    plain, split = (KVCache(num_layers=2, num_kv_heads=2, head_dim=64, capacity=8, split=s) for s in (False, True))
+    assert split.split and not plain.split and split.values.shape == (2, 1, 2, 2, 8, 32)
+    new = torch.randn(2, 1, 2, 5, 64, generator=torch.Generator().manual_seed(0))
+    for cache in (plain, split):
+        cache.reserve(5)
+        keys, values = cache.write(1, new[0], new[1])
+        assert torch.equal(keys, new[0]) and torch.equal(values, new[1])
+    assert torch.equal(joined_values(split.values), plain.values)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from d3d.cache import joined_values, split_values
+from d3d.cache import store
 
 # The KV slots a forward writes: a layer's keys (B, H_kv, capacity, D) and values (the same, or
 # split: d3d.cache) and the first slot to write; None without a cache.
@@ -43,16 +43,7 @@ class TorchKernels:
         k = rotate(k.reshape(batch, length, kv_heads, dim), cos, sin).transpose(1, 2)
         v = v.reshape(batch, length, kv_heads, dim).transpose(1, 2)
         if slots is not None:
-            keys, values, start = slots
-            end = start + length
-            keys[:, :, start:end] = k
-            k = keys[:, :, :end]
-            if values.dim() == keys.dim() + 1:  # a split cache (d3d.cache)
-                values[..., start:end, :] = split_values(v)
-                v = joined_values(values[..., :end, :])
-            else:
-                values[:, :, start:end] = v
-                v = values[:, :, :end]
+            k, v = store(*slots, k, v)
         return q, k, v
 
     @staticmethod
