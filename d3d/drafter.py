@@ -46,7 +46,8 @@ SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
 
 
-LAYERS_HELP = "'0,1,2,3', ranges ('0-3,8'), 'all' (every layer: a copy of the target) or 'every:K' (layers 0, K, 2K, …)"
+LAYERS_HELP = ("'0,1,2,3', ranges ('0-3,8'), 'all' (every layer: a copy of the target) or 'every:K' "
+               "(layers 0, K, 2K, …)")
 
 
 def layer_selection(text: str, depth: int | None = None, option: str = "layers") -> list[int]:

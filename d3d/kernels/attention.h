@@ -4,8 +4,8 @@
  * rows of D values (v_row = D, v_part = V_PART) or, in a cache of capacity C with D a multiple of
  * V_PART, each V_PART values of d stored for every slot before the next (v_row = V_PART,
  * v_part = C*V_PART), so that a weighted-sum item, which reads one V_PART slice of d for every key,
- * streams contiguous memory (KVCache's split values); out (B, T, H, D). Query t of a causal call (mask NULL) sees keys
- * 0 … S-T+t; with a mask (B, T, S) bytes, the keys whose byte is 1. In fp32:
+ * streams contiguous memory (KVCache's split values); out (B, T, H, D). Query t of a causal call
+ * (mask NULL) sees keys 0 … S-T+t; with a mask (B, T, S) bytes, the keys whose byte is 1. In fp32:
  *  1. scores: a tile of 16 keys is transposed once and serves every query of its KV head; a
  *     score is one FMA chain over d = 0 … D-1 (q pre-scaled), whatever the tile or query count
  *     (QUERY_CHUNK chains run interleaved: the same operations, in the same order, per chain);
@@ -542,7 +542,9 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
     NAME##_body(q, k, v, mask, out, B, T, H, Hkv, S, D, kv_batch, kv_head, v_row, v_part, scale, scores); \
 }
 
-/* One job of each pass, over the variables of the body that runs it (see ATTENTION_PASSES). */
+/* One job of each pass, over the variables of the body that runs it (see ATTENTION_PASSES). A score
+ * job prefetches the key tile of this thread's job TILES_AHEAD on: its jobs go job_step_ apart, up to
+ * job_end_. */
 /* A thread's scaled queries: the chunk whose first query is at qs_of (chunk queries), kept across jobs. */
 #define SCORE_JOB_STATE(T_ELEM)                                                                      \
     float qs[QUERY_CHUNK][512];                                                                      \
@@ -735,7 +737,8 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H) {
             const int64_t kv_batch = 0, kv_head = seg_->kv_head, v_row = seg_->v_row, v_part = seg_->v_part; \
             const int64_t keys = mask ? S : S - T + t1, tiles = (keys + KEY_TILE - 1) / KEY_TILE;    \
             const int64_t jobs = Hkv * tiles;                                                        \
-            (void)B; (void)nt; (void)totals; (void)kv_batch; (void)v_row; (void)v_part; (void)jobs; (void)out; (void)q; (void)k; (void)v;\
+            (void)B; (void)nt; (void)totals; (void)kv_batch; (void)v_row; (void)v_part; (void)jobs;     \
+            (void)out; (void)q; (void)k; (void)v;                                                    \
             int64_t first_ = ((me - base_) % threads + threads) % threads;  /* this thread's rank here */\
             BODY                                                                                     \
             area_ += rows * H * (S + 1);                                                             \

@@ -228,7 +228,8 @@ static void NAME##_body(const T_ELEM *x, int64_t x_stride, const T_ELEM *wp, con
     _Pragma("omp barrier")                                                                           \
 }
 
-#define TILE_CASE(NAME, G, R) case G * 8 + R: NAME##_tile(xt, x_stride, tile_w, K, R, G, acc, ahead, per_step, ahead_lines); break;
+#define TILE_CASE(NAME, G, R)                                                                        \
+    case G * 8 + R: NAME##_tile(xt, x_stride, tile_w, K, R, G, acc, ahead, per_step, ahead_lines); break;
 #define TILE_CASES(NAME, G) TILE_CASE(NAME, G, 1) TILE_CASE(NAME, G, 2) TILE_CASE(NAME, G, 3)            \
                             TILE_CASE(NAME, G, 4) TILE_CASE(NAME, G, 5) TILE_CASE(NAME, G, 6)
 
@@ -721,7 +722,8 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
         for (int64_t r = 0; r < M; r++)
             for (int g = 0; g < G; g++) {
                 int64_t n = (g0 + g) * 16, at = r * N + n;
-                store16_bf16(acc[r][g], bias ? bias + n : 0, residual ? residual + at : 0, y + at, N - n < 16 ? (int)(N - n) : 16);
+                store16_bf16(acc[r][g], bias ? bias + n : 0, residual ? residual + at : 0, y + at,
+                             N - n < 16 ? (int)(N - n) : 16);
             }
     }
     _Pragma("omp barrier")
