@@ -29,13 +29,18 @@ def joined_values(values: torch.Tensor) -> torch.Tensor:
     return values.transpose(-3, -2).flatten(-2)
 
 
+def is_split(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `values` (beside their `keys`) are stored split: one dimension more than the keys."""
+    return values.dim() == keys.dim() + 1
+
+
 def store(keys: torch.Tensor, values: torch.Tensor, start: int, new_keys: torch.Tensor,
           new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Write one layer's new K/V (B, H_kv, T, D) at slots start … start+T-1 of its keys and values
     (plain or split); return K/V over slots 0 … start+T-1, V as rows (a copy when split)."""
     end = start + new_keys.shape[2]
     keys[:, :, start:end] = new_keys
-    if values.dim() == keys.dim() + 1:
+    if is_split(keys, values):
         values[..., start:end, :] = split_values(new_values)
         return keys[:, :, :end], joined_values(values[..., :end, :])
     values[:, :, start:end] = new_values
@@ -63,7 +68,7 @@ class KVCache:
     @property
     def split(self) -> bool:
         """Whether the values are stored split (module docstring)."""
-        return self.values.dim() == self.keys.dim() + 1
+        return is_split(self.keys, self.values)
 
     @property
     def batch_size(self) -> int:

@@ -193,9 +193,10 @@ def test_row_exact_forward_does_not_depend_on_the_thread_count(threads):
     assert torch.equal(together, reference) and torch.equal(one_by_one, reference)
 
 
-def per_op_forward(decoder: Decoder, ids: torch.Tensor, cache, mask=None) -> torch.Tensor:
-    """Logits from one row-exact kernel call per operation (the layers' own forward), not the fused C forward."""
-    kernels = decoder.row_exact
+def per_op_forward(decoder: Decoder, ids: torch.Tensor, cache, mask=None, kernels=None) -> torch.Tensor:
+    """Logits from one kernel call per operation (the layers' own forward), not the fused C forward:
+    the row-exact kernels', or those given (`TorchKernels`: PyTorch's own ops)."""
+    kernels = kernels or decoder.row_exact
     batch, length = ids.shape
     positions = torch.arange(cache.length, cache.length + length)[None].expand(batch, -1)
     cache.reserve(length)
@@ -228,18 +229,6 @@ def test_fused_forward_is_the_per_op_forward(dtype, family):
         per_op_cache.commit(kept)
 
 
-def torch_forward(decoder: Decoder, ids: torch.Tensor, cache, mask=None) -> torch.Tensor:
-    """Logits from PyTorch's own ops (`TorchKernels`), layer by layer."""
-    batch, length = ids.shape
-    positions = torch.arange(cache.length, cache.length + length)[None].expand(batch, -1)
-    cache.reserve(length)
-    cos, sin = decoder.rope(positions, decoder.dtype)
-    x = decoder.embed_tokens(ids)
-    for index, layer in enumerate(decoder.layers):
-        x = layer(x, cos, sin, mask, cache, index, TorchKernels)
-    return decoder.logits(decoder.norm(x, TorchKernels))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_split_values_change_no_bit(dtype):
@@ -259,7 +248,7 @@ def test_split_values_change_no_bit(dtype):
     mask[..., 11:] |= torch.eye(3, dtype=torch.bool)  # after 9 + 2 kept: every query sees itself
     fused = lambda ids, kv, m: decoder(ids, cache=kv, mask=m)  # noqa: E731
     per_op = lambda ids, kv, m: per_op_forward(decoder, ids, kv, m)  # noqa: E731
-    torch_ops = lambda ids, kv, m: torch_forward(decoder, ids, kv, m)  # noqa: E731
+    torch_ops = lambda ids, kv, m: per_op_forward(decoder, ids, kv, m, TorchKernels)  # noqa: E731
     for forward in (fused, per_op, torch_ops):
         plain, split = cache(False), cache(True)
         for ids, step_mask, kept in ((prefix, None, 9), (block, None, 2), (block[:, 2:], mask, 0)):

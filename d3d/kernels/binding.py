@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from d3d.cache import V_PART
+from d3d.cache import V_PART, is_split
 from d3d.config import MAX_HEAD_DIM
 from d3d.kernels.build import KernelBuildError, build
 from d3d.kernels.packing import (MAX_PARTS, WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks,
@@ -89,7 +89,7 @@ def value_strides(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
     """(v_row, v_part) of attention.h for values beside their keys: elements between two slots' values
     and between two V_PART-wide slices of d — rows of D (…, S, D), or a split cache's slices
     (…, D / V_PART, S, V_PART: d3d.cache), told apart by the extra dimension."""
-    if values.dim() == keys.dim() + 1:
+    if is_split(keys, values):
         return values.stride(-2), values.stride(-3)
     return values.stride(-2), V_PART * values.stride(-1)
 
@@ -447,11 +447,10 @@ class RowExactKernels:
         S, V_PART) → (B, T, H, D); mask (B, T, S), None = causal."""
         batch, length, heads, dim = q.shape
         kv_heads, keys = k.shape[1], k.shape[2]
-        if v.dim() == k.dim():  # rows of D values: a cache slice passes as is
-            if k.stride(-1) != 1 or k.stride(-2) != dim or k.stride() != v.stride():
-                k, v = k.contiguous(), v.contiguous()
-        else:  # a split cache's slice: slices of d, slots contiguous within each
+        if is_split(k, v):  # a split cache's slice: slices of d, slots contiguous within each
             assert k.stride(-1) == 1 and k.stride(-2) == dim and k.stride()[:2] == v.stride()[:2] and v.stride(-1) == 1
+        elif k.stride(-1) != 1 or k.stride(-2) != dim or k.stride() != v.stride():  # a cache slice passes as is
+            k, v = k.contiguous(), v.contiguous()
         v_row, v_part = value_strides(k, v)
         assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         q = q.contiguous()
