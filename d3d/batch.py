@@ -1,7 +1,8 @@
 """Continuous batching: many generations advanced together, each exactly as it runs alone.
 
 A `Batch` holds live `Run`s (`d3d.run`). Each `step` asks every run for its rows — a piece of
-its prompt, or its anchor and the drafts its own sources propose — scores them all in one target
+its prompt, or its anchor and the drafts its own sources propose, every run's D3D drafter pass
+run together in one drafter forward (`d3d.sources.propose_together`) — scores them all in one target
 forward (`d3d.target_step.score_rows`: every linear layer once over all the rows, attention per
 sequence over its own KV cache), and settles each run with its own logits. Runs join (`add`) and
 leave (finished, or `cancel`) between steps. The row-exact kernels make a row's bits independent of
@@ -42,6 +43,7 @@ from d3d.gate import Crowd
 from d3d.exactness import verify_mode
 from d3d.models import Decoder
 from d3d.sequence import Step
+from d3d.sources import DrafterCall, Proposal, propose_together
 from d3d.target_step import score_rows
 
 # Prompt rows per batched step, over all runs still reading their prompt: a step that carries them
@@ -120,26 +122,36 @@ class Batch:
         started = time.perf_counter()
         whole = verify_mode(self.target) != "batched"  # a prompt piece must then be the whole prompt
         budget = self.prefill_rows
-        outcomes, keys, parts = [], [], []
+        outcomes: list[Outcome] = []
         # prompt pieces first, then the decoding runs, each drafting what pays for the forward so far
         order = sorted(self.runs.items(), key=lambda item: not item[1].prefilling)
         decoding = sum(not run.prefilling for run in self.runs.values())
         rows = 0
+        planned, calls = [], []  # (key, run) planned this step; (key, its drafter call)
         for key, run in order:
             if run.prefilling and not whole and budget == 0:
                 continue  # its prompt waits for the next step's rows
             try:
-                part = run.rows(None if whole else budget if run.prefilling else None, self._crowd(run, rows, decoding))
+                call = run.plan(None if whole else budget if run.prefilling else None, self._crowd(run, rows, decoding))
             except Exception as error:  # a source failing fails its run, not the batch
                 outcomes.append(Outcome(key, error=error))
                 continue
             if run.prefilling:
-                budget = max(0, budget - len(part.ids))
-                rows += len(part.ids)
-            else:
-                rows += len(part.ids) - 1  # its drafts (its anchor is counted in `decoding`)
+                pieces = run.piece_end - run.prefilled
+                budget = max(0, budget - pieces)
+                rows += pieces
+            else:  # its drafts (its anchor is counted in `decoding`)
+                rows += call.num_drafts if call is not None else len(run.drafts)
+            planned.append((key, run))
+            if call is not None:
+                calls.append((key, call))
+        proposals, drafted_in = self._propose(calls, outcomes)
+        keys, parts = [], []
+        for key, run in planned:
+            if run.call is not None and key not in proposals:
+                continue  # its drafter pass failed
             keys.append(key)
-            parts.append(part)
+            parts.append(run.rows(proposals.get(key), drafted_in))
         layers = sorted({layer for key in keys for layer in self.runs[key].feature_layers})
         scored_at = time.perf_counter()
         try:
@@ -170,6 +182,20 @@ class Batch:
         self.stats.sequences += len(parts)
         self.stats.seconds += time.perf_counter() - started
         return outcomes
+
+    def _propose(self, calls: list[tuple[int, DrafterCall]], outcomes: list[Outcome],
+                 ) -> tuple[dict[int, Proposal], float]:
+        """Every run's drafter call in one pass per drafter (`propose_together`): the proposals by
+        run key, and the seconds the pass took. A failing pass fails its runs, not the batch."""
+        if not calls:
+            return {}, 0.0
+        started = time.perf_counter()
+        try:
+            proposals = propose_together([call for _, call in calls])
+        except Exception as error:
+            outcomes.extend(Outcome(key, error=error) for key, _ in calls)
+            return {}, 0.0
+        return {key: proposal for (key, _), proposal in zip(calls, proposals)}, time.perf_counter() - started
 
     def _crowd(self, run: Run, rows: int, decoding: int) -> Crowd | None:
         """What the rest of this step's forward holds, for `run`'s gate: none at batch 1 (the solo

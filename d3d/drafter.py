@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -38,13 +39,15 @@ from d3d.dflash import FeatureProjection, conditioned_hidden, default_feature_la
 from d3d.files import save_tensors
 from d3d.loading import LoadError, check_finite, check_state, read_safetensors
 from d3d.masks import causal_mask, draft_mask, packed_mask
-from d3d.models import Decoder
+from d3d.models import PREFILL_CHUNK, Decoder, SequenceRows
 
 FORMAT = "d3d-drafter"
 FORMAT_VERSION = 1
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
-
+# One sequence's drafting request to `Drafter.draft_together`: its drafter cache, committed tokens
+# and the drafts wanted (None: a whole block).
+DraftRequest = tuple[KVCache, list[int], int | None]
 
 LAYERS_HELP = ("'0,1,2,3', ranges ('0-3,8'), 'all' (every layer: a copy of the target) or 'every:K' "
                "(layers 0, K, 2K, …)")
@@ -309,25 +312,71 @@ class Drafter(nn.Module):
         `num_drafts` rows come back. In a causal block they are the full block's rows exactly; in an
         anchor-causal or bidirectional one the anchor's row is, the masks see fewer masks.
         """
+        return self.draft_together([(cache, tokens, num_drafts)])[0]
+
+    @torch.no_grad()
+    def draft_together(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor]:
+        """`draft` for several sequences, each (cache, tokens, num_drafts) with its own cache, in one
+        forward over all their rows where the decoder fuses rows (`Decoder.batches_rows`: the
+        row-exact kernels) — each sequence's logits bit for bit those of its `draft` alone —, else
+        one `draft` pass after another. A sequence with more than a prefill chunk of clean tokens
+        to read (its first draft after a long prompt) and drafters of several denoising steps draft
+        alone. Subclasses that change what `draft` returns override this."""
         self.require_kind(("d3d", "dflash"), "block drafting")
+        together = []
+        if self.config.kind == "d3d" and self.config.denoising_steps == 1 and len(requests) > 1 \
+                and self.decoder.batches_rows:
+            together = [i for i, (cache, tokens, num_drafts) in enumerate(requests)
+                        if len(tokens) - cache.length + self.block_size <= PREFILL_CHUNK]
+        out: list[torch.Tensor | None] = [None] * len(requests)
+        if len(together) > 1:
+            for i, logits in zip(together, self._block_passes([self._first_block(*requests[i]) for i in together])):
+                out[i] = logits if self.config.labels == "shifted" else logits[self.draft_rows]
+        for i, request in enumerate(requests):
+            if out[i] is None:
+                out[i] = self._draft_alone(*request)
+        return out
+
+    def _first_block(self, cache: KVCache, tokens: list[int], num_drafts: int | None,
+                     ) -> tuple[KVCache, list[int], list[int]]:
+        """(cache, clean tokens it lacks, first block [anchor, MASK…]) of `draft`'s first pass."""
         if not cache.length < len(tokens):
             raise ValueError("the drafter cache must not hold the anchor (the last committed token)")
         if self.feature_projection is not None and cache.length != len(tokens) - 1:
             raise ValueError(f"a DFlash-style drafter drafts from the target's hidden states of every committed "
                              f"token but the anchor: it has {cache.length} of the {len(tokens) - 1} (read_features)")
-        mask_id, size = self.config.mask_token_id, self.block_size
+        size = self.block_size
         if num_drafts is not None and self.config.denoising_steps == 1:
             size = max(1, min(size, num_drafts + self.draft_rows.start))  # shifted: row i drafts i+1
-        anchor = tokens[-1]
-        logits = self.block_pass(cache, tokens[cache.length:-1], [anchor] + [mask_id] * (size - 1))
-        steps = self.config.denoising_steps
+        return cache, tokens[cache.length:-1], [tokens[-1]] + [self.config.mask_token_id] * (size - 1)
+
+    def _draft_alone(self, cache: KVCache, tokens: list[int], num_drafts: int | None) -> torch.Tensor:
+        cache, clean, block = self._first_block(cache, tokens, num_drafts)
+        logits = self.block_pass(cache, clean, block)
+        anchor, size, steps = block[0], len(block), self.config.denoising_steps
         for step in range(1, steps):
             confidence, guess = logits[self.draft_rows].float().softmax(-1).max(-1)  # row j-1 fills block slot j
             num_fixed = (size - 1) * step // steps
             fixed = set(torch.topk(confidence, num_fixed).indices.tolist())
-            block = [anchor] + [int(guess[j]) if j in fixed else mask_id for j in range(size - 1)]
+            block = [anchor] + [int(guess[j]) if j in fixed else self.config.mask_token_id for j in range(size - 1)]
             logits = self.block_pass(cache, [], block)
         return logits if self.config.labels == "shifted" else logits[self.draft_rows]
+
+    def _block_passes(self, passes: list[tuple[KVCache, list[int], list[int]]]) -> list[torch.Tensor]:
+        """`block_pass` for several caches in one fused forward: each one's block logits (B, V)."""
+        device = self.decoder.device
+        parts = [SequenceRows(torch.tensor(clean + block, device=device), cache,
+                              draft_mask(len(clean), len(block), cache.length, self.config.block_attention, device))
+                 for cache, clean, block in passes]
+        ids = torch.cat([part.ids for part in parts])
+        hidden, _ = self.decoder.hidden_rows(self.embed(ids[None])[0], parts)
+        rows, begin = [], 0
+        for cache, clean, block in passes:
+            cache.commit(len(clean))
+            rows.extend(range(begin + len(clean), begin + len(clean) + len(block)))
+            begin += len(clean) + len(block)
+        logits = self.logits(hidden[rows])
+        return list(logits.split([len(block) for _, _, block in passes]))
 
     @torch.no_grad()
     def packed_draft(self, cache: KVCache, trunk: list[int], branches: list[tuple[int, int]], anchor_slot: int,

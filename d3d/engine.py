@@ -73,6 +73,7 @@ def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_id
     The generation is one `d3d.run.Run`, scored alone; `on_commit` gets each step's logits (`d3d.run.OnCommit`)."""
     run = Run(target, sources, prompt_ids, config, adaptive, on_commit)
     while not run.finished:
+        run.plan()
         part = run.rows()
         started = time.perf_counter()
         (logits, features), = score_rows(target, [part], run.feature_layers)

@@ -397,25 +397,10 @@ class Decoder(nn.Module):
         forward alone; elsewhere the parts run one after another — the same bits by definition."""
         if not parts:
             return []
-        kernels = self.kernels_for(self.embed_tokens.weight)
-        table = self.layer_table(kernels) if kernels is self.row_exact and self.layers else None
-        if table is None or len(parts) == 1 and len(parts[0].ids) > PREFILL_CHUNK:
+        if not self.batches_rows or len(parts) == 1 and len(parts[0].ids) > PREFILL_CHUNK:
             return [self._part_alone(part, feature_layers) for part in parts]
-        assert list(feature_layers) == sorted(set(feature_layers)), f"feature layers {feature_layers}"
-        segments, positions = [], []
-        for part in parts:
-            cache, length = part.cache, len(part.ids)
-            assert cache.batch_size == 1, "forward_rows takes one sequence per cache"
-            start = cache.reserve(length)
-            segments.append(Segment(length, cache.keys[:, 0], cache.values[:, 0], start, part.mask))
-            positions.append(torch.arange(start, start + length, device=self.device))
-        c = self.config
-        shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
-        embeds = self.embed_tokens(torch.cat([part.ids for part in parts]))
-        hidden, captured = kernels.forward_segments(
-            table, shape, embeds, self.rope_table_as(embeds.dtype), self.clamp_positions(torch.cat(positions)),
-            segments, self.norm.weight, feature_layers)
-        features = torch.cat(captured, -1) if captured else None
+        hidden, features = self.hidden_rows(self.embed_tokens(torch.cat([part.ids for part in parts])), parts,
+                                            feature_layers)
         ends = torch.tensor([len(part.ids) for part in parts]).cumsum(0).tolist()
         wanted = [range(end - 1, end) if part.last_only else range(end - len(part.ids), end)
                   for part, end in zip(parts, ends)]
@@ -426,6 +411,35 @@ class Decoder(nn.Module):
                         None if features is None else features[end - len(part.ids):end]))
             begin += len(rows)
         return out
+
+    @property
+    def batches_rows(self) -> bool:
+        """Whether `hidden_rows` can run several sequences in one fused forward (the row-exact kernels)."""
+        kernels = self.kernels_for(self.embed_tokens.weight)
+        return kernels is self.row_exact and bool(self.layers) and self.layer_table(kernels) is not None
+
+    def hidden_rows(self, embeds: torch.Tensor, parts: Sequence[SequenceRows], feature_layers: Sequence[int] = (),
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final-normed hidden states (N, hidden) of every part's rows, in order, from their
+        embeddings (N, hidden) — one fused forward (needs `batches_rows`), each part after its own
+        cache (reserved here, committed by the caller) — and the residual stream after
+        `feature_layers` (N, len · hidden; None without)."""
+        assert self.batches_rows, "hidden_rows runs on the row-exact kernels"
+        assert list(feature_layers) == sorted(set(feature_layers)), f"feature layers {feature_layers}"
+        assert embeds.shape[0] == sum(len(part.ids) for part in parts), "one embedding per row"
+        segments, positions = [], []
+        for part in parts:
+            cache, length = part.cache, len(part.ids)
+            assert cache.batch_size == 1, "forward_rows takes one sequence per cache"
+            start = cache.reserve(length)
+            segments.append(Segment(length, cache.keys[:, 0], cache.values[:, 0], start, part.mask))
+            positions.append(torch.arange(start, start + length, device=self.device))
+        c = self.config
+        shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
+        hidden, captured = self.row_exact.forward_segments(
+            self.layer_table(self.row_exact), shape, embeds, self.rope_table_as(embeds.dtype),
+            self.clamp_positions(torch.cat(positions)), segments, self.norm.weight, feature_layers)
+        return hidden, torch.cat(captured, -1) if captured else None
 
     def _part_alone(self, part: SequenceRows, feature_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits, features = self.logits_and_features(part.ids[None], feature_layers, cache=part.cache,

@@ -2,8 +2,9 @@
 (`d3d.engine.generate_from_sources`) and the continuous batch (`d3d.batch`) advance.
 
 A `Run` holds a generation's `Sequence`, KV cache, generator, drafting sources, gate and (for
-sources that read them) the target's hidden states. `rows` says what the next target forward
-scores for it; `settle` takes that forward's logits and commits. It runs no forward itself, so a
+sources that read them) the target's hidden states. `plan` and `rows` say what the next target
+forward scores for it (a D3D drafter's pass in between, which a batch runs for all its runs at
+once); `settle` takes that forward's logits and commits. It runs no forward itself, so a
 caller may score one run or many in one call — with the same decisions and the same bits.
 This module knows no text and runs no loop.
 """
@@ -21,7 +22,8 @@ from d3d.gate import Crowd, SpeculationGate
 from d3d.models import Decoder, SequenceRows
 from d3d.sampling import make_generator
 from d3d.sequence import Sequence, Step
-from d3d.sources import DraftSource, check_vocabulary, verify_reach
+from d3d.sources import (DrafterCall, DrafterSource, DraftSource, Proposal, check_vocabulary, propose_together,
+                         verify_reach)
 from d3d.target_step import TargetStates, judge, pick, reads_target_states
 
 
@@ -32,9 +34,9 @@ OnCommit = Callable[[torch.Tensor, list[int]], None]
 
 
 class Run:
-    """One speculative generation between target forwards: `rows` says what it feeds the next one
-    — the prompt (or, with `prefill_rows`, its next piece), else the anchor and the drafts its
-    sources propose —, and `settle` takes that forward's logits: it picks, or verifies and commits,
+    """One speculative generation between target forwards: `plan` and `rows` say what it feeds the
+    next one — the prompt (or, with `prefill_rows`, its next piece), else the anchor and the drafts
+    its sources propose —, and `settle` takes that forward's logits: it picks, or verifies and commits,
     and returns the `Step` (None after a piece of the prompt that is not its last). The target's
     forward itself is the caller's: `generate_from_sources` runs one sequence, `d3d.batch` many in
     one forward. Every choice — the gate's, the random draws — depends on this run's own tokens, so
@@ -59,6 +61,8 @@ class Run:
         self.prefilled = 0  # prompt tokens in the cache
         self.on_commit = on_commit
         self.source, self.drafts, self.draft_probs = "none", _no_drafts(target.device), None
+        self.call: DrafterCall | None = None  # the drafter pass `plan` left to its caller
+        self.piece_end = 0  # where the prompt piece `plan` chose ends
 
     @property
     def finished(self) -> bool:
@@ -73,16 +77,18 @@ class Run:
         """The target layers whose hidden states its sources read."""
         return self.states.layers if self.states is not None else []
 
-    def rows(self, prefill_rows: int | None = None, crowd: Crowd | None = None) -> SequenceRows:
-        """What the next forward scores for this run: the prompt's next `prefill_rows` tokens (all
-        when None), or once it is in, the anchor and this step's drafts (proposed now; with a
-        `crowd`, as many as pay for the batched forward as a whole)."""
+    def plan(self, prefill_rows: int | None = None, crowd: Crowd | None = None) -> DrafterCall | None:
+        """Decide what the next forward scores for this run: the prompt's next `prefill_rows` tokens
+        (all when None), or once it is in, the anchor and this step's drafts (with a `crowd`, as many
+        as pay for the batched forward as a whole). Drafts are proposed now, except a D3D drafter's:
+        its call comes back for the caller to run with other runs' (`propose_together`) and hand
+        to `rows`."""
         tokens = self.sequence.tokens
+        self.call = None
         if self.prefilling:
-            end = self.sequence.prompt_length if prefill_rows is None else min(
+            self.piece_end = self.sequence.prompt_length if prefill_rows is None else min(
                 self.sequence.prompt_length, self.prefilled + max(1, prefill_rows))
-            ids = torch.tensor(tokens[self.prefilled:end], device=self.target.device)
-            return SequenceRows(ids, self.cache, last_only=True)  # a piece before the last: its logits go unread
+            return None
         started = time.perf_counter()
         self.source, proposal = "none", None
         for source in self.sources:
@@ -91,16 +97,42 @@ class Run:
             if self.gate is not None:
                 pending = source.pending(tokens) if hasattr(source, "pending") else 0
                 wanted = self.gate.num_drafts(source.name, wanted, len(tokens), pending, crowd)
-            if wanted > 0:
-                proposal = source.propose(tokens, wanted, self.config.sampling, self.generator)
-                if proposal is not None:
-                    self.source = source.name
-                    break
-        self.drafts, self.draft_probs = ((_no_drafts(self.target.device), None) if proposal is None
-                                         else (proposal.draft_tokens, proposal.draft_probs))
+            if wanted <= 0:
+                continue
+            if isinstance(source, DrafterSource):  # it always proposes: the call ends the search
+                self.source, self.call = source.name, DrafterCall(source, tokens, wanted, self.config.sampling,
+                                                                  self.generator)
+                break
+            proposal = source.propose(tokens, wanted, self.config.sampling, self.generator)
+            if proposal is not None:
+                self.source = source.name
+                break
+        self._take(proposal)
         self.sequence.stats.draft_seconds += time.perf_counter() - started
+        return self.call
+
+    def rows(self, proposal: Proposal | None = None, seconds: float = 0.0) -> SequenceRows:
+        """What the `plan`ned forward scores for this run: a piece of its prompt, or its anchor and
+        drafts — with `proposal` the answer to the plan's drafter call, found in `seconds` (a call
+        left unanswered is proposed here, alone)."""
+        tokens = self.sequence.tokens
+        if self.prefilling:
+            ids = torch.tensor(tokens[self.prefilled:self.piece_end], device=self.target.device)
+            return SequenceRows(ids, self.cache, last_only=True)  # a piece before the last: its logits go unread
+        if self.call is not None:
+            if proposal is None:
+                started = time.perf_counter()
+                proposal, = propose_together([self.call])
+                seconds = time.perf_counter() - started
+            self._take(proposal)
+            self.sequence.stats.draft_seconds += seconds
+            self.call = None
         anchor = torch.tensor([tokens[-1]], device=self.target.device)
         return SequenceRows(torch.cat([anchor, self.drafts]), self.cache)
+
+    def _take(self, proposal: Proposal | None) -> None:
+        self.drafts, self.draft_probs = ((_no_drafts(self.target.device), None) if proposal is None
+                                         else (proposal.draft_tokens, proposal.draft_probs))
 
     def settle(self, logits: torch.Tensor, features: torch.Tensor | None, seconds: float) -> Step | None:
         """Take the forward of `rows`' part — logits (T, V), or (1, V) of a prompt's last piece; the

@@ -27,12 +27,13 @@ output law is still the target's (the drafts' q is the replaced logits' distribu
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from d3d.cache import KVCache
 from d3d.config import ConfigError, DrafterConfig
-from d3d.drafter import Drafter
+from d3d.drafter import Drafter, DraftRequest
 from d3d.models import Decoder
 
 
@@ -106,8 +107,13 @@ class SimulatedDrafter:
     @torch.no_grad()
     def draft(self, cache: KVCache, tokens: list[int], num_drafts: int | None = None) -> torch.Tensor:
         """`Drafter.draft`, run for its cost and cache; row i then predicts position len(tokens)+i."""
-        logits = self.drafter.draft(cache, tokens, num_drafts)
-        return self.rows(len(tokens), logits.shape[0], logits)
+        return self.draft_together([(cache, tokens, num_drafts)])[0]
+
+    @torch.no_grad()
+    def draft_together(self, requests: Sequence[DraftRequest]) -> list[torch.Tensor]:
+        """`Drafter.draft_together`, run for its cost and caches; each sequence's rows as `draft`'s."""
+        return [self.rows(len(tokens), logits.shape[0], logits)
+                for logits, (_, tokens, _) in zip(self.drafter.draft_together(requests), requests)]
 
     @torch.no_grad()
     def packed_draft(self, cache: KVCache, trunk: list[int], branches: list[tuple[int, int]], anchor_slot: int,

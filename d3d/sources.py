@@ -157,8 +157,37 @@ class DrafterSource:
 
     def propose(self, tokens: list[int], num_drafts: int, sampling: SamplingConfig,
                 generator: torch.Generator) -> Proposal | None:
-        block_logits = self.block_logits(tokens, num_drafts)[:num_drafts]  # (K, V)
-        return Proposal(*drafts_from_logits(block_logits, sampling, generator))
+        return propose_together([DrafterCall(self, tokens, num_drafts, sampling, generator)])[0]
+
+
+@dataclass(frozen=True)
+class DrafterCall:
+    """A `DrafterSource.propose` not run yet: a continuous batch runs the calls of all its sequences
+    that draft with one drafter in one pass (`propose_together`)."""
+
+    source: DrafterSource
+    tokens: list[int]
+    num_drafts: int
+    sampling: SamplingConfig
+    generator: torch.Generator
+
+
+def propose_together(calls: Sequence[DrafterCall]) -> list[Proposal]:
+    """Each call's proposal, the calls on one drafter in one pass (`Drafter.draft_together`): the
+    same drafts, and at T > 0 the same draws from each call's own generator, as proposed alone."""
+    out: list[Proposal | None] = [None] * len(calls)
+    groups: dict[int, list[int]] = {}
+    for i, call in enumerate(calls):
+        assert call.source.cache is not None, "start() the source before drafting"
+        groups.setdefault(id(call.source.drafter), []).append(i)
+    for members in groups.values():
+        drafter = calls[members[0]].source.drafter
+        blocks = drafter.draft_together([(calls[i].source.cache, calls[i].tokens, calls[i].num_drafts)
+                                         for i in members])
+        for i, block_logits in zip(members, blocks):
+            call = calls[i]
+            out[i] = Proposal(*drafts_from_logits(block_logits[:call.num_drafts], call.sampling, call.generator))
+    return out
 
 
 class ARDrafterSource:

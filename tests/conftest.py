@@ -105,10 +105,10 @@ class OracleDrafter(Drafter):
         object.__setattr__(self, "oracle_target", target)  # not a submodule: nothing to save
 
     @torch.no_grad()
-    def draft(self, cache, tokens, num_drafts=None):
-        logits = super().draft(cache, tokens, num_drafts)  # keeps the drafter cache exactly as the real one
-        wanted = greedy_continuation(self.oracle_target, tokens, logits.shape[0])
-        return one_hot_logits(wanted, logits.shape[0], logits.shape[-1]).to(logits.dtype)
+    def draft_together(self, requests):
+        out = super().draft_together(requests)  # keeps the drafter caches exactly as the real one
+        return [one_hot_logits(greedy_continuation(self.oracle_target, tokens, logits.shape[0]), logits.shape[0],
+                               logits.shape[-1]).to(logits.dtype) for logits, (_, tokens, _) in zip(out, requests)]
 
 
 class AdversarialDrafter(Drafter):
@@ -119,12 +119,14 @@ class AdversarialDrafter(Drafter):
         object.__setattr__(self, "oracle_target", target)
 
     @torch.no_grad()
-    def draft(self, cache, tokens, num_drafts=None):
-        logits = super().draft(cache, tokens, num_drafts)
-        vocab = logits.shape[-1]
-        wanted = greedy_continuation(self.oracle_target, tokens, logits.shape[0])
-        wrong = [(t + 1) % vocab for t in wanted]
-        return one_hot_logits(wrong, logits.shape[0], vocab, filler=1).to(logits.dtype)
+    def draft_together(self, requests):
+        out = []
+        for logits, (_, tokens, _) in zip(super().draft_together(requests), requests):
+            vocab = logits.shape[-1]
+            wanted = greedy_continuation(self.oracle_target, tokens, logits.shape[0])
+            wrong = [(t + 1) % vocab for t in wanted]
+            out.append(one_hot_logits(wrong, logits.shape[0], vocab, filler=1).to(logits.dtype))
+        return out
 
 
 def perturb_drafter(drafter: Drafter, scale: float, seed: int) -> None:

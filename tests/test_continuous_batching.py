@@ -15,9 +15,10 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import make_decoder, make_oracle, tiny_config
+from conftest import make_decoder, make_oracle, perturb_drafter, tiny_config
 from d3d.batch import Batch, SharedBatch, generate_batched
 from d3d.config import GenerationConfig, SamplingConfig
+from d3d.drafter import Drafter
 from d3d.engine import generate_from_sources, reference_generate
 from d3d.run import Run
 from d3d.lookup import LookupConfig
@@ -112,8 +113,36 @@ def test_a_batch_verifies_several_drafted_blocks_in_one_forward(models):
     batch = Batch(target)
     for m, p, c in reqs:
         batch.add(make_run(m, target, drafter, dflash, p, c))
-    batch.run_all()
+    passes = []  # the drafter forwards: how many sequences each held
+    hidden_rows = drafter.decoder.hidden_rows
+    drafter.decoder.hidden_rows = lambda embeds, parts, *rest: passes.append(len(parts)) or hidden_rows(embeds, parts,
+                                                                                                           *rest)
+    try:
+        batch.run_all()
+    finally:
+        del drafter.decoder.hidden_rows
     assert batch.stats.mean_sequences > 3 and batch.stats.mean_rows > 8
+    assert passes and passes.count(4) >= len(passes) - 1  # every run's drafts from one drafter forward
+    assert len(passes) < batch.stats.forwards
+
+
+def test_seeded_sampling_with_a_drafter_batched_equals_solo():
+    """T > 0 with a real (perturbed, so imperfect) D3D drafter: the batch runs every sequence's
+    drafter pass in one forward, and each request still draws its solo drafts and tokens."""
+    target = make_decoder(tiny_config("llama", num_layers=3, max_position_embeddings=256), seed=2,
+                          dtype=torch.bfloat16)
+    drafter = Drafter.from_target(target, [0, 2], block_size=4)
+    perturb_drafter(drafter, 0.05, seed=3)
+    reqs = [(torch.randint(0, 64, (5 + 7 * i,), generator=torch.Generator().manual_seed(i)).tolist(),
+             GenerationConfig(max_new_tokens=24, eos_token_ids=[],
+                              sampling=SamplingConfig(temperature=0.9, top_k=(0, 8)[i % 2], seed=50 + i)))
+            for i in range(6)]
+    runs = [Run(target, default_sources(drafter, None), p, c) for p, c in reqs]
+    batched = run_staggered(target, runs, [i % 2 for i in range(len(runs))], prefill_rows=16)
+    for (prompt, config), got in zip(reqs, batched):
+        assert got == tokens_of(generate_from_sources(target, default_sources(drafter, None), prompt, config))
+    assert sum(sum(run.sequence.stats.accepted_at) for run in runs)  # some drafts were kept, some not
+    assert sum(run.sequence.stats.accepted_histogram[0] for run in runs)
 
 
 def test_seeded_sampling_batched_equals_solo(models):

@@ -56,6 +56,44 @@ def test_drafting_only_the_rows_the_drafts_need(target, mode):
             assert torch.equal(short[0], full[0])
 
 
+@pytest.mark.parametrize("mode", ["causal", "anchor_causal", "bidirectional"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_drafting_together_is_drafting_alone_bit_for_bit(mode, dtype, monkeypatch):
+    """Several sequences' drafter passes in one fused forward (`draft_together`, a continuous batch's
+    drafting) give each sequence the logits its own `draft` gives, bit for bit, and leave each
+    cache as its own pass does: caches at different lengths, clean tokens still to read, any number
+    of drafts, a whole block."""
+    target = make_decoder(tiny_config(), seed=1, dtype=dtype)
+    drafter = Drafter.from_target(target, [0, 1], block_size=8, block_attention=mode)
+    perturb_drafter(drafter, 0.1, seed=5)
+    assert drafter.decoder.batches_rows  # the row-exact kernels: the passes do fuse
+    streams = [TOKENS, TOKENS[::-1] + [7, 7], [4, 4, 4], TOKENS[:4]]
+    asks = [(3, 1), (None, 5), (2, 7), (4, None)]  # (tokens already in the cache, drafts wanted)
+
+    def caches():
+        out = []
+        for tokens, (known, _) in zip(streams, asks):
+            cache = drafter.new_cache(64)
+            if known:  # an earlier round read part of the context
+                drafter.draft(cache, tokens[:known + 1])
+            out.append(cache)
+        return out
+
+    alone_caches = caches()
+    alone = [drafter.draft(cache, tokens, wanted) for cache, tokens, (_, wanted) in zip(alone_caches, streams, asks)]
+    fused = []
+    monkeypatch.setattr(drafter.decoder, "hidden_rows", lambda *a, f=drafter.decoder.hidden_rows: fused.append(1) or f(*a))
+    together_caches = caches()
+    together = drafter.draft_together([(cache, tokens, wanted) for cache, tokens, (_, wanted)
+                                       in zip(together_caches, streams, asks)])
+    assert fused == [1]  # one forward for all four
+    for got, want, cache, cache_alone in zip(together, alone, together_caches, alone_caches):
+        assert torch.equal(got, want)
+        assert cache.length == cache_alone.length  # the context read, the block's KV dropped
+        assert torch.equal(cache.keys, cache_alone.keys) and torch.equal(cache.values, cache_alone.values)
+
+
 def test_bidirectional_anchor_sees_the_masks(target):
     """Contrast: with bidirectional block attention row 0 is no longer the plain next-token prediction."""
     drafter = Drafter.from_target(target, [0, 1], block_size=4, block_attention="bidirectional")
