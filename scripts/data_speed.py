@@ -1,8 +1,10 @@
-"""`d3d data`'s generation speed: the continuous batch it decodes in (`generate_continuous`) against
+"""`d3d data`'s generation speed: the continuous batch it decodes in — one over all shards
+(`shards_in_order`, "across-W"), or one per shard ("continuous-W", as until 2026-12-03) — against
 the static batches it used before (`generate_batch`: left padding, finished rows dropped), on the same
-prompts, interleaved in one process, with the share of responses that are identical.
+prompts in shards of --shard-size (each sorted by length, as `d3d data` orders a shard), interleaved
+in one process, with the share of responses that are identical.
 
-    python scripts/data_speed.py --data data/smollm2 --prompts 64 --max-new-tokens 256 --widths 32,64
+    python scripts/data_speed.py --data data/smollm2 --prompts 192 --max-new-tokens 128 --widths 32,64
 
 --data is a `d3d data` folder (its prompts.jsonl is read, nothing is written). Prints one JSON line
 per method, then one JSON document with all of them.
@@ -18,13 +20,14 @@ from pathlib import Path
 import torch
 
 from d3d.loading import load_target
-from d3d.train.data import generate_batch, generate_continuous
+from d3d.train.data import DataConfig, generate_batch, generate_continuous, shards_in_order
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, help="a `d3d data` folder (its prompts.jsonl)")
     parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--shard-size", type=int, default=64, help="prompts per shard (`d3d data --shard-size`)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--static-batch", type=int, default=32, help="rows of each static batch")
     parser.add_argument("--widths", default="32", help="continuous batch widths, comma-separated")
@@ -32,17 +35,26 @@ def main() -> None:
     args = parser.parse_args()
     target = load_target(dtype=torch.bfloat16)
     lines = (Path(args.data) / "prompts.jsonl").read_text().splitlines()[:args.prompts]
-    prompts = sorted((json.loads(line)["prompt_ids"] for line in lines), key=len)  # as a shard orders them
+    records = [json.loads(line) for line in lines]
+    shards = {i: sorted(records[at:at + args.shard_size], key=lambda p: len(p["prompt_ids"]))  # as a shard orders them
+              for i, at in enumerate(range(0, len(records), args.shard_size))}
+    prompts = [p["prompt_ids"] for shard in shards.values() for p in shard]
+    by_shard = [[p["prompt_ids"] for p in shard] for shard in shards.values()]
     eos, size = target.eos_token_ids, args.static_batch
 
     def static():
-        return [g for i in range(0, len(prompts), size)
-                for g in generate_batch(target.decoder, prompts[i:i + size], args.max_new_tokens, eos)]
+        return [g for shard in by_shard for i in range(0, len(shard), size)
+                for g in generate_batch(target.decoder, shard[i:i + size], args.max_new_tokens, eos)]
+
+    def across(width: int):
+        config = DataConfig(max_new_tokens=args.max_new_tokens, batch_size=width, shard_size=args.shard_size)
+        return [g for _, shard in shards_in_order(target.decoder, shards, config, eos) for g in shard]
 
     methods = {f"static-{size}": static}
     for width in map(int, args.widths.split(",")):
-        methods[f"continuous-{width}"] = (lambda w: lambda: generate_continuous(
-            target.decoder, prompts, args.max_new_tokens, eos, 0, w))(width)
+        methods[f"continuous-{width}"] = (lambda w: lambda: [g for shard in by_shard for g in generate_continuous(
+            target.decoder, shard, args.max_new_tokens, eos, 0, w)])(width)
+        methods[f"across-{width}"] = (lambda w: lambda: across(w))(width)
     generate_continuous(target.decoder, prompts[:4], 8, eos, 0, 4)  # warm-up: weights packed, kernels built
     generate_batch(target.decoder, prompts[:4], 8, eos)
     seconds: dict[str, list[float]] = {name: [] for name in methods}

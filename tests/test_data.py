@@ -250,6 +250,34 @@ def test_benchmark_prompts_never_reach_prompts_jsonl(target, config, tmp_path):
     assert not {"user/humaneval", "user/mtbench"} & {r["id"] for r in read_shards(out)}
 
 
+def spy_on_streams(monkeypatch) -> list[int]:
+    """The prompt count of every continuous batch `d3d data` runs, as it runs them."""
+    calls, real = [], data.stream_continuous
+
+    def counted(decoder, prompts, *args, **kwargs):
+        prompts = list(prompts)
+        calls.append(len(prompts))
+        return real(decoder, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(data, "stream_continuous", counted)
+    return calls
+
+
+def test_one_continuous_batch_runs_across_shards(target, config, tmp_path, monkeypatch):
+    """Every shard's prompts go through one batch (a finished response's place goes to the next
+    prompt, of the next shard too), and the shards hold what each prompt's greedy decoding gives."""
+    calls = spy_on_streams(monkeypatch)
+    steps = []
+    real_step = data.Batch.step
+    monkeypatch.setattr(data.Batch, "step", lambda self: steps.append(len(self)) or real_step(self))
+    out = tmp_path / "run"
+    generate_data(target, out, config, progress=False)
+    assert calls == [12]
+    assert max(steps) == config.batch_size and steps.count(config.batch_size) >= 12 // config.batch_size
+    for record in read_shards(out):
+        assert record["response_ids"] == greedy(target.decoder, record["prompt_ids"], 6, target.eos_token_ids)
+
+
 def test_resume_regenerates_only_the_missing_shard(target, config, tmp_path, monkeypatch):
     """Deleting the last shard (a kill mid-shard) and rerunning rebuilds it identically, touching nothing else."""
     out = tmp_path / "run"
@@ -258,9 +286,7 @@ def test_resume_regenerates_only_the_missing_shard(target, config, tmp_path, mon
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
     prompts_before = (out / "prompts.jsonl").stat().st_mtime_ns
     files[-1].unlink()
-    calls = []
-    real = data.generate_continuous
-    monkeypatch.setattr(data, "generate_continuous", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    calls = spy_on_streams(monkeypatch)
     second = generate_data(target, out, config, progress=False)
     assert calls == [4]  # one shard of 4 prompts: only the deleted shard ran
     after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in shard_files(out)}
@@ -278,21 +304,24 @@ def test_interrupted_shard_leaves_no_partial_file(target, config, tmp_path, monk
     reference_out = tmp_path / "reference"
     generate_data(target, reference_out, config, progress=False)
     out = tmp_path / "run"
-    real = data.generate_continuous
-    calls = itertools.count()
+    real = data.stream_continuous
 
     def dies_in_the_second_shard(*args, **kwargs):
-        if next(calls) == 1:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        first_shard = set()
+        for index, generated in real(*args, **kwargs):
+            if len(first_shard) == 4:  # the first shard is written: the kill comes inside the second
+                raise KeyboardInterrupt
+            if index < 4:
+                first_shard.add(index)
+            yield index, generated
 
-    monkeypatch.setattr(data, "generate_continuous", dies_in_the_second_shard)
+    monkeypatch.setattr(data, "stream_continuous", dies_in_the_second_shard)
     with pytest.raises(KeyboardInterrupt):
         generate_data(target, out, config, progress=False)
     assert [p.name for p in shard_files(out)] == ["shard-00000.jsonl"]
     assert not list(out.rglob(".*.tmp"))
     assert json.loads((out / "manifest.json").read_text())["shards_done"] == 1
-    monkeypatch.setattr(data, "generate_continuous", real)
+    monkeypatch.setattr(data, "stream_continuous", real)
     manifest = generate_data(target, out, config, progress=False)
     assert manifest["shards_done"] == 3
     for mine, theirs in zip(shard_files(out), shard_files(reference_out), strict=True):
@@ -324,7 +353,7 @@ def test_config_change_after_a_kill_during_the_first_shard(target, config, tmp_p
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "generate_continuous", killed)
+    monkeypatch.setattr(data, "stream_continuous", killed)
     with pytest.raises(KeyboardInterrupt):
         generate_data(target, out, config, progress=False)
     monkeypatch.undo()

@@ -7,8 +7,10 @@ turns after the recorded first exchange ("sharegpt-turn2"), Python standard-libr
 turned into code requests ("stdlib"), templated arithmetic word problems ("math"), and user JSONL
 files. Prompts are deduplicated, and none that shares a turn with a benchmark prompt is kept.
 
-The responses come from the target loaded here (`generate_continuous`) or, with `--server`, from
-an OpenAI-compatible server serving it (`d3d.train.remote`): one loop, two ways to answer a shard.
+The responses come from the target loaded here — one continuous batch over every shard still to do
+(`shards_in_order`: a finished response's place goes to the next prompt, of its shard or the
+next) — or, with `--server`, from an OpenAI-compatible server serving it (`d3d.train.remote`): one
+loop, two ways to answer a shard.
 
 Layout of an output folder:
     prompts.jsonl        the fixed, ordered prompt list (written once; resume reuses it)
@@ -16,8 +18,9 @@ Layout of an output folder:
     manifest.json        config, target fingerprint, the server (when one answered), shards and
                          tokens done, and the records a server's answer left out (`left_out`)
     distill/shard-NNNNN.safetensors  with --distill-top-k: the target's distributions (d3d.train.distill)
-A shard exists completely or not at all, so a run killed at any moment loses at most the shard
-in flight, and re-running the same command continues where it stopped.
+A shard exists completely or not at all, so a run killed at any moment loses at most the shards
+in flight (the batch's prompts span at most batch_size / shard_size + 1 of them), and re-running
+the same command continues where it stopped.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import random
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +63,7 @@ class DataConfig(_JsonMixin):
     max_prompts: int = 0  # 0 = every prompt the sources give
     max_prompt_tokens: int = 384  # longer prompts are skipped
     max_new_tokens: int = 256  # response length cap
-    shard_size: int = 64  # prompts per shard (the most a kill can lose)
+    shard_size: int = 64  # prompts per shard (what a kill loses, with the shards the batch spans)
     batch_size: int = 32  # rows generated together
     seed: int = 0  # order of the prompt list
 
@@ -220,18 +223,30 @@ def generate_continuous(decoder: Decoder, prompts: list[list[int]], max_new_toke
     """Greedy responses, `width` prompts at a time in one continuous batch (`d3d.batch`): the place
     of a finished response goes to the next prompt at once, and each response is the target's own
     greedy decoding of its prompt (the same tokens as alone, by construction)."""
+    responses: list[Generated | None] = [None] * len(prompts)
+    for index, generated in stream_continuous(decoder, prompts, max_new_tokens, eos_token_ids, top_k, width):
+        responses[index] = generated
+    return responses  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def stream_continuous(decoder: Decoder, prompts: Iterable[list[int]], max_new_tokens: int,
+                      eos_token_ids: list[int], top_k: int = 0, width: int = 16) -> Iterator[tuple[int, Generated]]:
+    """`generate_continuous` as each response finishes: (the prompt's index, its response), prompts
+    read from `prompts` only as places free up."""
     batch = Batch(decoder)
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=list(eos_token_ids))
-    responses: list[list[int]] = [[] for _ in prompts]
-    chosen_from: list[list[TopK]] = [[] for _ in prompts]
-    waiting, owner = iter(range(len(prompts))), {}
+    responses: dict[int, list[int]] = {}
+    chosen_from: dict[int, list[TopK]] = {}
+    waiting, owner = enumerate(prompts), {}
 
     def admit() -> None:
-        index = next(waiting, None)
+        index, prompt = next(waiting, (None, None))
         if index is None:
             return
+        responses[index], chosen_from[index] = [], []
         keep = (lambda logits, tokens: chosen_from[index].append(keep_top(logits, top_k))) if top_k else None
-        owner[batch.add(Run(decoder, [], prompts[index], config, on_commit=keep))] = index
+        owner[batch.add(Run(decoder, [], prompt, config, on_commit=keep))] = index
 
     for _ in range(width):
         admit()
@@ -239,14 +254,37 @@ def generate_continuous(decoder: Decoder, prompts: list[list[int]], max_new_toke
         for outcome in batch.step():
             if outcome.error is not None:
                 raise outcome.error
-            if outcome.step is not None:
-                responses[owner[outcome.key]] += outcome.step.tokens
-                if outcome.step.finish_reason is not None:
-                    admit()
-    if not top_k:
-        return [Generated(response) for response in responses]
-    return [Generated(response, TopK(torch.cat([t.ids for t in steps]).cpu(), torch.cat([t.logprobs for t in steps]).cpu()))
-            for response, steps in zip(responses, chosen_from)]
+            if outcome.step is None:
+                continue
+            index = owner[outcome.key]
+            responses[index] += outcome.step.tokens
+            if outcome.step.finish_reason is not None:
+                steps = chosen_from.pop(index)
+                yield index, Generated(responses.pop(index), TopK(torch.cat([t.ids for t in steps]).cpu(), torch.cat(
+                    [t.logprobs for t in steps]).cpu()) if top_k else None)
+                admit()
+
+
+def shards_in_order(decoder: Decoder, shards: dict[int, list[dict[str, Any]]], config: DataConfig,
+                    eos_token_ids: list[int], top_k: int = 0) -> Iterator[tuple[int, list[Generated]]]:
+    """Each shard's responses (shard index, responses in its prompts' order), shards in index order,
+    from one continuous batch over all their prompts: the places that one shard's last responses
+    leave go to the next shard's prompts at once, instead of idling until the shard is done."""
+    order = sorted(shards)
+    slots = [(index, j) for index in order for j in range(len(shards[index]))]
+    answers = {index: [None] * len(shards[index]) for index in order}
+    missing = {index: len(shards[index]) for index in order}
+    ready = 0
+    for at, generated in stream_continuous(decoder, (shards[i][j]["prompt_ids"] for i, j in slots),
+                                           config.max_new_tokens, eos_token_ids, top_k, config.batch_size):
+        index, j = slots[at]
+        answers[index][j] = generated
+        missing[index] -= 1
+        while ready < len(order) and not missing[order[ready]]:
+            yield order[ready], answers.pop(order[ready])
+            ready += 1
+    for index in order[ready:]:  # empty shards
+        yield index, answers.pop(index)
 
 
 @torch.no_grad()
@@ -411,22 +449,22 @@ def generate_data(target: Target | TargetTokenizer, out_dir: str | Path, config:
         manifest["left_out_count"] = len(manifest["left_out"])
     bar = tqdm(total=num_shards, initial=len(done), desc="target responses", unit="shard", disable=not progress)
     started, new_tokens, checked = time.perf_counter(), 0, False
-    for index in range(num_shards):
+    pending = {index: sorted(prompts[index * config.shard_size:(index + 1) * config.shard_size],
+                             key=lambda p: len(p["prompt_ids"]))  # the order shards have always had
+               for index in range(num_shards) if f"shard-{index:05d}.jsonl" not in done}
+    local = (shards_in_order(target.decoder, pending, config, target.eos_token_ids, distill_top_k)
+             if remote is None else None)
+    for index, shard in pending.items():
         name = f"shard-{index:05d}.jsonl"
-        if name in done:
-            continue
-        shard = prompts[index * config.shard_size:(index + 1) * config.shard_size]
-        shard = sorted(shard, key=lambda p: len(p["prompt_ids"]))  # the order shards have always had
         lines, distributions = [], []
-        if remote is None:
-            generated: list[Generated | LeftOut] = generate_continuous(
-                target.decoder, [p["prompt_ids"] for p in shard], config.max_new_tokens, target.eos_token_ids,
-                distill_top_k, config.batch_size)
+        if local is not None:
+            answered, generated = next(local)
+            assert answered == index, "shards come in order"
         else:
             if not checked:  # before the first shard is written: is this the local target?
                 remote.check(shard[0], config.max_new_tokens, distill_top_k)
                 checked = True
-            generated = remote.generate(shard, config.max_new_tokens, distill_top_k)
+            generated: list[Generated | LeftOut] = remote.generate(shard, config.max_new_tokens, distill_top_k)
             left_out = {p["id"]: a.reason for p, a in zip(shard, generated) if isinstance(a, LeftOut)}
             if left_out:
                 report_left_out(name, left_out, len(shard))
