@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from d3d.cache import split_values
 from d3d.kernels import TorchKernels, row_exact_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -124,6 +125,43 @@ def test_attention_stops_at_a_querys_last_visible_key_with_the_same_bits(kernels
         assert torch.equal(masked[:, row:row + 1], kernels.attention(
             q[:, row:row + 1], poisoned_k, poisoned_v, mask[:, row:row + 1]))
         poisoned_k.copy_(k), poisoned_v.copy_(v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [False, True])
+def test_long_context_attention_rows_are_exact_for_any_thread_count(kernels, dtype, split):
+    """A verification over a long context (17 queries after 700 keys: the weighted sums go in spans
+    of keys, every query's heads carried from span to span, the scaled queries kept across key
+    tiles), causal and with a mask whose rows end anywhere, plain or split values: every row equals
+    that query alone, with 1, 2, 3 or 8 threads (which split the queries' work differently), and
+    all match SDPA."""
+    heads, kv_heads, dim, cached, length = 9, 3, 64, 700, 17
+    q = randn(1, length, heads, dim, seed=0, dtype=dtype)
+    k = randn(1, kv_heads, cached + length, dim, seed=1, dtype=dtype, scale=2.0)
+    v = randn(1, kv_heads, cached + length, dim, seed=2, dtype=dtype)
+    values = split_values(v).contiguous() if split else v
+    mask = torch.rand(1, length, cached + length, generator=torch.Generator().manual_seed(3)) < 0.9
+    for row, end in enumerate(torch.randint(1, cached + length + 1, (length,),
+                                            generator=torch.Generator().manual_seed(4)).tolist()):
+        mask[0, row, end:] = False
+    previous = torch.get_num_threads()
+    try:
+        for masked in (None, mask):
+            outs = []
+            for threads in (1, 2, 3, 8):
+                torch.set_num_threads(threads)
+                outs.append(kernels.attention(q, k, values, masked))
+            assert all(torch.equal(out, outs[0]) for out in outs[1:])
+            for i in (0, 7, 16):
+                keys = cached + i + 1 if masked is None else int(torch.nonzero(mask[0, i]).max()) + 1
+                alone_values = split_values(v[:, :, :keys]).contiguous() if split else v[:, :, :keys]
+                alone = kernels.attention(q[:, i:i + 1], k[:, :, :keys].contiguous(), alone_values,
+                                          None if masked is None else mask[:, i:i + 1, :keys])
+                assert torch.equal(outs[0][:, i:i + 1], alone)
+            expected = TorchKernels.attention(q.float(), k.float(), v.float(), masked)
+            torch.testing.assert_close(outs[0].float(), expected, **TOLERANCE[dtype])
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -77,8 +77,10 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
 #define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_VECTOR(bf16, uint16_t, p, p_stride, n, v, S, D, d0, dn, o)
 #define WEIGHTED_SUM_f32(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_VECTOR(f32, float, p, p_stride, n, v, S, D, d0, dn, o)
 /* The weighted sums of N ≤ SUM_HEADS heads with their own rows p_i and ends (several queries'), over
- * one V row at a time: each (head, d) chain is WEIGHTED_SUM's — keys s < end_i in order, p_i[s] = 0
- * skipped. The bf16 rows move as pairs (lane j: d0 + 2j, d0 + 2j + 1), fp32 rows as two halves. */
+ * the keys s0 ≤ s < s1 of one V slice, one V row at a time, each (head, d) chain carried in `acc`
+ * (head i's in rows 2i and 2i+1) from the keys before: every chain is WEIGHTED_SUM's — keys
+ * s < end_i in order, p_i[s] = 0 skipped — however the keys are cut into ranges. The bf16 rows move
+ * as pairs (lane j: d0 + 2j, d0 + 2j + 1), fp32 rows as two halves. */
 #define SUM_HEADS 8
 #define SUM_QUERIES(group) ((group) >= SUM_HEADS ? 1 : SUM_HEADS / (group))
 #define SUM_TOGETHER(group) ((group) <= SUM_HEADS)
@@ -91,25 +93,28 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
             b[i] = _mm512_fmadd_ps(pv_, hi, b[i]);                                                   \
         }                                                                                            \
     }
-#define SUM_HEADS_LOOP(LOAD_ROW)                                                                     \
+#define SUM_RANGE_LOOP(LOAD_ROW)                                                                     \
     int64_t first_end = ends[0], last_end = ends[0];                                                 \
     for (int i = 1; i < N; i++) {                                                                    \
         first_end = ends[i] < first_end ? ends[i] : first_end;                                       \
         last_end = ends[i] > last_end ? ends[i] : last_end;                                          \
     }                                                                                                \
+    first_end = first_end < s1 ? first_end : s1;                                                     \
+    last_end = last_end < s1 ? last_end : s1;                                                        \
     __m512 a[SUM_HEADS], b[SUM_HEADS];                                                               \
-    for (int i = 0; i < N; i++) a[i] = b[i] = _mm512_setzero_ps();                                   \
-    for (int64_t s = 0; s < first_end; s++) {  /* every head sees these keys */                      \
+    for (int i = 0; i < N; i++) a[i] = _mm512_loadu_ps(acc[2 * i]), b[i] = _mm512_loadu_ps(acc[2 * i + 1]); \
+    for (int64_t s = s0; s < first_end; s++) {  /* every head sees these keys */                     \
         __m512 lo, hi;                                                                               \
         LOAD_ROW(s);                                                                                 \
         for (int i = 0; i < N; i++) HEADS_FMA(i, s)                                                  \
     }                                                                                                \
-    for (int64_t s = first_end; s < last_end; s++) {                                                 \
+    for (int64_t s = s0 > first_end ? s0 : first_end; s < last_end; s++) {                          \
         __m512 lo, hi;                                                                               \
         LOAD_ROW(s);                                                                                 \
         for (int i = 0; i < N; i++)                                                                  \
             if (s < ends[i]) HEADS_FMA(i, s)                                                         \
-    }
+    }                                                                                                \
+    for (int i = 0; i < N; i++) _mm512_storeu_ps(acc[2 * i], a[i]), _mm512_storeu_ps(acc[2 * i + 1], b[i]);
 #define PAIR_ROW(s)                                                                                  \
     const uint16_t *vr = v + (s) * D + d0;                                                           \
     __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 0);                                                \
@@ -119,47 +124,44 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
     const float *vr = v + (s) * D + d0;                                                              \
     __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 0);                                                \
     lo = load16_f32(vr, m0), hi = load16_f32(vr + 16, m1)
-static inline __attribute__((always_inline)) void sum_heads_bf16(const float *const *rows, const int64_t *ends,
+static inline __attribute__((always_inline)) void sum_range_bf16(const float *const *rows, const int64_t *ends,
                                                                  const int N, const uint16_t *v, int64_t D,
-                                                                 int64_t d0, int64_t dn, float (*o)[PART_DIMS]) {
+                                                                 int64_t d0, int64_t dn, int64_t s0, int64_t s1,
+                                                                 float (*acc)[16]) {
     __mmask16 live = dn >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << (dn / 2)) - 1);
-    SUM_HEADS_LOOP(PAIR_ROW)
-    for (int i = 0; i < N; i++) {
-        float even[16], odd[16];
-        _mm512_storeu_ps(even, a[i]);
-        _mm512_storeu_ps(odd, b[i]);
-        for (int j = 0; j < 16; j++) o[i][2 * j] = even[j], o[i][2 * j + 1] = odd[j];
-    }
+    SUM_RANGE_LOOP(PAIR_ROW)
 }
-static inline __attribute__((always_inline)) void sum_heads_f32(const float *const *rows, const int64_t *ends,
+static inline __attribute__((always_inline)) void sum_range_f32(const float *const *rows, const int64_t *ends,
                                                                 const int N, const float *v, int64_t D,
-                                                                int64_t d0, int64_t dn, float (*o)[PART_DIMS]) {
+                                                                int64_t d0, int64_t dn, int64_t s0, int64_t s1,
+                                                                float (*acc)[16]) {
     __mmask16 m0 = dn >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << dn) - 1);
     __mmask16 m1 = dn >= 32 ? (__mmask16)0xffff : dn <= 16 ? 0 : (__mmask16)((1u << (dn - 16)) - 1);
-    SUM_HEADS_LOOP(HALVES_ROW)
-    for (int i = 0; i < N; i++) {
-        _mm512_storeu_ps(o[i], a[i]);
-        _mm512_storeu_ps(o[i] + 16, b[i]);
-    }
+    SUM_RANGE_LOOP(HALVES_ROW)
+}
+/* head i's values of d from its chains: bf16 pairs interleaved, fp32 halves in order */
+static inline void sum_values_bf16(const float (*acc)[16], float *o) {
+    for (int j = 0; j < 16; j++) o[2 * j] = acc[0][j], o[2 * j + 1] = acc[1][j];
+}
+static inline void sum_values_f32(const float (*acc)[16], float *o) {
+    for (int j = 0; j < 16; j++) o[j] = acc[0][j], o[16 + j] = acc[1][j];
 }
 /* one copy of the loop per head count, so that the accumulators stay in registers */
-#define SUM_HEADS_SWITCH(FN, rows, ends, n, v, D, d0, dn, o)                                         \
+#define SUM_RANGE_SWITCH(FN, rows, ends, n, ...)                                                     \
     switch (n) {                                                                                     \
-        case 1: FN(rows, ends, 1, v, D, d0, dn, o); break;                                           \
-        case 2: FN(rows, ends, 2, v, D, d0, dn, o); break;                                           \
-        case 3: FN(rows, ends, 3, v, D, d0, dn, o); break;                                           \
-        case 4: FN(rows, ends, 4, v, D, d0, dn, o); break;                                           \
-        case 5: FN(rows, ends, 5, v, D, d0, dn, o); break;                                           \
-        case 6: FN(rows, ends, 6, v, D, d0, dn, o); break;                                           \
-        case 7: FN(rows, ends, 7, v, D, d0, dn, o); break;                                           \
-        default: FN(rows, ends, 8, v, D, d0, dn, o); break;                                          \
+        case 1: FN(rows, ends, 1, __VA_ARGS__); break;                                               \
+        case 2: FN(rows, ends, 2, __VA_ARGS__); break;                                               \
+        case 3: FN(rows, ends, 3, __VA_ARGS__); break;                                               \
+        case 4: FN(rows, ends, 4, __VA_ARGS__); break;                                               \
+        case 5: FN(rows, ends, 5, __VA_ARGS__); break;                                               \
+        case 6: FN(rows, ends, 6, __VA_ARGS__); break;                                               \
+        case 7: FN(rows, ends, 7, __VA_ARGS__); break;                                               \
+        default: FN(rows, ends, 8, __VA_ARGS__); break;                                              \
     }
-#define WEIGHTED_SUM_HEADS_bf16(rows, ends, n, v, D, d0, dn, o)                                      \
-    if ((dn) % 2) {                                                                                  \
-        for (int h_ = 0; h_ < (n); h_++) WEIGHTED_SUM_bf16((rows)[h_], 0, 1, v, (ends)[h_], D, d0, dn, (o) + h_); \
-    } else                                                                                           \
-        SUM_HEADS_SWITCH(sum_heads_bf16, rows, ends, n, v, D, d0, dn, o)
-#define WEIGHTED_SUM_HEADS_f32(rows, ends, n, v, D, d0, dn, o) SUM_HEADS_SWITCH(sum_heads_f32, rows, ends, n, v, D, d0, dn, o)
+#define WEIGHTED_SUM_RANGE_bf16(rows, ends, n, v, D, d0, dn, s0, s1, acc) SUM_RANGE_SWITCH(sum_range_bf16, rows, ends, n, v, D, d0, dn, s0, s1, acc)
+#define WEIGHTED_SUM_RANGE_f32(rows, ends, n, v, D, d0, dn, s0, s1, acc) SUM_RANGE_SWITCH(sum_range_f32, rows, ends, n, v, D, d0, dn, s0, s1, acc)
+#define RANGED_bf16(dn) ((dn) % 2 == 0)  /* whole pairs of d (else each head alone, WEIGHTED_SUM) */
+#define RANGED_f32(dn) 1
 #elif defined(D3D_AVX2)
 static inline __attribute__((always_inline)) v8 load8_bf16(const uint16_t *a) { return v8_from_bf16(a); }
 static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { return v8_load(a); }
@@ -202,8 +204,12 @@ static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { retu
 #define SUM_HEADS 4
 #define SUM_QUERIES(group) 1
 #define SUM_TOGETHER(group) 0
-#define WEIGHTED_SUM_HEADS_bf16(rows, ends, n, v, D, d0, dn, o)
-#define WEIGHTED_SUM_HEADS_f32(rows, ends, n, v, D, d0, dn, o)
+#define WEIGHTED_SUM_RANGE_bf16(rows, ends, n, v, D, d0, dn, s0, s1, acc)
+#define WEIGHTED_SUM_RANGE_f32(rows, ends, n, v, D, d0, dn, s0, s1, acc)
+#define RANGED_bf16(dn) 0
+#define RANGED_f32(dn) 0
+static inline void sum_values_bf16(const float (*acc)[16], float *o) { (void)acc, (void)o; }
+static inline void sum_values_f32(const float (*acc)[16], float *o) { (void)acc, (void)o; }
 #endif
 
 /* row[s] = exp(row[s] - top) (0 for -inf), and sums[l] += row[s] for s = l mod 16, in s order. */
@@ -261,7 +267,7 @@ static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { retu
 /* 8 chains keep two FMA units of 4 cycles' latency busy; a chunk of at most 4 queries (a one-token
  * step's 3 heads per KV head) runs 4, not 8 with zeros */
 #define QUERY_CHUNK 8
-#define SCORE_FMA(i) a##i##_ = _mm512_fmadd_ps(_mm512_set1_ps((qs)[i][d]), kd_, a##i##_)
+#define SCORE_FMA(i) a##i##_ = _mm512_fmadd_ps(_mm512_set1_ps((qs)[(i) * (D) + d]), kd_, a##i##_)
 #define SCORE_CHAINS(kt, qs, D, acc, chunk)                                                          \
     do {                                                                                             \
         __m512 a0_ = _mm512_setzero_ps(), a1_ = a0_, a2_ = a0_, a3_ = a0_, a4_ = a0_, a5_ = a0_, a6_ = a0_, a7_ = a0_; \
@@ -323,7 +329,7 @@ static inline __attribute__((always_inline)) void key_pairs(const uint16_t *kb, 
 /* SCORE_CHAINS for C ≤ 4 queries straight from a bf16 key tile: the same chains, d in order, over
  * the same widened values, without storing the transposed tile (a one-token step's job). */
 static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16_t *kb, int64_t n, int64_t D,
-                                                                    float (*qs)[512], const int C,
+                                                                    const float *qs, const int C,
                                                                     float (*acc)[KEY_TILE]) {
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
@@ -333,8 +339,8 @@ static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16
         for (int p = 0; p < np; p++) {
             __m512 lo = PAIR_LOW(pairs[p]), hi = PAIR_HIGH(pairs[p]);
             int64_t d = d0 + 2 * p;
-            for (int i = 0; i < C; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d]), lo, a[i]);
-            for (int i = 0; i < C; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d + 1]), hi, a[i]);
+            for (int i = 0; i < C; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i * D + d]), lo, a[i]);
+            for (int i = 0; i < C; i++) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i * D + d + 1]), hi, a[i]);
         }
     }
     for (int i = 0; i < C; i++) _mm512_storeu_ps(acc[i], a[i]);
@@ -396,8 +402,8 @@ static inline float ROW_MAX(const float *row, int64_t S) {
         v8 a0_ = v8_zero(), a1_ = a0_, b0_ = a0_, b1_ = a0_, c0_ = a0_, c1_ = a0_, d0_ = a0_, d1_ = a0_; \
         for (int64_t d = 0; d < (D); d++) {                                                          \
             v8 lo_ = v8_load((kt)[d]), hi_ = v8_load((kt)[d] + 8);                                   \
-            v8 q0_ = _mm256_broadcast_ss(&(qs)[0][d]), q1_ = _mm256_broadcast_ss(&(qs)[1][d]);       \
-            v8 q2_ = _mm256_broadcast_ss(&(qs)[2][d]), q3_ = _mm256_broadcast_ss(&(qs)[3][d]);       \
+            v8 q0_ = _mm256_broadcast_ss(&(qs)[d]), q1_ = _mm256_broadcast_ss(&(qs)[(D) + d]);       \
+            v8 q2_ = _mm256_broadcast_ss(&(qs)[2 * (D) + d]), q3_ = _mm256_broadcast_ss(&(qs)[3 * (D) + d]);       \
             a0_ = v8_fma(q0_, lo_, a0_); a1_ = v8_fma(q0_, hi_, a1_);                                \
             b0_ = v8_fma(q1_, lo_, b0_); b1_ = v8_fma(q1_, hi_, b1_);                                \
             c0_ = v8_fma(q2_, lo_, c0_); c1_ = v8_fma(q2_, hi_, c1_);                                \
@@ -462,7 +468,7 @@ static inline float ROW_MAX(const float *row, int64_t S) {
         for (int64_t d = 0; d < (D); d++)                                                            \
             for (int i_ = 0; i_ < QUERY_CHUNK; i_++)                                                 \
                 for (int l_ = 0; l_ < KEY_TILE; l_++)                                                \
-                    (acc)[i_][l_] = fmaf((qs)[i_][d], (kt)[d][l_], (acc)[i_][l_]);                   \
+                    (acc)[i_][l_] = fmaf((qs)[i_ * (D) + d], (kt)[d][l_], (acc)[i_][l_]);                   \
     } while (0)
 #define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out)                                           \
     for (int64_t d = 0; d < (D); d++) (out)[d] = (live) ? LOAD((qr)[d]) * (scale) : 0.0f;
@@ -545,11 +551,14 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
 /* One job of each pass, over the variables of the body that runs it (see ATTENTION_PASSES). A score
  * job prefetches the key tile of this thread's job TILES_AHEAD on: its jobs go job_step_ apart, up to
  * job_end_. */
-/* A thread's scaled queries: the chunk whose first query is at qs_of (chunk queries), kept across jobs. */
+/* A thread's scaled queries (rows of D floats), kept across its jobs: the group's queries of the whole
+ * block where they fit (a k-row verification's tiles each serve all of them), from qs_of on, qs_count
+ * of them; else the chunk of QUERY_CHUNK queries from qs_of on (qs_count = -chunk). */
+#define QS_FLOATS 32768
 #define SCORE_JOB_STATE(T_ELEM)                                                                      \
-    float qs[QUERY_CHUNK][512];                                                                      \
+    float qs_kept[QS_FLOATS];                                                                        \
     const T_ELEM *qs_of = NULL;                                                                      \
-    int qs_chunk = 0;
+    int64_t qs_count = 0;
 #define ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                    \
     {                                                                                                \
         int64_t b = job / (Hkv * tiles), g = (job / tiles) % Hkv, s0 = (job % tiles) * KEY_TILE;     \
@@ -586,15 +595,32 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                 TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt);                                  \
                 transposed = 1;                                                                      \
             }                                                                                        \
-            /* the scaled queries of the thread's last chunk are kept: consecutive jobs share them */ \
-            const T_ELEM *q0 = q + ((b * T + i0 / group) * H + g * group + i0 % group) * D;          \
-            if (q0 != qs_of || chunk != qs_chunk) {                                                  \
-                for (int i = 0; i < QUERY_CHUNK; i++) {                                              \
-                    int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                  \
-                    const T_ELEM *qr = i < chunk ? q + ((b * T + t) * H + h) * D : q;  /* past: zeros */ \
-                    SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, i < chunk, qs[i]);                       \
+            /* the scaled queries are kept across the thread's jobs: the block's (b, g) ones where    \
+             * they fit, else the last chunk's */                                                    \
+            const float *qs;                                                                         \
+            int64_t all = (t1 - t0) * group;                                                         \
+            if ((all + QUERY_CHUNK) * D + 16 <= QS_FLOATS) {  /* + 16: SCALE_QUERY writes whole vectors */ \
+                const T_ELEM *q0 = q + ((b * T + t0) * H + g * group) * D;                           \
+                if (q0 != qs_of || all != qs_count) {                                                \
+                    for (int64_t i = 0; i < all + QUERY_CHUNK; i++) {                                \
+                        int64_t t = t0 + i / group, h = g * group + i % group;                       \
+                        const T_ELEM *qr = i < all ? q + ((b * T + t) * H + h) * D : q;  /* past: zeros */ \
+                        SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, i < all, qs_kept + i * D);           \
+                    }                                                                                \
+                    qs_of = q0, qs_count = all;                                                      \
                 }                                                                                    \
-                qs_of = q0, qs_chunk = chunk;                                                        \
+                qs = qs_kept + (i0 - t0 * group) * D;                                                \
+            } else {                                                                                 \
+                const T_ELEM *q0 = q + ((b * T + i0 / group) * H + g * group + i0 % group) * D;      \
+                if (q0 != qs_of || -chunk != qs_count) {                                             \
+                    for (int i = 0; i < QUERY_CHUNK; i++) {                                          \
+                        int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;              \
+                        const T_ELEM *qr = i < chunk ? q + ((b * T + t) * H + h) * D : q;  /* past: zeros */ \
+                        SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, i < chunk, qs_kept + i * D);         \
+                    }                                                                                \
+                    qs_of = q0, qs_count = -chunk;                                                   \
+                }                                                                                    \
+                qs = qs_kept;                                                                        \
             }                                                                                        \
             if (fused) {                                                                             \
                 FUSED_SCORES_##SUFFIX(kb, n, D, qs, chunk, acc)                                      \
@@ -620,33 +646,52 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         totals[(b * rows + t - t0) * H + h] = fold_lanes(sums);                                      \
     }
 
-/* A sum item: (batch row, a batch of SUM_QUERIES(group) queries, KV head, PART_DIMS values of d).
- * Where the ISA has WEIGHTED_SUM_HEADS, all the batch's heads (≤ SUM_HEADS) read each V row once —
- * a k-row verification or a prompt's block streams V k / SUM_QUERIES times, not k times — each head's
- * chain over its own keys unchanged; elsewhere each query's heads go as before. */
+/* A sum item: (batch row, a range of the block's queries, KV head, PART_DIMS values of d). Where the
+ * ISA has WEIGHTED_SUM_RANGE, the range is every query of the block (unless the items would then be
+ * fewer than the threads) and its keys go in spans of KEY_SPAN: each span's V rows are read from
+ * memory once and from L1 by every batch of the range's heads (≤ SUM_HEADS at a time) — a k-row
+ * verification over a long context streams V once, not k / SUM_QUERIES times — each head's chain
+ * carried from span to span, unchanged. Elsewhere each query's heads go alone. */
+#define KEY_SPAN 256  /* keys per span: 16 KB of one bf16 V slice */
+static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads) {
+    int64_t split = (threads + items - 1) / items;
+    return split < batches ? split : batches;
+}
 #define ATTENTION_SUM_ITEM(SUFFIX, T_ELEM, LOAD, STORE)                                              \
     {                                                                                                \
-        int64_t per = SUM_QUERIES(group), batches = (nt + per - 1) / per;                            \
+        int64_t per = SUM_QUERIES(group), batches = (nt + per - 1) / per, split = SUM_SPLIT(B, nt);   \
         int64_t bq = item / (Hkv * parts), g = (item / parts) % Hkv, d0 = (item % parts) * PART_DIMS; \
-        int64_t b = bq / batches, tb = t0 + (bq % batches) * per, te = tb + per < t1 ? tb + per : t1; \
+        int64_t b = bq / split, r = bq % split;                                                      \
+        int64_t tb = t0 + r * batches / split * per, te = t0 + (r + 1) * batches / split * per;      \
+        te = te < t1 ? te : t1;                                                                      \
         int64_t dn = D - d0 < PART_DIMS ? D - d0 : PART_DIMS;                                        \
         const T_ELEM *vb = v + b * kv_batch + g * kv_head + d0 / V_PART * v_part;  /* slice d0 … */ \
-        if (SUM_TOGETHER(group)) {                                                                   \
-            const float *rows_[SUM_HEADS];                                                           \
-            int64_t ends_[SUM_HEADS], at_[SUM_HEADS];  /* at_: (b * T + t) * H + h */               \
-            int n_ = 0;                                                                              \
+        if (SUM_TOGETHER(group) && RANGED_##SUFFIX(dn)) {                                            \
+            const float *rows_[QUERY_BLOCK * SUM_HEADS];                                             \
+            int64_t ends_[QUERY_BLOCK * SUM_HEADS], at_[QUERY_BLOCK * SUM_HEADS], last_ = 0;  /* at_: (b * T + t) * H + h */ \
+            int n_ = 0, heads_ = (int)(per * group);  /* heads summed together */                   \
             for (int64_t t = tb; t < te; t++) {                                                      \
                 int64_t end = visible_end(mask ? mask + (b * T + t) * S : NULL, S, T, t);            \
+                last_ = end > last_ ? end : last_;                                                   \
                 for (int64_t h = g * group; h < (g + 1) * group; h++, n_++)                          \
                     rows_[n_] = ROW(b, t, h), ends_[n_] = end, at_[n_] = (b * T + t) * H + h;        \
             }                                                                                        \
-            float o[SUM_HEADS][PART_DIMS];                                                           \
-            WEIGHTED_SUM_HEADS_##SUFFIX(rows_, ends_, n_, vb, v_row, 0, dn, o);                      \
-            for (int i = 0; i < n_; i++) {                                                           \
+            float acc_[2 * QUERY_BLOCK * SUM_HEADS][16];                                             \
+            memset(acc_, 0, sizeof(float) * 2 * 16 * n_);                                            \
+            for (int64_t s0 = 0; s0 < last_; s0 += KEY_SPAN) {                                       \
+                int64_t s1 = s0 + KEY_SPAN < last_ ? s0 + KEY_SPAN : last_;                          \
+                for (int i0 = 0; i0 < n_; i0 += heads_) {                                            \
+                    int nh = n_ - i0 < heads_ ? n_ - i0 : heads_;                                    \
+                    WEIGHTED_SUM_RANGE_##SUFFIX(rows_ + i0, ends_ + i0, nh, vb, v_row, 0, dn, s0, s1, acc_ + 2 * i0); \
+                }                                                                                    \
+            }                                                                                        \
+            for (int i = 0; i < n_; i++) {                                                          \
                 int64_t t = at_[i] / H % T, h = at_[i] % H;                                          \
                 float total = totals[(b * rows + t - t0) * H + h], inv = total > 0.0f ? 1.0f / total : 0.0f; \
+                float o[PART_DIMS];                                                                  \
+                sum_values_##SUFFIX((const float (*)[16])acc_[2 * i], o);                            \
                 T_ELEM *outr = out + at_[i] * D + d0;                                                \
-                for (int64_t d = 0; d < dn; d++) outr[d] = STORE(o[i][d] * inv);                     \
+                for (int64_t d = 0; d < dn; d++) outr[d] = STORE(o[d] * inv);                        \
             }                                                                                        \
         } else                                                                                       \
             for (int64_t t = tb; t < te; t++) {                                                      \
@@ -663,8 +708,11 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                 }                                                                                    \
             }                                                                                        \
     }
-/* sum items of a block of nt queries */
-#define SUM_ITEMS(B, nt) ((B) * (((nt) + SUM_QUERIES(group) - 1) / SUM_QUERIES(group)) * Hkv * parts)
+/* query ranges per (batch row, KV head, part): one where heads sum together (see above), else one
+ * per batch of SUM_QUERIES queries; and the sum items of a block of nt queries */
+#define SUM_SPLIT(B, nt) (SUM_TOGETHER(group) ? sum_split((B) * Hkv * parts, ((nt) + SUM_QUERIES(group) - 1) / SUM_QUERIES(group), threads) \
+                                               : ((nt) + SUM_QUERIES(group) - 1) / SUM_QUERIES(group))
+#define SUM_ITEMS(B, nt) ((B) * SUM_SPLIT(B, nt) * Hkv * parts)
 
 /* the scratch row of query (b, t, h), t in the block t0 … t1-1 */
 #define ROW(b, t, h) (scores + (((b) * rows + (t) - t0) * H + (h)) * S)
