@@ -146,10 +146,15 @@ class SpeculationGate:
     def num_drafts(self, source: str, max_drafts: int, context: int = 0, pending: int = 0,
                    crowd: Crowd | None = None) -> int:
         """How many drafts to propose from `source` now, after `context` tokens of which the source
-        has yet to read `pending` (0: a plain step pays better), in a batched forward's `crowd` if any."""
+        has yet to read `pending` (0: a plain step pays better), in a batched forward's `crowd` if any.
+        A source that does not pay is tried now and then alone, never in a crowd (AMD EPYC Zen 4, 16
+        generations decoded together: the default's drafter tries took 36 of its 1,276 steps, and
+        without them it ran 0.96-0.97x plain decoding instead of 0.92x)."""
         best = self.best_drafts(source, max_drafts, context, pending, crowd)
         if best:
             return best
+        if crowd is not None:  # a try's rows would cost the whole batch: explore alone only
+            return 0
         if self.catch_up_steps(source, context, pending) > self.max_catch_up:
             return 0
         interval = self.intervals.get(source, self.explore_every)

@@ -65,6 +65,18 @@ def test_a_useless_source_falls_back_to_plain_steps_and_is_explored():
     assert tries == [(8, 2), (24, 2), (40, 2), (56, 2)]  # intervals 8, 16, then capped at 16
 
 
+def test_a_useless_source_is_not_explored_in_a_batch():
+    """In a batched forward a try's rows cost every sequence: the gate that would try a useless source
+    alone proposes nothing in a crowd, until the source pays again."""
+    gate = SpeculationGate({"lookup": [0.0]}, linear(0.1), explore_every=4, max_explore_every=16)
+    gate.record("lookup", 15, 0)
+    crowd = Crowd(16, 15.0, tuple([0.0, 1.0] + [1.0 + 0.3 * (n - 1) for n in range(2, 65)]))
+    for _ in range(1, 30):
+        assert gate.num_drafts("lookup", 15, crowd=crowd) == 0
+        gate.record("none", 0, 0)
+    assert gate.num_drafts("lookup", 15) == 2  # alone, the try is due
+
+
 def test_acceptance_averages_follow_recent_steps():
     """After misses α1 falls and drafting stops; after accepted tries it resumes, and a source in
     use keeps the short try interval."""
