@@ -397,10 +397,11 @@ class Decoder(nn.Module):
         forward alone; elsewhere the parts run one after another — the same bits by definition."""
         if not parts:
             return []
-        if not self.batches_rows or len(parts) == 1 and len(parts[0].ids) > PREFILL_CHUNK:
+        table = self._fused_table()
+        if table is None or len(parts) == 1 and len(parts[0].ids) > PREFILL_CHUNK:
             return [self._part_alone(part, feature_layers) for part in parts]
-        hidden, features = self.hidden_rows(self.embed_tokens(torch.cat([part.ids for part in parts])), parts,
-                                            feature_layers)
+        hidden, features = self._hidden_rows(table, self.embed_tokens(torch.cat([part.ids for part in parts])), parts,
+                                             feature_layers)
         ends = torch.tensor([len(part.ids) for part in parts]).cumsum(0).tolist()
         wanted = [range(end - 1, end) if part.last_only else range(end - len(part.ids), end)
                   for part, end in zip(parts, ends)]
@@ -412,11 +413,15 @@ class Decoder(nn.Module):
             begin += len(rows)
         return out
 
+    def _fused_table(self) -> LayerTable | None:
+        """The row-exact kernels' table where several sequences can share one fused forward, else None."""
+        kernels = self.kernels_for(self.embed_tokens.weight)
+        return self.layer_table(kernels) if kernels is self.row_exact and self.layers else None
+
     @property
     def batches_rows(self) -> bool:
         """Whether `hidden_rows` can run several sequences in one fused forward (the row-exact kernels)."""
-        kernels = self.kernels_for(self.embed_tokens.weight)
-        return kernels is self.row_exact and bool(self.layers) and self.layer_table(kernels) is not None
+        return self._fused_table() is not None
 
     def hidden_rows(self, embeds: torch.Tensor, parts: Sequence[SequenceRows], feature_layers: Sequence[int] = (),
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -424,7 +429,12 @@ class Decoder(nn.Module):
         embeddings (N, hidden) — one fused forward (needs `batches_rows`), each part after its own
         cache (reserved here, committed by the caller) — and the residual stream after
         `feature_layers` (N, len · hidden; None without)."""
-        assert self.batches_rows, "hidden_rows runs on the row-exact kernels"
+        table = self._fused_table()
+        assert table is not None, "hidden_rows runs on the row-exact kernels"
+        return self._hidden_rows(table, embeds, parts, feature_layers)
+
+    def _hidden_rows(self, table: LayerTable, embeds: torch.Tensor, parts: Sequence[SequenceRows],
+                     feature_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert list(feature_layers) == sorted(set(feature_layers)), f"feature layers {feature_layers}"
         assert embeds.shape[0] == sum(len(part.ids) for part in parts), "one embedding per row"
         segments, positions = [], []
@@ -437,7 +447,7 @@ class Decoder(nn.Module):
         c = self.config
         shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
         hidden, captured = self.row_exact.forward_segments(
-            self.layer_table(self.row_exact), shape, embeds, self.rope_table_as(embeds.dtype),
+            table, shape, embeds, self.rope_table_as(embeds.dtype),
             self.clamp_positions(torch.cat(positions)), segments, self.norm.weight, feature_layers)
         return hidden, torch.cat(captured, -1) if captured else None
 

@@ -283,8 +283,6 @@ def shards_in_order(decoder: Decoder, shards: dict[int, list[dict[str, Any]]], c
         while ready < len(order) and not missing[order[ready]]:
             yield order[ready], answers.pop(order[ready])
             ready += 1
-    for index in order[ready:]:  # empty shards
-        yield index, answers.pop(index)
 
 
 @torch.no_grad()
