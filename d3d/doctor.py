@@ -100,6 +100,8 @@ def describe_machine() -> dict:
         started = time.perf_counter()
         kernels = row_exact_kernels()  # compiled on the machine's first use, then loaded from the cache
         build = f"{kernels.path_name} ({kernels.path}; ready in {time.perf_counter() - started:.2f} s)"
+        if kernels.amx_refused:
+            build += f"; AMX tiles not used: {kernels.amx_refused}"
     except KernelBuildError as error:
         build = f"unavailable: {str(error).splitlines()[0]}"
     return {"cpu": cpu_name(), "flags": cpu_flags(), "machine": platform.machine(), "torch": torch.__version__,

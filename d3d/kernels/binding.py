@@ -13,6 +13,8 @@ of caches, tokens or models.
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -183,8 +185,39 @@ class RowExactKernels:
         self.grouped_rows = bool(library.d3d_grouped_linear())
         self._grouped: dict[int, tuple[weakref.ref, int, WeightStream | None]] = {}
         self.arena = HugePageArena()
+        library.d3d_amx.argtypes = [i32]
+        library.d3d_amx.restype = i32
         library.d3d_kernel_path.restype = ctypes.c_char_p
+        # Intel's AMX tiles for every bf16 linear, where the build, the CPU and Linux allow it and
+        # D3D_AMX is not "0" — kept only if its rows pass `_amx_refusal`'s check.
+        self.amx_refused: str | None = None
+        self.amx = bool(library.d3d_amx(int(os.environ.get("D3D_AMX", "1") != "0")))
+        if self.amx:
+            self.amx_refused = self._amx_refusal()
+            if self.amx_refused is not None:
+                self.amx = bool(library.d3d_amx(0))
+                print(f"d3d: AMX tiles not used: {self.amx_refused}; the AVX-512 path instead", file=sys.stderr)
         self.path_name = library.d3d_kernel_path().decode()
+
+    def _amx_refusal(self) -> str | None:
+        """Why the AMX path must not be used here, or None: each row of a 35-row linear (two full row
+        tiles and a partial one, five column groups, a bias) must be the row alone's bits, and within
+        bf16 rounding of the AVX-512 path's values."""
+        generator = torch.Generator().manual_seed(0)
+        weight, bias, x = (torch.randn(*shape, generator=generator).to(torch.bfloat16) for shape in ((80, 96), (80,), (35, 96)))
+        tiles = self.linear(x, weight, bias)
+        alone = torch.cat([self.linear(x[i:i + 1], weight, bias) for i in range(len(x))])
+        if not torch.equal(tiles.view(torch.int16), alone.view(torch.int16)):
+            return "a row's bits changed with the rows beside it"
+        self.library.d3d_amx(0)
+        try:
+            lanes = self.linear(x, weight, bias)
+        finally:
+            self.library.d3d_amx(1)
+        if not torch.allclose(tiles.float(), lanes.float(), rtol=2e-2, atol=2e-2):
+            worst = float((tiles.float() - lanes.float()).abs().max())
+            return f"its products differ from the AVX-512 path's by up to {worst:.3g}"
+        return None
 
     def stage_seconds(self, reset: bool = False) -> dict[str, float]:
         """Seconds the fused forward spent per stage so far (zeros unless built with `profile`)."""

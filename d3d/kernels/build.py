@@ -53,11 +53,13 @@ def compiler() -> str:
     raise KernelBuildError("no C compiler found (set CC, or install gcc) to build the row-exact kernels")
 
 
-def build(verbose: bool = False, profile: bool = False, march: str = "native") -> Path:
+def build(verbose: bool = False, profile: bool = False, march: str = "native", emulate_amx: bool = False) -> Path:
     """Compile the kernels for this machine (once; cached by sources, compiler and CPU flags).
 
     `profile` builds the variant whose fused forward times its stages (`stage_seconds`); `march`
-    another target than this CPU's (the tests build "x86-64-v2", the portable C, to compare bits).
+    another target than this CPU's (the tests build "x86-64-v2", the portable C, to compare bits);
+    `emulate_amx` the AMX path with its tile operations in plain C (amx.h), for the tests on CPUs
+    without AMX (slow: never for inference).
     """
     cc = compiler()
     missing = [path for path in sources() if not path.is_file()]
@@ -65,10 +67,11 @@ def build(verbose: bool = False, profile: bool = False, march: str = "native") -
         raise KernelBuildError(f"the kernel source {missing[0] if missing else SOURCE} is missing: "
                                "reinstall d3d-decoding")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS] + ["-DD3D_PROFILE"] * profile
+    flags = ([f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS] + ["-DD3D_PROFILE"] * profile
+             + ["-DD3D_AMX_EMULATE"] * emulate_amx)
     texts = [path.read_text() for path in sources()]
     key = hashlib.sha256("\0".join([*texts, version, cpu_flags_line(), " ".join(flags)]).encode())
-    suffix = "-profile" * profile + (f"-{march}" if march != "native" else "")
+    suffix = "-profile" * profile + (f"-{march}" if march != "native" else "") + "-amx-emulated" * emulate_amx
     target = cache_dir() / f"rowexact-{key.hexdigest()[:16]}{suffix}.so"
     if target.exists():
         return target

@@ -654,13 +654,45 @@ static inline __m512 lane_pairs(__m512 per_column, int half) {
     return _mm512_permutexvar_ps(half ? _mm512_add_epi32(first, _mm512_set1_epi32(8)) : first, per_column);
 }
 
+/* The weights of pair p (k = 2p, 2p + 1) of a grouped block for its 16 columns, as the packed layout's
+ * pair vector: the codes widened, times the scale (plus the offset for G4) per lane, rounded to bf16
+ * — the same values as the bf16 copy (see above). s0/s1, o0/o1: the block's scales and offsets
+ * spread by lane_pairs. */
+static inline __attribute__((always_inline)) __m512bh grouped_pair(const char *at, int p, int g4, __m512 s0, __m512 s1,
+                                                                   __m512 o0, __m512 o1) {
+    __m512 v0, v1;
+    if (g4) {
+        const __m512i low = _mm512_set1_epi32(15);
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(((const block_g4 *)at)->q[p])));
+        v0 = _mm512_fmadd_ps(s0, _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), o0);
+        v1 = _mm512_fmadd_ps(s1, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), o1);
+    } else {
+        const int8_t *q = ((const block_g8 *)at)->q[p];
+        v0 = _mm512_mul_ps(s0, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
+        v1 = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
+    }
+    return _mm512_cvtne2ps_pbh(v1, v0);
+}
+
+/* A grouped block's scales (and offsets) spread by lane_pairs. */
+static inline __attribute__((always_inline)) void grouped_scales(const char *at, int g4, __m512 *s0, __m512 *s1,
+                                                                 __m512 *o0, __m512 *o1) {
+    __m512 scale = _mm512_loadu_ps((const float *)at);
+    *s0 = lane_pairs(scale, 0), *s1 = lane_pairs(scale, 1);
+    if (g4) {
+        __m512 offset = _mm512_loadu_ps((const float *)at + 16);
+        *o0 = lane_pairs(offset, 0), *o1 = lane_pairs(offset, 1);
+    } else {
+        *o0 = *o1 = _mm512_setzero_ps();
+    }
+}
+
 #define GROUPED_ROWS 4  /* calls of up to this many rows read the grouped blocks (more: the bf16 values) */
 #define GROUPED_AHEAD 8  /* blocks ahead that each group's stream prefetches (AMD EPYC Zen 5: none 8.1 ms a step, 8: ~5.8, noisy) */
 /* R rows x up to GT column groups: each group's pair vector is decoded once and feeds every row. */
 static inline __attribute__((always_inline)) void grouped_tile(
         const uint16_t *x, int64_t x_stride, const char *data, int64_t g0, int G, const int R, const int GT,
         int64_t blocks, int64_t size, int g4, __m512 acc[GROUPED_ROWS][4]) {
-    const __m512i low = _mm512_set1_epi32(15);
     for (int r = 0; r < R; r++)
         for (int g = 0; g < GT; g++) acc[r][g] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -670,31 +702,14 @@ static inline __attribute__((always_inline)) void grouped_tile(
             at[g] = data + ((g0 + (g < G ? g : 0)) * blocks + b) * size;
             for (int64_t line = 0; line < size; line += 64)
                 __builtin_prefetch(at[g] + GROUPED_AHEAD * size + line, 0, 0);
-            __m512 scale = _mm512_loadu_ps((const float *)at[g]);
-            s0[g] = lane_pairs(scale, 0), s1[g] = lane_pairs(scale, 1);
-            if (g4) {
-                __m512 offset = _mm512_loadu_ps((const float *)at[g] + 16);
-                o0[g] = lane_pairs(offset, 0), o1[g] = lane_pairs(offset, 1);
-            } else {
-                o0[g] = o1[g] = _mm512_setzero_ps();
-            }
+            grouped_scales(at[g], g4, &s0[g], &s1[g], &o0[g], &o1[g]);
         }
         for (int p = 0; p < 16; p++) {
             __m512 xp[GROUPED_ROWS];
             for (int r = 0; r < R; r++) xp[r] = broadcast_pair(x + r * x_stride, b * 16 + p);
             for (int g = 0; g < GT; g++) {
                 if (g >= G) break;
-                __m512 v0, v1;
-                if (g4) {
-                    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(((const block_g4 *)at[g])->q[p])));
-                    v0 = _mm512_fmadd_ps(s0[g], _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), o0[g]);
-                    v1 = _mm512_fmadd_ps(s1[g], _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), o1[g]);
-                } else {
-                    const int8_t *q = ((const block_g8 *)at[g])->q[p];
-                    v0 = _mm512_mul_ps(s0[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))));
-                    v1 = _mm512_mul_ps(s1[g], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))));
-                }
-                __m512bh w = _mm512_cvtne2ps_pbh(v1, v0);
+                __m512bh w = grouped_pair(at[g], p, g4, s0[g], s1[g], o0[g], o1[g]);
                 for (int r = 0; r < R; r++)  /* as FMA_BF16 */
                     acc[r][g] = _mm512_dpbf16_ps(acc[r][g], (__m512bh)_mm512_castps_si512(xp[r]), w);
             }
@@ -730,6 +745,8 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
 }
 #endif
 
+#include "amx.h"
+
 /* ---------------------------------------------------------------------------------------------
  * The linear a weight takes, by its format and this build — the same choice for every row count,
  * which is the invariant — and the per-op entry points.
@@ -739,6 +756,9 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
 
 static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w, const uint16_t *bias,
                         const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
+#ifdef D3D_AMX
+    if (amx_linear_bf16(x, x_stride, w, bias, residual, y, M, N, K, scratch)) return;
+#endif
     int64_t format = w->parts[0].format;
     d3d_weight dense = {{w->dense}, {0}};
     /* 2–8 rows read the bf16 values (the same bits, formats.h): AMD EPYC (AVX2), whole forwards,

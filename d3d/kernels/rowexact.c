@@ -24,7 +24,7 @@
  *  - anything else: the same lanes in portable C.
  *
  * Parts: isa.h (instruction sets and their vector primitives), formats.h (weight formats and their
- * decoding), linear.h, attention.h, elementwise.h
+ * decoding), linear.h (with amx.h: the bf16 products on Intel's AMX tiles), attention.h, elementwise.h
  * (RMSNorm, SwiGLU, RoPE and the KV store); this file holds the shared helpers and the whole
  * forward. Compiled on first use by d3d/kernels/build.py with the machine's C compiler
  * (-O3 -march=native -fopenmp) and called through ctypes (d3d/kernels/binding.py); it sees raw
@@ -251,6 +251,14 @@ FORWARD(f32, float)
 
 /* Which path this build took, for `d3d doctor`. */
 const char *d3d_kernel_path(void) {
+#ifdef D3D_AMX
+    if (amx_on)
+#ifdef D3D_AMX_EMULATE
+        return "amx (emulated): bf16 tiles (bf16; quantized blocks decoded into tiles), packed fp32 FMA (fp32)";
+#else
+        return "amx: bf16 tiles (bf16; quantized blocks decoded into tiles), packed fp32 FMA (fp32)";
+#endif
+#endif
 #if defined(D3D_AVX512_BF16)
     return "avx512: packed bf16 pair dot products (bf16; quantized blocks grouped, decoded in registers), packed fp32 FMA (fp32)";
 #elif defined(__AVX512F__)

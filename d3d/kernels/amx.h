@@ -1,0 +1,240 @@
+/* ---------------------------------------------------------------------------------------------
+ * AMX linear (Intel Xeons from Sapphire Rapids on): the bf16 matrix products on tiles.
+ *
+ * The packed bf16 layout (N/16, K/2, 16, 2) is already the tile layout TDPBF16PS reads for its
+ * second operand: 16 consecutive k pairs of a 16-column group are one 1 KB tile (16 rows of 64
+ * bytes). A call's rows go in tiles of up to 16 (the first operand: 16 rows x 32 bf16 of x); each
+ * output (row, column) is one accumulator element, zeroed, then fed by one TDPBF16PS per 32 values
+ * of k, in k order. A row's elements are computed by the same tile operations in the same order
+ * whether its tile holds 1 or 16 valid rows, and threads split output columns, never k — so every
+ * row's bits are the row's alone, as on the other paths (rowexact.c). The bits differ from the
+ * AVX-512 path's (another accumulation order), so once a process turns AMX on, every bf16 linear
+ * of every row count takes it: weights in the packed layout directly, quantized weights decoded into
+ * a panel of that layout first (grouped blocks by the same vector decoder as the 1-4 row path, other
+ * formats by decode_panel) — the same bf16 values, so the same bits as their bf16 copy's.
+ *
+ * Linux gives a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM): d3d_amx(1)
+ * asks, and the path is on only if the CPU reports AMX-BF16 and the kernel grants it. Built with
+ * -DD3D_AMX_EMULATE, the tile operations are plain C following the SDM's pseudo-code (row by row,
+ * k pair by k pair, fp32 FMAs, denormals flushed), so that this file's indexing, tails and
+ * threading are tested on machines without AMX (tests/test_amx.py).
+ * ------------------------------------------------------------------------------------------- */
+
+#if defined(D3D_AVX512_BF16) && (defined(D3D_AMX_EMULATE) || (defined(__AMX_TILE__) && defined(__AMX_BF16__)))
+#define D3D_AMX 1
+#endif
+
+#ifdef D3D_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_K 32  /* k values per tile step: a 64-byte tile row of bf16 */
+#define AMX_ROWS 16  /* rows of a tile */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+#ifdef D3D_AMX_EMULATE
+static __thread struct {
+    amx_config config;
+    uint8_t tile[8][AMX_ROWS][64];
+} amx_emu;
+static void amx_load_config(const amx_config *config) { amx_emu.config = *config; }
+static void amx_release(void) { memset(&amx_emu.config, 0, sizeof amx_emu.config); }
+static void amx_zero(int t) { memset(amx_emu.tile[t], 0, sizeof amx_emu.tile[t]); }
+static void amx_load(int t, const void *base, int64_t stride) {
+    amx_zero(t);
+    for (int r = 0; r < amx_emu.config.rows[t]; r++)
+        memcpy(amx_emu.tile[t][r], (const char *)base + r * stride, amx_emu.config.colsb[t]);
+}
+static void amx_store(int t, void *base, int64_t stride) {
+    for (int r = 0; r < amx_emu.config.rows[t]; r++)
+        memcpy((char *)base + r * stride, amx_emu.tile[t][r], amx_emu.config.colsb[t]);
+}
+static float amx_flush(float v) { return fpclassify(v) == FP_SUBNORMAL ? copysignf(0.0f, v) : v; }
+static float amx_bf16(const uint8_t *at) {
+    uint16_t h;
+    memcpy(&h, at, 2);
+    return amx_flush(bf16_to_f32(h));
+}
+static void amx_dp(int c, int a, int b) {
+    const amx_config *k = &amx_emu.config;
+    for (int m = 0; m < k->rows[c]; m++)
+        for (int n = 0; n < k->colsb[c] / 4; n++) {
+            float acc;
+            memcpy(&acc, amx_emu.tile[c][m] + 4 * n, 4);
+            for (int p = 0; p < k->colsb[a] / 4; p++)
+                for (int e = 0; e < 2; e++)
+                    acc = amx_flush(fmaf(amx_bf16(amx_emu.tile[a][m] + 4 * p + 2 * e),
+                                         amx_bf16(amx_emu.tile[b][p] + 4 * n + 2 * e), acc));
+            memcpy(amx_emu.tile[c][m] + 4 * n, &acc, 4);
+        }
+}
+#define TILE_LOAD(t, base, stride) amx_load(t, base, stride)
+#define TILE_STORE(t, base, stride) amx_store(t, base, stride)
+#define TILE_ZERO(t) amx_zero(t)
+#define TILE_DP(c, a, b) amx_dp(c, a, b)
+#else
+#define amx_load_config(config) _tile_loadconfig(config)
+#define amx_release() _tile_release()
+#define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#endif
+
+/* Whether bf16 linears take the tiles: off until d3d_amx(1) succeeds; one choice for the process. */
+static int amx_on;
+
+/* The tiles of a block of rows: accumulators C[rt][g] = tmm(2 rt + g) for row tiles rt of r0 and r1
+ * rows (r1 = 0: one row tile) and two column groups; x's row tiles in tmm4, tmm5; the groups'
+ * weights in tmm6, tmm7. `*state` remembers the thread's configuration (0: none yet). */
+static inline void amx_configure(int r0, int r1, int *state) {
+    if (*state == r0 * 64 + r1 + 1) return;
+    amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    const int rows[8] = {r0, r0, r1, r1, r0, r1, AMX_ROWS, AMX_ROWS};
+    for (int t = 0; t < 8; t++) config.rows[t] = (uint8_t)rows[t], config.colsb[t] = rows[t] ? 64 : 0;
+    amx_load_config(&config);
+    *state = r0 * 64 + r1 + 1;
+}
+
+/* Every row over G ≤ GROUPS groups (columns n0 …) whose packed weights start at tile_w: two groups
+ * and up to 32 rows (two row tiles) at a time, each output zeroed, then one TDPBF16PS per k step,
+ * then stored by store16_bf16 (+ bias, rounded, + residual, rounded: the packed path's rule). */
+static void amx_block(const uint16_t *x, int64_t x_stride, const uint16_t *tile_w, int G, int64_t n0,
+                      const uint16_t *bias, const uint16_t *residual, uint16_t *y, int64_t M, int64_t N,
+                      int64_t K, int *state) {
+    int64_t group_elems = 16 * K, steps = K / AMX_K, row_bytes = x_stride * 2;
+    float out[2 * AMX_ROWS][2][16];
+    for (int gp = 0; gp < G; gp += 2) {
+        int GG = G - gp < 2 ? G - gp : 2;
+        const uint16_t *w0 = tile_w + gp * group_elems, *w1 = w0 + group_elems;
+        for (int64_t m0 = 0; m0 < M; m0 += 2 * AMX_ROWS) {
+            int r0 = M - m0 < AMX_ROWS ? (int)(M - m0) : AMX_ROWS;
+            int r1 = M - m0 - r0 < AMX_ROWS ? (int)(M - m0 - r0) : AMX_ROWS;
+            amx_configure(r0, r1, state);
+            const uint16_t *x0 = x + m0 * x_stride, *x1 = x0 + AMX_ROWS * x_stride;
+            TILE_ZERO(0);
+            TILE_ZERO(1);
+            if (r1) {
+                TILE_ZERO(2);
+                TILE_ZERO(3);
+            }
+            for (int64_t i = 0; i < steps; i++) {
+                TILE_LOAD(4, x0 + i * AMX_K, row_bytes);
+                TILE_LOAD(6, w0 + i * 16 * AMX_K, 64);
+                TILE_DP(0, 4, 6);
+                if (r1) {
+                    TILE_LOAD(5, x1 + i * AMX_K, row_bytes);
+                    TILE_DP(2, 5, 6);
+                }
+                if (GG > 1) {
+                    TILE_LOAD(7, w1 + i * 16 * AMX_K, 64);
+                    TILE_DP(1, 4, 7);
+                    if (r1) TILE_DP(3, 5, 7);
+                }
+            }
+            TILE_STORE(0, out[0][0], sizeof out[0]);
+            if (GG > 1) TILE_STORE(1, out[0][1], sizeof out[0]);
+            if (r1) {
+                TILE_STORE(2, out[AMX_ROWS][0], sizeof out[0]);
+                if (GG > 1) TILE_STORE(3, out[AMX_ROWS][1], sizeof out[0]);
+            }
+            for (int r = 0; r < r0 + r1; r++)
+                for (int g = 0; g < GG; g++) {
+                    int64_t n = n0 + (gp + g) * 16, at = (m0 + r) * N + n;
+                    store16_bf16(_mm512_loadu_ps(out[r][g]), bias ? bias + n : 0, residual ? residual + at : 0,
+                                 y + at, N - n < 16 ? (int)(N - n) : 16);
+                }
+        }
+    }
+}
+
+/* panel[g][k/2][j][k%2] for the G groups g0 … of a grouped weight: each pair vector decoded as the
+ * 1-4 row path decodes it (grouped_pair), stored in the packed layout. */
+static void grouped_panel(const d3d_part *grouped, int64_t g0, int G, int64_t K, uint16_t *panel) {
+    int64_t blocks = K / CHUNK, g4 = grouped->format == D3D_G4;
+    int64_t size = g4 ? (int64_t)sizeof(block_g4) : (int64_t)sizeof(block_g8);
+    for (int g = 0; g < G; g++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const char *at = (const char *)grouped->data + ((g0 + g) * blocks + b) * size;
+            __m512 s0, s1, o0, o1;
+            grouped_scales(at, (int)g4, &s0, &s1, &o0, &o1);
+            uint16_t *to = panel + g * 16 * K + b * 16 * CHUNK;
+            for (int p = 0; p < 16; p++)
+                _mm512_storeu_si512(to + p * 32, (__m512i)grouped_pair(at, p, (int)g4, s0, s1, o0, o1));
+        }
+}
+
+/* Threads own runs of 16-column groups, as the packed path's; each run goes in blocks of up to
+ * GROUPS groups, read from `packed` or decoded into this thread's panel (from `grouped` blocks, or
+ * any quantized `w` by decode_panel). */
+static void amx_bf16_body(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const d3d_part *grouped,
+                          const d3d_weight *w, const uint16_t *bias, const uint16_t *residual, uint16_t *y,
+                          int64_t M, int64_t N, int64_t K, float *scratch) {
+    int64_t groups = (N + 15) / 16, threads = omp_get_num_threads(), me = omp_get_thread_num();
+    int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
+    uint16_t *panel = (uint16_t *)(scratch + me * (GROUPS * 16 * K / 2));
+    int state = 0;
+    for (int64_t g0 = first; g0 < last; g0 += GROUPS) {
+        int G = last - g0 < GROUPS ? (int)(last - g0) : GROUPS;
+        const uint16_t *tile_w = panel;
+        if (packed) tile_w = packed + g0 * 16 * K;
+        else if (grouped) grouped_panel(grouped, g0, G, K, panel);
+        else decode_panel(w, g0, G, N, K, panel);
+        amx_block(x, x_stride, tile_w, G, g0 * 16, bias, residual, y, M, N, K, &state);
+    }
+    if (state) amx_release();
+    _Pragma("omp barrier")
+}
+
+/* The AMX linear for `w`, or 0 where it does not take one (AMX off, or K not whole tile steps: then
+ * the weight takes its AVX-512 path at every row count). */
+static int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w, const uint16_t *bias,
+                           const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
+    if (!amx_on || K % AMX_K) return 0;
+    int64_t format = w->parts[0].format;
+    if (format == D3D_PACKED)
+        amx_bf16_body(x, x_stride, w->parts[0].data, NULL, NULL, bias, residual, y, M, N, K, scratch);
+    else if (!is_quantized(format))
+        return 0;
+    else if (M <= GROUPED_ROWS && w->grouped.data)  /* a third of the bytes of the bf16 values */
+        amx_bf16_body(x, x_stride, NULL, &w->grouped, NULL, bias, residual, y, M, N, K, scratch);
+    else if (w->dense.data)
+        amx_bf16_body(x, x_stride, w->dense.data, NULL, NULL, bias, residual, y, M, N, K, scratch);
+    else
+        amx_bf16_body(x, x_stride, NULL, NULL, w, bias, residual, y, M, N, K, scratch);
+    return 1;
+}
+
+static int amx_cpu(void) {
+#ifdef D3D_AMX_EMULATE
+    return 1;
+#else
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return (d >> 22 & 1) && (d >> 24 & 1);  /* AMX-BF16, AMX-TILE */
+#endif
+}
+#endif
+
+/* Turn the AMX path on (1) or off (0) for this process; returns whether it is on. On needs a build
+ * with AMX, a CPU that reports AMX-BF16 and the tile state granted by Linux. */
+int d3d_amx(int on) {
+#ifdef D3D_AMX
+    if (!on || !amx_cpu()) return amx_on = 0;
+#ifndef D3D_AMX_EMULATE
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */)) return amx_on = 0;
+#endif
+    return amx_on = 1;
+#else
+    (void)on;
+    return 0;
+#endif
+}

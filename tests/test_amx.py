@@ -1,0 +1,170 @@
+"""The AMX path (amx.h): every bf16 linear on Intel's tiles, each row's bits the row alone's.
+
+Run twice where possible: on this CPU's AMX units when it has them (skipped, with the reason, where
+it has not), and on the emulated tiles — the same C with its tile operations in plain C — on any
+CPU with AVX-512 BF16, so the path's packing, tails and threading are tested on every such machine."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import pytest
+import torch
+
+from conftest import make_decoder, tiny_config
+from d3d.kernels import RowExactKernels, build, row_exact_kernels
+from test_models import forward_block_and_steps
+from test_quantized import loader_values, random_blocks, stream_of
+
+
+def amx_state() -> str:
+    """Why this CPU's own kernels run on AMX tiles or not, in words."""
+    kernels = row_exact_kernels()
+    if kernels.amx:
+        return "on"
+    if kernels.amx_refused:
+        return f"refused by the load-time check: {kernels.amx_refused}"
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        flags = ""
+    return "off: this CPU has no AMX-BF16 (no amx_bf16 in /proc/cpuinfo)" if "amx_bf16" not in flags else \
+        "off: Linux did not grant the tile state, or D3D_AMX=0"
+
+
+@pytest.fixture(scope="module", params=["hardware", "emulated"])
+def tiles(request) -> RowExactKernels:
+    """Kernels whose bf16 linears take the AMX path: this CPU's, or the emulated build's."""
+    if request.param == "hardware":
+        state = amx_state()
+        if state != "on":
+            pytest.skip(f"AMX tiles {state}")
+        return row_exact_kernels()
+    if platform.machine() not in ("x86_64", "AMD64") or not row_exact_kernels().packs[torch.bfloat16]:
+        pytest.skip("the emulated AMX path builds where AVX-512 BF16 runs (every AMX CPU has it)")
+    path = build(emulate_amx=True)
+    kernels = RowExactKernels(ctypes.CDLL(str(path)), path)
+    assert kernels.amx and kernels.path_name.startswith("amx (emulated)"), kernels.amx_refused
+    return kernels
+
+
+def small(tiles: RowExactKernels) -> bool:
+    """The emulated tiles are scalar C: they get smaller shapes than the hardware."""
+    return "emulated" in tiles.path_name
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(torch.bfloat16)
+
+
+def test_every_row_of_a_call_is_the_row_alone_on_tiles(tiles):
+    """Rows 1…33 and 64 (full and partial row tiles, one or two of them per pass), an odd number of
+    16-column groups and a partial last group, with bias and residual: each row the row alone's bits,
+    and within bf16 rounding of float64."""
+    width, outputs = (96, 72) if small(tiles) else (1536, 584)
+    weight, bias = randn(outputs, width, seed=1), randn(outputs, seed=2)
+    x = randn(64, width, seed=3, scale=3.0)
+    residual = randn(64, outputs, seed=4)
+    alone = torch.cat([tiles.linear(x[i:i + 1], weight, bias) for i in range(64)])
+    alone_residual = torch.cat([tiles.linear(x[i:i + 1], weight, None, residual[i:i + 1]) for i in range(64)])
+    for rows in (*range(2, 34), 64):
+        assert torch.equal(tiles.linear(x[:rows], weight, bias), alone[:rows]), f"{rows} rows"
+        assert torch.equal(tiles.linear(x[:rows], weight, None, residual[:rows]), alone_residual[:rows]), f"{rows} rows"
+    reference = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    scale = x.double().abs() @ weight.double().abs().T
+    assert ((alone.double() - reference).abs() / (scale + 1)).max() < 2e-2
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K"])
+def test_quantized_weights_on_tiles_give_their_bf16_values_bits(tiles, type_name):
+    """A GGUF stream on the tiles — 1-4 rows decode its grouped blocks (Q4_1, Q8_0) or its blocks
+    (Q4_K) into a panel, more rows read its bf16 values — gives the bits of the dequantized weight's
+    tiles, at every row count."""
+    width, outputs = (256, 40) if small(tiles) else (1536, 100)
+    raw = random_blocks(type_name, outputs, width, seed=5)
+    weight = loader_values(type_name, raw)
+    plain = weight.clone()
+    tiles.use_stream(weight, stream_of(tiles, type_name, raw))
+    x = randn(17, width, seed=6, scale=3.0)
+    bias = randn(outputs, seed=7)
+    try:
+        for tiles.dense_rows in (True, False):  # False: every row count decodes the blocks
+            for rows in (1, 2, 3, 4, 5, 17):
+                assert torch.equal(tiles.linear(x[:rows], weight, bias), tiles.linear(x[:rows], plain, bias)), rows
+    finally:
+        tiles.dense_rows = True
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@torch.no_grad()
+def test_a_k_row_forward_is_k_steps_on_tiles(tiles, family):
+    """The whole bf16 model on the tiles: a T-token forward equals T one-token steps, bit for bit, and
+    stays within bf16 rounding of the AVX-512 path's logits."""
+    decoder = make_decoder(tiny_config(family), dtype=torch.bfloat16)
+    avx512 = forward_block_and_steps(decoder)[0]
+    decoder = make_decoder(tiny_config(family), dtype=torch.bfloat16)
+    decoder.row_exact = tiles
+    together, one_by_one = forward_block_and_steps(decoder)
+    assert torch.equal(together, one_by_one)
+    if tiles is not row_exact_kernels():
+        assert torch.allclose(together.float(), avx512.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_tiles_and_the_avx512_path_compute_the_same_chain(tiles):
+    """Both paths feed each output one fp32 FMA chain over k in order: the emulated tiles take the
+    even element of each pair before the odd one (the SDM's TDPBF16PS), and so does AMD Zen 4's
+    vdpbf16ps — there, on cancelling sums where any other order shows, the emulated tiles give the
+    AVX-512 path's bits. Elsewhere (Intel's vdpbf16ps, AMX hardware) the two may round differently,
+    which costs nothing (a process keeps to one path): what they do is reported."""
+    weight = randn(48, 192, seed=8)
+    x = randn(5, 192, seed=9)
+    x[:, ::7] *= 300
+    on = tiles.linear(x, weight, None)
+    tiles.library.d3d_amx(0)
+    try:
+        off = tiles.linear(x, weight, None)
+    finally:
+        assert tiles.library.d3d_amx(1) == 1
+    assert torch.allclose(on.float(), off.float(), rtol=2e-2, atol=2)
+    if small(tiles) and "AuthenticAMD" in open("/proc/cpuinfo").read():
+        assert torch.equal(on, off)
+    else:
+        print(f"{tiles.path_name.split(':')[0]} and vdpbf16ps give {'the same' if torch.equal(on, off) else 'other'} bits here")
+
+
+def test_amx_is_one_choice_for_the_process_and_named(tiles, monkeypatch):
+    """Off (D3D_AMX=0, or d3d_amx(0)), the path's name says the AVX-512 path runs; on, AMX."""
+    if not small(tiles):
+        pytest.skip("switching the process's own kernels off would change every other test's path")
+    tiles.library.d3d_amx(0)
+    try:
+        assert not tiles.library.d3d_kernel_path().decode().startswith("amx")
+    finally:
+        assert tiles.library.d3d_amx(1) == 1
+    assert tiles.library.d3d_kernel_path().decode().startswith("amx (emulated)")
+    monkeypatch.setenv("D3D_AMX", "0")
+    other = RowExactKernels(tiles.library, tiles.path)  # the same library: its switch turned off
+    try:
+        assert not other.amx and other.amx_refused is None and not other.path_name.startswith("amx")
+    finally:
+        tiles.library.d3d_amx(1)
+
+
+def test_the_load_time_check_refuses_tiles_whose_rows_differ(tiles, monkeypatch):
+    """The check that keeps the AMX path (`_amx_refusal`) refuses a linear whose rows change with
+    the call (negative control: a linear that adds the row count to every output)."""
+    if not small(tiles):
+        pytest.skip("exercised on the emulated tiles")
+    assert tiles._amx_refusal() is None
+    honest = RowExactKernels.linear
+    monkeypatch.setattr(RowExactKernels, "linear", lambda self, x, *rest: honest(self, x, *rest) + len(x))
+    assert "changed with the rows beside it" in tiles._amx_refusal()
+
+
+def test_the_amx_state_is_reported():
+    """Which path this CPU's kernels take is said, with the reason when it is not AMX."""
+    state = amx_state()
+    print(f"AMX tiles on this machine: {state}")
+    assert state == "on" or state.startswith(("off:", "refused"))
+    assert row_exact_kernels().path_name.startswith("amx") == (state == "on")
