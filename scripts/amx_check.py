@@ -64,10 +64,14 @@ def main() -> int:
     library = kernels.library
     times: dict[str, dict[int, list[float]]] = {"avx512": {r: [] for r in rows}, "amx": {r: [] for r in rows}}
     exact: dict[str, dict[int, bool]] = {}
+    logits: dict[str, torch.Tensor] = {}
+    probe = torch.randint(0, decoder.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     try:
         for path, on in (("avx512", 0), ("amx", 1)):
             library.d3d_amx(on)
             exact[path] = {r: steps_agree(decoder, r) for r in rows if r <= 33}
+            with torch.no_grad():
+                logits[path] = decoder(probe)[0]
         for _ in range(args.rounds):
             for path, on in (("avx512", 0), ("amx", 1)):
                 library.d3d_amx(on)
@@ -85,6 +89,10 @@ def main() -> int:
         agree = " / ".join("yes" if exact[p].get(r, True) else "**NO**" for p in ("avx512", "amx")) if r <= 33 else "-"
         lines.append(f"| {r} | {a:.2f} | {a / median['avx512'][rows[0]]:.2f} | {t:.2f} | {t / median['amx'][rows[0]]:.2f} "
                      f"| {a / t:.2f}x | {agree} |")
+    same = torch.equal(logits["avx512"], logits["amx"])
+    lines += ["", f"The two paths' logits over a 32-token prompt: {'the same bits' if same else 'other bits'} "
+              f"(largest difference {float((logits['avx512'].float() - logits['amx'].float()).abs().max()):.3g}); "
+              + ("so a process could mix them by row count." if same else "so a process keeps to one of them.")]
     text = "\n".join(lines)
     print(text)
     if args.report:

@@ -8,7 +8,9 @@
  * of k, in k order. A row's elements are computed by the same tile operations in the same order
  * whether its tile holds 1 or 16 valid rows, and threads split output columns, never k — so every
  * row's bits are the row's alone, as on the other paths (rowexact.c). The bits differ from the
- * AVX-512 path's (another accumulation order), so once a process turns AMX on, every bf16 linear
+ * AVX-512 path's: both run one fp32 FMA chain per output over the k pairs in order, but TDPBF16PS
+ * takes a pair's even element first (SDM) and vdpbf16ps its odd one (SDM; measured on AMD Zen 4:
+ * tests/test_amx.py) — so once a process turns AMX on, every bf16 linear
  * of every row count takes it: weights in the packed layout directly, quantized weights decoded into
  * a panel of that layout first (grouped blocks by the same vector decoder as the 1-4 row path, other
  * formats by decode_panel) — the same bf16 values, so the same bits as their bf16 copy's.
