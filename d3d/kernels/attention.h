@@ -22,9 +22,15 @@
  * work even when a one-token step has fewer KV heads than threads' worth of items. */
 #define PART_DIMS 32
 #define V_PART PART_DIMS  /* values of d stored together in a split V (one weighted-sum item's) */
-#define PREFETCH_KEYS 128  /* V rows ahead of the one summed: a long context streams V from memory
-                            * (AMD EPYC Zen 5, 4K keys, 30 layers: 8 rows 8.5 ms, 64: 5.7, 128: 5.2, 256: 5.7) */
-#define TILES_AHEAD 2  /* jobs ahead whose key tile a thread prefetches (1: 5.2 ms, 2: 4.8, 4: 5.2) */
+#define PREFETCH_KEYS 128  /* V rows ahead of the one summed, into L2 (prefetcht1): a long context streams
+                            * V from memory (AMD EPYC Zen 5, 4K keys, 30 layers: 8 rows 8.5 ms, 64: 5.7,
+                            * 128: 5.2, 256: 5.7; Zen 4, attention alone, 31 alternated rounds: into L2
+                            * rather than non-temporal 1.08x at one query after 4,096 keys, 1.07x for 16
+                            * one-token sequences after 256) */
+#define TILES_AHEAD 4  /* jobs ahead whose key tile a thread prefetches, into L2 (prefetcht1): AMD EPYC
+                        * Zen 4, attention alone, 30 layers, one query after 4,096 keys, 31 alternated
+                        * rounds: 2 ahead non-temporal (before) 4.2-4.3 ms, 4 ahead into L2 3.6-3.8, 2 or
+                        * 6 ahead into L2 within 5% of 4; 16 one-token sequences after 256 keys 1.15x */
 #define WEIGHTED_SUM_PORTABLE(T_ELEM, LOAD, p, p_stride, n, v, S, D, d0, dn, o)                     \
     do {                                                                                             \
         for (int i_ = 0; i_ < (n); i_++) {                                                           \
@@ -61,7 +67,7 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
         __m512 a0_ = _mm512_setzero_ps(), b0_ = a0_, a1_ = a0_, b1_ = a0_, a2_ = a0_, b2_ = a0_, a3_ = a0_, b3_ = a0_; \
         for (int64_t s = 0; s < (S); s++) {                                                          \
             const T_ELEM *vr = (v) + s * (D) + (d0);                                                 \
-            __builtin_prefetch(vr + PREFETCH_KEYS * (D), 0, 0);                                      \
+            __builtin_prefetch(vr + PREFETCH_KEYS * (D), 0, 2);                                      \
             __m512 v0_ = load16_##SUFFIX(vr, m0_), v1_ = load16_##SUFFIX(vr + 16, m1_);              \
             HEAD_FMA16(p0_[s], a0_, b0_)                                                             \
             if ((n) > 1) { HEAD_FMA16(p1_[s], a1_, b1_) }                                            \
@@ -117,12 +123,12 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
     for (int i = 0; i < N; i++) _mm512_storeu_ps(acc[2 * i], a[i]), _mm512_storeu_ps(acc[2 * i + 1], b[i]);
 #define PAIR_ROW(s)                                                                                  \
     const uint16_t *vr = v + (s) * D + d0;                                                           \
-    __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 0);                                                \
+    __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                                \
     __m512 x_ = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(live, vr));                             \
     lo = PAIR_LOW(x_), hi = PAIR_HIGH(x_)
 #define HALVES_ROW(s)                                                                                \
     const float *vr = v + (s) * D + d0;                                                              \
-    __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 0);                                                \
+    __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                                \
     lo = load16_f32(vr, m0), hi = load16_f32(vr + 16, m1)
 static inline __attribute__((always_inline)) void sum_range_bf16(const float *const *rows, const int64_t *ends,
                                                                  const int N, const uint16_t *v, int64_t D,
@@ -183,7 +189,7 @@ static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { retu
             v8 a_[4] = {v8_zero(), v8_zero(), v8_zero(), v8_zero()}, b_[4] = {v8_zero(), v8_zero(), v8_zero(), v8_zero()}; \
             for (int64_t s = 0; s < (S); s++) {                                                      \
                 const T_ELEM *vr = (v) + s * (D) + (d0);                                             \
-                __builtin_prefetch(vr + PREFETCH_KEYS * (D), 0, 0);                                  \
+                __builtin_prefetch(vr + PREFETCH_KEYS * (D), 0, 2);                                  \
                 v8 w_[4];                                                                            \
                 for (int j_ = 0; j_ < 4; j_++) w_[j_] = j_ < parts_ ? load8_##SUFFIX(vr + 8 * j_) : v8_zero(); \
                 HEAD_FMA8(pa_[s], a_)                                                                \
@@ -567,7 +573,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
             int64_t next = job + TILES_AHEAD * job_step_, nb = next / (Hkv * tiles), ng = (next / tiles) % Hkv; \
             const char *tile = (const char *)(k + nb * kv_batch + ng * kv_head + (next % tiles) * KEY_TILE * D); \
             for (int64_t at = 0; at < KEY_TILE * D * (int64_t)sizeof(T_ELEM); at += 64)              \
-                __builtin_prefetch(tile + at, 0, 0);                                                 \
+                __builtin_prefetch(tile + at, 0, 2);                                                 \
         }                                                                                            \
         /* causal: query t sees the tile from t = s0 - (S - T) on */                                 \
         int64_t first_t = mask || s0 - (S - T) <= t0 ? t0 : s0 - (S - T);                           \
