@@ -5,6 +5,7 @@
  * D3D_AVX2: AVX2 with FMA (every x86-64 CPU since 2013, AVX-512 ones included) — the lanes paths
  *   and the decoders of quantized weights, written with the v8 primitives below;
  * neither: portable C the compiler vectorises as it can.
+ * (D3D_AMX, Intel's AMX tiles for the bf16 linear on top of AVX-512 BF16, is amx.h's own.)
  * Every primitive is one IEEE operation per lane (or a pure bit move), so code written with them
  * computes what the portable C next to it computes, bit for bit.
  */
