@@ -53,9 +53,9 @@ def _rank(rank: int, size: int, port: int, data: str, out: str, steps_now: int, 
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     world = World.from_environment()
-    try:
-        trainer = Trainer(tiny_train_target(), data, out, config(**{**SETTINGS, **overrides}), world, fsdp=fsdp)
-        train_until(trainer, steps_now)
+    try:  # the trainer is gone when the world closes (World.close)
+        train_until(Trainer(tiny_train_target(), data, out, config(**{**SETTINGS, **overrides}), world, fsdp=fsdp),
+                    steps_now)
     finally:
         world.close()
 

@@ -85,12 +85,15 @@ def train(args: argparse.Namespace) -> int:
     world = World.from_environment(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", world.local_rank)
-    try:
+    def run() -> dict:  # the trainer lives in this call only: gone before the world closes
         target = load_target(args.target, torch.float32)  # fp32 master weights; compute autocasts to bf16
         target.decoder.to(device)
         config = config_for(target.decoder.config.num_layers)
         trainer = Trainer(target, args.data, args.out, config, world, fsdp=args.fsdp, release_target=True)
-        result = trainer.run(progress=world.is_main)
+        return trainer.run(progress=world.is_main)
+
+    try:
+        result = run()
     finally:
         world.close()
     if world.is_main:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -89,7 +90,14 @@ class World:
             dist.barrier()
 
     def close(self) -> None:
+        """Leave the process group, once nothing refers to the trainer any more (its locals gone).
+        The collection first frees a trainer that only reference cycles keep alive, so DDP's reducer
+        lets go of the group and destroying it tears down gloo's worker threads now, while the
+        interpreter is whole — not during interpreter shutdown, where a worker thread releasing a
+        tensor asks a dying interpreter for the GIL and the process aborts ("terminate called without
+        an active exception", seen once in CI)."""
         if self.distributed and dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
 
 
