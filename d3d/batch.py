@@ -12,8 +12,12 @@ at T > 0.
 
 Each greedy run's gate weighs its drafts against the whole forward (`d3d.gate.Crowd`): a draft row
 pays when it raises the batch's tokens per step, by the measured cost of a forward of n sequences
-(`d3d.costs.batch_costs`); where the batch is already compute-bound, drafting stops. At batch 1,
-and for sampling runs (whose draws must replay their solo run's), the gate decides as alone.
+(`d3d.costs.batch_costs`); where the batch is already compute-bound, drafting stops. That counts a
+run's extra tokens as the batch's throughput, which they are while generations wait to join (the
+`backlog`: a finished run's place is taken at once). With nothing waiting, the batch lasts as long
+as its run with the most tokens left, so only such runs draft: drafts of a run ahead would add rows
+to every forward and shorten nothing the batch waits on. At batch 1, and for sampling runs (whose
+draws must replay their solo run's), the gate decides as alone.
 
 Prompts enter in pieces: a step carries at most `prefill_rows` prompt rows in all (oldest run
 first), so a long prompt delays the other runs' next token by one piece's cost, never by the whole
@@ -32,7 +36,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -88,11 +92,13 @@ class Outcome:
 class Batch:
     """Live runs of one target, advanced together one forward at a time."""
 
-    def __init__(self, target: Decoder, prefill_rows: int = PREFILL_ROWS) -> None:
+    def __init__(self, target: Decoder, prefill_rows: int = PREFILL_ROWS,
+                 backlog: Callable[[], int] | None = None) -> None:
         if prefill_rows < 1:
             raise ValueError(f"prefill_rows must be at least 1, got {prefill_rows}")
         self.target = target
         self.prefill_rows = prefill_rows
+        self.backlog = backlog  # generations waiting to join (the server's queue); None: none ever wait
         self.runs: dict[int, Run] = {}  # in arrival order
         self.stats = BatchStats()
         self._next_key = 0
@@ -126,13 +132,17 @@ class Batch:
         # prompt pieces first, then the decoding runs, each drafting what pays for the forward so far
         order = sorted(self.runs.items(), key=lambda item: not item[1].prefilling)
         decoding = sum(not run.prefilling for run in self.runs.values())
+        # with nothing waiting to join, the batch lasts as long as its runs with the most tokens left
+        longest = -1 if self.backlog is not None and self.backlog() > 0 else max(
+            (run.sequence.room for run in self.runs.values() if not run.prefilling), default=-1)
         rows = 0
         planned, calls = [], []  # (key, run) planned this step; (key, its drafter call)
         for key, run in order:
             if run.prefilling and not whole and budget == 0:
                 continue  # its prompt waits for the next step's rows
             try:
-                call = run.plan(None if whole else budget if run.prefilling else None, self._crowd(run, rows, decoding))
+                call = run.plan(None if whole else budget if run.prefilling else None,
+                                self._crowd(run, rows, decoding, longest))
             except Exception as error:  # a source failing fails its run, not the batch
                 outcomes.append(Outcome(key, error=error))
                 continue
@@ -197,14 +207,15 @@ class Batch:
             return {}, 0.0
         return {key: proposal for (key, _), proposal in zip(calls, proposals)}, time.perf_counter() - started
 
-    def _crowd(self, run: Run, rows: int, decoding: int) -> Crowd | None:
+    def _crowd(self, run: Run, rows: int, decoding: int, longest: int) -> Crowd | None:
         """What the rest of this step's forward holds, for `run`'s gate: none at batch 1 (the solo
-        decisions), for a sampling run (its draws must replay its solo run's), or without a gate."""
+        decisions), for a sampling run (its draws must replay its solo run's), or without a gate.
+        `longest`: the most tokens a decoding run has left when nothing waits to join, else -1."""
         if run.prefilling or run.gate is None or not run.config.sampling.greedy or rows + decoding <= 1:
             return None
         if self._rows_cost is None:
             self._rows_cost = batch_costs(self.target)
-        return Crowd(rows + decoding, decoding - 1, self._rows_cost)
+        return Crowd(rows + decoding, decoding - 1, self._rows_cost, waited_on=run.sequence.room >= longest)
 
     def run_all(self) -> dict[int, list[Step]]:
         """Step until every run has finished; each run's steps by key (a failed run raises)."""

@@ -69,6 +69,11 @@ class Scheduler:
     def queue_depth(self) -> int:
         return sum(not future.done() for future in self.waiting)
 
+    def waiting_count(self) -> int:
+        """Requests in the queue, for any thread (the engine's batch asks): one read of its length,
+        no iteration over a deque the event loop may be changing."""
+        return len(self.waiting)
+
     def retry_after(self) -> int:
         """Seconds until a place is likely free: the queue ahead times the recent mean hold time
         (before any generation ended: the oldest running one's time so far), over the slots."""

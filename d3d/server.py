@@ -187,8 +187,10 @@ class Server:
         self.limits = limits
         self.metrics = metrics
         self.scheduler = Scheduler(limits.max_queue, limits.max_batch)
-        # the continuous batch the admitted generations decode in (none: one at a time)
-        self.batch = SharedBatch(Batch(pipeline.target.decoder)) if limits.max_batch > 1 else None
+        # the continuous batch the admitted generations decode in (none: one at a time); its gates
+        # see the queue (with nobody waiting, only the runs the batch waits on draft)
+        self.batch = (SharedBatch(Batch(pipeline.target.decoder, backlog=self.scheduler.waiting_count))
+                      if limits.max_batch > 1 else None)
         self.cutoff = float("inf")  # time.monotonic() at which a shutdown stops the running generation
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving event loop, once started

@@ -126,6 +126,39 @@ def test_a_batch_verifies_several_drafted_blocks_in_one_forward(models):
     assert len(passes) < batch.stats.forwards
 
 
+@pytest.mark.parametrize("waiting", [0, 2])
+def test_with_nothing_waiting_only_the_runs_the_batch_waits_on_draft(models, monkeypatch, waiting):
+    """Gated runs of 30 and 10 new tokens decoding together: with nothing waiting to join, the batch
+    lasts as long as the run with the most tokens left, so only that run is offered drafts
+    (`Crowd.waited_on`) — the 10-token run at first not, the 30-token run until its accepted drafts
+    take it below the other; with requests waiting, a finished run's place is taken at once and
+    every run may draft. Either way each run's tokens are its solo tokens."""
+    from d3d.gate import SpeculationGate
+
+    target, drafter, dflash = models
+    configs = [GenerationConfig(max_new_tokens=n, eos_token_ids=[]) for n in (30, 10)]
+    runs = [make_run("speculative", target, drafter, dflash, [5, 6, 7, 8], c) for c in configs]
+    offers = []  # (run index, waited on, its tokens left, the other's)
+    num_drafts = SpeculationGate.num_drafts
+
+    def spy(gate, source, max_drafts, context=0, pending=0, crowd=None):
+        if crowd is not None:
+            i = next(j for j, run in enumerate(runs) if run.gate is gate)  # dataclasses: == compares fields
+            offers.append((i, crowd.waited_on, runs[i].sequence.room, runs[1 - i].sequence.room))
+        return num_drafts(gate, source, max_drafts, context, pending, crowd)
+
+    monkeypatch.setattr(SpeculationGate, "num_drafts", spy)
+    batch = Batch(target, backlog=lambda: waiting)
+    keys = [batch.add(run) for run in runs]
+    steps = batch.run_all()
+    assert offers and (0, True) in {offer[:2] for offer in offers}
+    for i, waited_on, left, other_left in offers:
+        assert waited_on == (bool(waiting) or left >= other_left)
+    assert (1, False) in {offer[:2] for offer in offers} or waiting
+    for key, config in zip(keys, configs):
+        assert tokens_of(steps[key]) == solo("speculative", target, drafter, dflash, [5, 6, 7, 8], config)
+
+
 def test_seeded_sampling_with_a_drafter_batched_equals_solo():
     """T > 0 with a real (perturbed, so imperfect) D3D drafter: the batch runs every sequence's
     drafter pass in one forward, and each request still draws its solo drafts and tokens."""

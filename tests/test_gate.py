@@ -255,3 +255,5 @@ def test_a_compute_bound_batch_stops_drafting_and_a_memory_bound_one_does_not():
     measured = Crowd(16, 15.0, tuple([0.0, 1.0] + [1.0 + 0.3 * (n - 1) for n in range(2, 65)]))
     assert gate.best_drafts("drafter", 7, crowd=measured) < gate.best_drafts("drafter", 7)
     assert Crowd(40, 0.0, (0.0, 1.0, 1.5, 2.0)).cost(40) == pytest.approx(1.0 + 39 * 0.5)
+    flat_ahead = Crowd(16, 15.0, flat, waited_on=False)  # a run the batch does not wait on: never drafts
+    assert gate.best_drafts("drafter", 7, crowd=flat_ahead) == gate.num_drafts("drafter", 7, crowd=flat_ahead) == 0

@@ -55,10 +55,13 @@ def test_a_full_queue_refuses_at_once_with_a_retry_time():
         with pytest.raises(QueueFull) as refused:
             await scheduler.acquire()
         assert refused.value.retry_after >= 1 and "2 requests are already waiting" in str(refused.value)
+        counts = [scheduler.waiting_count()]  # what the engine's batch reads as its backlog
         for _ in range(3):
             scheduler.release()
             await settle()
+            counts.append(scheduler.waiting_count())
         await asyncio.gather(*waiting)
+        assert counts == [2, 1, 0, 0]
 
     run(scenario())
 
