@@ -20,6 +20,7 @@ from d3d.batch import Batch, SharedBatch, generate_batched
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
 from d3d.engine import generate_from_sources, reference_generate
+from d3d.gate import SpeculationGate
 from d3d.run import Run
 from d3d.lookup import LookupConfig
 from d3d.models import SequenceRows
@@ -133,8 +134,6 @@ def test_with_nothing_waiting_only_the_runs_the_batch_waits_on_draft(models, mon
     (`Crowd.waited_on`) — the 10-token run at first not, the 30-token run until its accepted drafts
     take it below the other; with requests waiting, a finished run's place is taken at once and
     every run may draft. Either way each run's tokens are its solo tokens."""
-    from d3d.gate import SpeculationGate
-
     target, drafter, dflash = models
     configs = [GenerationConfig(max_new_tokens=n, eos_token_ids=[]) for n in (30, 10)]
     runs = [make_run("speculative", target, drafter, dflash, [5, 6, 7, 8], c) for c in configs]

@@ -56,10 +56,10 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
 /* P_ZERO: adding p = 0 changes no chain, so the AVX-512 loops add it instead of testing for it
  * (one branch less per key and head; whole forwards on Zen 4, old and new alternated, the same
  * bits: 5-17 rows after 4,096 tokens 1.02-1.11x, 128- and 512-row prefill chunks 0.98-1.04x, one
- * row unchanged). For finite v, fma(+0, v, acc) is acc + (±0) rounded: acc
- * itself when acc != 0, and +0 when acc = +0 (x + (-0) = +0 under round-to-nearest). A chain is
- * never -0: it starts at +0, and an FMA whose exact result is zero rounds to +0. (A V value of ±inf
- * under p = 0 would give NaN here where the other builds skip it; every path of this build adds.) */
+ * row unchanged). For finite v, fma(+0, v, acc) is acc + (±0) rounded: acc itself when acc != 0,
+ * and +0 when acc = +0 (x + (-0) = +0 under round-to-nearest). A chain is never -0: it starts at
+ * +0, and an FMA whose exact result is zero rounds to +0. (A V value of ±inf under p = 0 would give
+ * NaN here where the other builds skip it; every path of this build adds.) */
 #define HEAD_FMA16(q, a, b)                                                                          \
     {                                                                                                \
         __m512 pv_ = _mm512_set1_ps(q);                                                              \
@@ -512,9 +512,10 @@ static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible
 
 /* Keys past a query's last visible one change no bit of its output: their scores are -inf, their
  * exp 0 (a lane sum plus +0 is itself; the weighted sum skips p = 0 or adds it, P_ZERO). So a
- * query's pass stops at `visible_end` (S - T + t + 1 when causal, else one past the last 1 byte of its mask row), and a
- * key tile no query of a chunk sees is neither transposed nor scored for it: a causal call over T
- * new tokens costs about half its T x S square, and a one-token step the keys it sees. */
+ * query's pass stops at `visible_end` (S - T + t + 1 when causal, else one past the last 1 byte of
+ * its mask row), and a key tile no query of a chunk sees is neither transposed nor scored for it: a
+ * causal call over T new tokens costs about half its T x S square, and a one-token step the keys it
+ * sees. */
 static inline int64_t visible_end(const uint8_t *mrow, int64_t S, int64_t T, int64_t t) {
     if (!mrow) return S - T + t + 1;
     int64_t end = S;
