@@ -116,8 +116,10 @@ class Batch:
         return key
 
     def cancel(self, key: int) -> None:
-        """Drop a run (finished or not); its rows leave at the next step."""
-        self.runs.pop(key, None)
+        """Drop a run (finished or not); its rows leave at the next step, its cache for the prefix cache."""
+        run = self.runs.pop(key, None)
+        if run is not None:
+            run.release()
 
     @torch.no_grad()
     def step(self) -> list[Outcome]:

@@ -106,6 +106,24 @@ class KVCache:
         """Keep the first `length` committed slots."""
         self.rewind(self.length - length)
 
+    def snapshot(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of the first `length` committed slots, for `restore`."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot copy {length} of {self.length} cached positions")
+        # the slot is the second-to-last dimension of keys and of values, plain or split
+        return self.keys[..., :length, :].clone(), self.values[..., :length, :].clone()
+
+    def restore(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Hold exactly the first `length` slots of a `snapshot` (of a cache of this layout)."""
+        if length > self.capacity:
+            raise CacheFullError(f"KV cache holds {self.capacity} positions; {length} asked")
+        if any(a.shape[:-2] + a.shape[-1:] != b.shape[:-2] + b.shape[-1:]
+               for a, b in ((keys, self.keys), (values, self.values))):
+            raise ValueError("the snapshot comes from a cache of another layout")
+        self.keys[..., :length, :] = keys[..., :length, :]
+        self.values[..., :length, :] = values[..., :length, :]
+        self.length, self.pending = length, 0
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only the given batch rows (e.g. drop finished sequences from a batched decode)."""
         self.keys = self.keys[:, rows].contiguous()

@@ -25,6 +25,7 @@ from d3d.config import GenerationConfig
 from d3d.drafter import Drafter
 from d3d.lookup import LookupConfig
 from d3d.models import Decoder
+from d3d.prefix_cache import PrefixCache
 from d3d.sampling import make_generator
 from d3d.sequence import Sequence, Step
 from d3d.run import OnCommit, Run
@@ -66,17 +67,21 @@ def speculative_generate(target: Decoder, drafter: Drafter | None, prompt_ids: l
 @torch.no_grad()
 def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_ids: list[int],
                           config: GenerationConfig, adaptive: bool = False,
-                          on_commit: OnCommit | None = None) -> Iterator[Step]:
+                          on_commit: OnCommit | None = None, prefixes: PrefixCache | None = None) -> Iterator[Step]:
     """`speculative_generate` over any drafting sources, asked in order: the first that proposes
     drafts the step (see `d3d.sources`); a step none drafts is a plain AR step. Sources that read the
     target's hidden states (DFlash-style) get them from every target forward, whoever drafted.
-    The generation is one `d3d.run.Run`, scored alone; `on_commit` gets each step's logits (`d3d.run.OnCommit`)."""
-    run = Run(target, sources, prompt_ids, config, adaptive, on_commit)
-    while not run.finished:
-        run.plan()
-        part = run.rows()
-        started = time.perf_counter()
-        (logits, features), = score_rows(target, [part], run.feature_layers)
-        step = run.settle(logits, features, time.perf_counter() - started)
-        if step is not None:
-            yield step
+    The generation is one `d3d.run.Run`, scored alone; `on_commit` gets each step's logits (`d3d.run.OnCommit`);
+    `prefixes`: the prefix cache it starts from and leaves its cache to."""
+    run = Run(target, sources, prompt_ids, config, adaptive, on_commit, prefixes)
+    try:
+        while not run.finished:
+            run.plan()
+            part = run.rows()
+            started = time.perf_counter()
+            (logits, features), = score_rows(target, [part], run.feature_layers)
+            step = run.settle(logits, features, time.perf_counter() - started)
+            if step is not None:
+                yield step
+    finally:
+        run.release()

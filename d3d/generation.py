@@ -25,6 +25,7 @@ from d3d.run import OnCommit, Run
 from d3d.export import exported_from
 from d3d.loading import Target, load_target
 from d3d.lookup import LookupConfig
+from d3d.prefix_cache import PrefixCache
 from d3d.sequence import Step
 from d3d.sources import ARDrafterSource, DraftSource, default_sources
 
@@ -64,6 +65,8 @@ class Pipeline:
         self.async_config = async_config or AsyncConfig()  # method "async" only
         self.timeline: list | None = None  # set to a list to record async spans (d3d.timeline)
         self.drafter_source = drafter_source or ("none" if drafter is None else "given")  # for messages
+        # prompt prefixes of ended generations, reused by later prompts (d3d.prefix_cache); None: off
+        self.prefixes: PrefixCache | None = None
 
     @classmethod
     def load(cls, target: str | None = None, drafter: str | Path | None = "default",
@@ -124,11 +127,11 @@ class Pipeline:
                                   timeline=self.timeline)
         sources, adaptive = self.sources(method)
         if batch is not None:
-            return batch.submit(Run(decoder, sources, prompt_ids, config, adaptive, on_commit))
-        if method == "ar" and on_commit is None:
+            return batch.submit(Run(decoder, sources, prompt_ids, config, adaptive, on_commit, self.prefixes))
+        if method == "ar" and on_commit is None and self.prefixes is None:
             return reference_generate(decoder, prompt_ids, config)
-        # with on_commit, plain decoding is a run with no drafting source: the same tokens (the batch's "ar")
-        return generate_from_sources(decoder, sources, prompt_ids, config, adaptive, on_commit)
+        # otherwise plain decoding is a run with no drafting source: the same tokens (the batch's "ar")
+        return generate_from_sources(decoder, sources, prompt_ids, config, adaptive, on_commit, self.prefixes)
 
     def sources(self, method: Method) -> tuple[list[DraftSource], bool]:
         """A synchronous `method`'s drafting sources, fresh for one generation (none for "ar"), and

@@ -146,6 +146,9 @@ class ServerMetrics:
                                      "mean generations per target forward of the continuous batch")
         self.batch_rows = Gauge("d3d_batch_rows_per_forward",
                                 "mean rows (prompt pieces, anchors and drafts) per target forward of the batch")
+        self.prompt_tokens = Counter("d3d_prompt_tokens_total", "prompt tokens of started generations")
+        self.cached_tokens = Counter("d3d_prompt_tokens_cached_total",
+                                     "of those, tokens whose keys and values came from the prefix cache, not a forward")
         self.cancelled = Counter("d3d_generations_cancelled_total",
                                  "generations ended early: client gone, deadline passed or shutdown", ("reason",))
 
@@ -156,6 +159,10 @@ class ServerMetrics:
             self.reached.inc(method=method, source=step.source, position=i + 1)
         for i in range(step.num_accepted):
             self.accepted.inc(method=method, source=step.source, position=i + 1)
+
+    def record_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
 
     def record_generation(self, method: str, stats: SpecStats) -> None:
         self.tokens.inc(stats.new_tokens, method=method)

@@ -18,8 +18,10 @@ import torch
 
 from d3d.config import GenerationConfig
 from d3d.costs import forward_costs
+from d3d.exactness import verify_mode
 from d3d.gate import Crowd, SpeculationGate
 from d3d.models import Decoder, SequenceRows
+from d3d.prefix_cache import PrefixCache
 from d3d.sampling import make_generator
 from d3d.sequence import Sequence, Step
 from d3d.sources import (DrafterCall, DrafterSource, DraftSource, Proposal, check_vocabulary, propose_together,
@@ -40,10 +42,12 @@ class Run:
     and returns the `Step` (None after a piece of the prompt that is not its last). The target's
     forward itself is the caller's: `generate_from_sources` runs one sequence, `d3d.batch` many in
     one forward. Every choice — the gate's, the random draws — depends on this run's own tokens, so
-    a run batched with others commits what it commits alone."""
+    a run batched with others commits what it commits alone. With `prefixes`, it starts from the
+    longest stored prefix of its prompt and leaves its cache there when it ends (`release`)."""
 
     def __init__(self, target: Decoder, sources: list[DraftSource], prompt_ids: list[int],
-                 config: GenerationConfig, adaptive: bool = False, on_commit: OnCommit | None = None) -> None:
+                 config: GenerationConfig, adaptive: bool = False, on_commit: OnCommit | None = None,
+                 prefixes: PrefixCache | None = None) -> None:
         check_vocabulary(sources, target)
         self.target, self.sources, self.config = target, sources, config
         self.gate = None
@@ -58,7 +62,14 @@ class Run:
             source.start(self.sequence.max_length, target.device)
         self.states = TargetStates(sources, target.config.hidden_size) if any(map(reads_target_states, sources)) else None
         self.cache = target.new_cache(self.sequence.max_length)
-        self.prefilled = 0  # prompt tokens in the cache
+        # stored prefixes hold this run's own bits only where a position's keys and values do not
+        # depend on the forward that computed them; sources reading hidden states would miss theirs
+        self.prefixes = (prefixes if prefixes is not None and self.states is None
+                         and verify_mode(target) == "batched" else None)
+        # prompt tokens in the cache: a stored prefix, never the last token (its logits start the answer)
+        self.prefilled = 0 if self.prefixes is None else self.prefixes.restore(self.cache, prompt_ids,
+                                                                               len(prompt_ids) - 1)
+        self.sequence.stats.cached_tokens = self.prefilled
         self.on_commit = on_commit
         self.source, self.drafts, self.draft_probs = "none", _no_drafts(target.device), None
         self.call: DrafterCall | None = None  # the drafter pass `plan` left to its caller
@@ -162,6 +173,13 @@ class Run:
         new_tokens = self.drafts[:accepted].tolist() + [verdict.bonus_token]
         return self._committed(sequence.commit(new_tokens, len(self.drafts), accepted, self.source),
                                logits[:accepted + 1])
+
+    def release(self) -> None:
+        """The generation is over (finished, failed or dropped): leave the positions it committed to
+        the prefix cache, once."""
+        if self.prefixes is not None:
+            prefixes, self.prefixes = self.prefixes, None
+            prefixes.keep(self.sequence.tokens, self.cache)
 
     def _committed(self, step: Step, logits: torch.Tensor) -> Step:
         if self.on_commit is not None:

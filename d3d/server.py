@@ -50,6 +50,7 @@ from d3d.logprobs import TokenLogprobs, content
 from d3d.metrics import CONTENT_TYPE, ServerMetrics
 from d3d.openai_schema import (ApiError, ChatRequest, CompletionRequest, Job, api_error, chat_job, completion_job,
                                http_error, invalid_request, server_error)
+from d3d.prefix_cache import PrefixCache
 from d3d.scheduler import DeadlineExceeded, MainThread, QueueFull, Scheduler, Unavailable, WorkerThreads
 from d3d.sequence import PromptError
 from d3d.stats import SpecStats
@@ -71,12 +72,15 @@ class Limits:
     api_key: str | None = None  # when set, every route but /health and the page at / needs it as a Bearer token
     shutdown_grace: float = 30.0  # on shutdown, seconds the running generations may take to finish
     max_batch: int = 1  # generations decoding at once, in one continuous batch when above 1
+    prefix_cache_mb: int = 0  # MiB of ended generations' keys and values kept for later prompts (0: none)
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be at least 0, got {self.max_queue}")
         if self.max_batch < 1:
             raise ConfigError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.prefix_cache_mb < 0:
+            raise ConfigError(f"prefix_cache_mb must be at least 0, got {self.prefix_cache_mb}")
         if self.deadline is not None and not self.deadline > 0:
             raise ConfigError(f"the deadline must be positive seconds (or none), got {self.deadline}")
         if self.max_body_bytes < 1:
@@ -187,6 +191,8 @@ class Server:
         self.limits = limits
         self.metrics = metrics
         self.scheduler = Scheduler(limits.max_queue, limits.max_batch)
+        # every generation starts from the longest stored prefix of its prompt and leaves its own
+        pipeline.prefixes = PrefixCache(limits.prefix_cache_mb << 20) if limits.prefix_cache_mb else None
         # the continuous batch the admitted generations decode in (none: one at a time); its gates
         # see the queue (with nobody waiting, only the runs the batch waits on draft)
         self.batch = (SharedBatch(Batch(pipeline.target.decoder, backlog=self.scheduler.waiting_count))
@@ -220,6 +226,7 @@ class Server:
             raise
         generation.deadline = deadline
         self.metrics.first_token.observe(time.monotonic() - arrived)
+        self.metrics.record_prompt(len(generation.prompt_ids), generation.first.step.stats.cached_tokens)
         self.observe(generation, generation.first)
         return generation
 
@@ -345,7 +352,8 @@ class Server:
     def usage(self, generation: Generation, chunks: list[Chunk]) -> dict[str, int]:
         completion = chunks[-1].num_tokens  # as plain decoding counts them, also when a stop string cut a step
         prompt = len(generation.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": chunks[-1].step.stats.cached_tokens}}
 
     async def drain(self) -> None:
         """Shutdown: refuse new requests, send the queued away, give the running one the grace period."""

@@ -30,6 +30,7 @@ class SpecStats:
     wall_seconds: float = 0.0  # whole generation
     draft_seconds: float = 0.0  # spent in the drafter on the critical path
     verify_seconds: float = 0.0  # spent in target forwards (prefill included)
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache (d3d.prefix_cache)
     # Asynchronous drafting only (empty / zero for the other engines):
     branch_rounds_at: list[int] = field(default_factory=list)  # [k] = async steps that accepted k drafts
     branch_hits_at: list[int] = field(default_factory=list)  # [k] = of those, steps whose outcome had a branch

@@ -134,6 +134,7 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
                "--target", args.target, "--drafter", args.drafter]
     if args.max_batch:
         command += ["--max-batch", str(args.max_batch)]
+    command += ["--prefix-cache", str(args.prefix_cache)]
     server = subprocess.Popen(command, stderr=sys.stderr)
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
         deadline = time.monotonic() + args.startup_timeout
@@ -196,8 +197,10 @@ def markdown(result: dict, screenshot_path: str | None, report: Path) -> str:
     lines = [START, "", f"Measured {result['date']} on {result['cpu']} ({result['cores']} cores), "
              f"target {result['target']}, drafter {result['drafter']}, greedy, up to {result['max_tokens']} "
              f"new tokens, {result['prompts']} prompts (HumanEval and MT-Bench, seed {result['seed']}) per "
-             f"method and level; the server's continuous batch holds up to {result['max_batch']} generations. "
-             f"{result['note']}".rstrip(), "", f"`{result['command']}`", "", *rows, "",
+             f"method and level; the server's continuous batch holds up to {result['max_batch']} generations; "
+             + (f"prefix cache {result['prefix_cache_mb']} MiB, every prompt sent once before the levels. "
+                if result.get("prefix_cache_mb") else "no prefix cache: every prompt computed every time. ")
+             + f"{result['note']}".rstrip(), "", f"`{result['command']}`", "", *rows, "",
              f"All methods' outputs identical for {same[0]} of {same[1]} requests (greedy: lossless); "
              "\"same as c=1\": the requests whose text equals the same request's at concurrency 1.", ""]
     if screenshot_path:
@@ -223,6 +226,10 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="levels; the first is the reference for 'same as c=1'")
     parser.add_argument("--methods", default=",".join(METHODS), help="d3d.method of the requests, compared")
     parser.add_argument("--max-batch", type=int, default=0, help="the server's --max-batch (0: its default)")
+    parser.add_argument("--prefix-cache", type=int, default=0, metavar="MB",
+                        help="the server's --prefix-cache (default 0: every prompt computed at every level, the "
+                             "engine's whole work); above 0 every prompt is sent once first, so every level and "
+                             "method reuses all of it but its last token")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", default="default")
@@ -244,6 +251,8 @@ def main() -> None:
     try:
         for method in methods:  # warm-up, not counted
             asyncio.run(level(url, prompts[:1], method, 1, 8))
+        if args.prefix_cache:  # every prompt cached before any level: each level and method finds the same
+            asyncio.run(level(url, prompts, methods[0], 4, 1))
         rows, texts, solo = [], {}, {}
         for i, concurrency in enumerate(levels):
             for method in methods if i % 2 == 0 else methods[::-1]:
@@ -268,7 +277,7 @@ def main() -> None:
             server.kill()
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "cores": os.cpu_count(),
               "target": args.target, "drafter": args.drafter, "max_tokens": args.max_tokens,
-              "max_batch": args.max_batch or MAX_BATCH,
+              "max_batch": args.max_batch or MAX_BATCH, "prefix_cache_mb": args.prefix_cache,
               "prompts": len(prompts), "seed": args.seed, "note": args.note,
               "command": "python " + shlex.join(sys.argv),
               "identical": [identical, len(texts)], "levels": rows, "view": view}

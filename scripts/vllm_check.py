@@ -310,6 +310,14 @@ async def load(port: int, model: str, items: list[dict], concurrency: int, max_t
             "tokens_per_second": round(tokens / seconds, 2), "texts": [text for _, text in results]}
 
 
+def prime(port: int, items: list[dict], args: argparse.Namespace) -> None:
+    """With prefix caching on, send every prompt once (one token each) before the levels, so that
+    every level and method finds every prompt cached, as far as each server caches (vLLM: whole
+    blocks of 128 tokens on CPU; d3d: every token but the prompt's last)."""
+    if args.prefix_caching:
+        asyncio.run(load(port, "target", items, 4, 1))
+
+
 def vllm_configs(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
     """--vllm-configs: "none" (plain), "d3d" / "d3d:K" (the exported drafter, K drafts), "ngram:K"
     (vLLM's prompt lookup, the nearest thing to d3d's context lookup)."""
@@ -369,10 +377,14 @@ def report_table(summary: dict, levels: list[int]) -> str:
 
 
 def write_report(path: Path, table: str, summary: dict, command: str) -> None:
-    """Replace what lies between the bench markers of `path` with this run's table."""
-    start, end = "<!-- vllm-bench:start -->", "<!-- vllm-bench:end -->"
+    """Replace what lies between the bench markers of `path` with this run's table (runs with and
+    without prefix caching have markers of their own)."""
+    name = "vllm-bench" if summary["prefix_caching"] else "vllm-bench-no-prefix-caching"
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    caching = ("both servers' prefix caches on, as they ship, every prompt sent once before the levels"
+               if summary["prefix_caching"] else "both servers' prefix caches off: every prompt computed every time")
     block = (f"{start}\n{table}\n\nOutput tokens/s, {summary['requests']} chat requests per cell (HumanEval and MT-Bench "
-             f"first turns), greedy, ≤ {summary['max_tokens']} tokens each, streamed; {summary['cpu']}, cores "
+             f"first turns), greedy, ≤ {summary['max_tokens']} tokens each, streamed, {caching}; {summary['cpu']}, cores "
              f"{summary['cpus']}; vLLM {summary['vllm_version']} "
              f"({'eager' if summary['eager'] else 'torch.compile'}), measured {summary['date']} by\n\n"
              f"```bash\n{command}\n```\n{end}")
@@ -402,7 +414,10 @@ def bench(args: argparse.Namespace) -> int:
             command += ["--speculative-config", json.dumps(config)]
         if args.eager:
             command.append("--enforce-eager")
+        if not args.prefix_caching:
+            command.append("--no-enable-prefix-caching")
         with Server(command, vllm_env(args.cpus), port, args.out / f"server-vllm-{index}.log"):
+            prime(port, items, args)
             for level in levels:
                 rows.append({"server": label, **asyncio.run(load(port, "target", items, level, args.max_tokens))})
                 if config:
@@ -415,9 +430,12 @@ def bench(args: argparse.Namespace) -> int:
                    "--drafter", str(args.drafter or "none"), "--max-queue", str(args.requests + 1)]
         if args.d3d_max_batch:
             command += ["--max-batch", str(args.d3d_max_batch)]
+        if not args.prefix_caching:
+            command += ["--prefix-cache", "0"]
         env = dict(os.environ, OMP_NUM_THREADS=str(cpu_count(args.cpus)))
         d3d_levels = [int(c) for c in args.d3d_concurrency.split(",")] if args.d3d_concurrency else levels
         with Server(command, env, port, args.out / "server-d3d.log"):
+            prime(port, items, args)
             for method in methods:
                 for level in d3d_levels:
                     row = asyncio.run(load(port, "target", items, level, args.max_tokens, {"d3d": {"method": method}}))
@@ -435,6 +453,7 @@ def bench(args: argparse.Namespace) -> int:
         row["identical_to_own_solo"] = sum(a == b for a, b in zip(texts, solo[row["server"]]))
     summary = {"rows": rows, "cpus": args.cpus, "cpu": cpu_name(), "max_tokens": args.max_tokens,
                "requests": args.requests, "eager": args.eager, "drafter": args.drafter,
+               "prefix_caching": args.prefix_caching,
                "vllm_version": vllm.__version__, "date": time.strftime("%Y-%m-%d")}
     (args.out / "bench.json").write_text(json.dumps(summary, indent=2))
     if args.report:
@@ -482,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--d3d-concurrency", default="",
                            help="concurrency levels of `d3d serve` (default: --concurrency's)")
             p.add_argument("--d3d-max-batch", type=int, default=0, help="`d3d serve --max-batch` (0: its default)")
+            p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                           help="both servers' prefix caches, on as they ship (vLLM's automatic prefix caching, "
+                                "d3d serve's --prefix-cache), every prompt sent once before the levels; "
+                                "--no-prefix-caching: both off, every prompt computed at every level")
     args = parser.parse_args(argv)
     return {"check": check, "bench": bench, "engine": engine}[args.command](args)
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import d3d.generation
 from d3d.batch import MAX_BATCH
+from d3d.prefix_cache import PREFIX_CACHE_MB
 from d3d.cli import main
 from d3d.drafter import Drafter
 from test_generation import tiny_pipeline, tiny_target
@@ -48,15 +49,16 @@ def test_serve_wires_its_arguments(monkeypatch, tiny_loading):
     monkeypatch.setenv("D3D_API_KEY", "from-env")
     assert main(["serve", "--host", "0.0.0.0", "--port", "9001", "--method", "lookup", "--drafter", "none",
                  "--model-name", "mine", "--max-queue", "3", "--deadline", "0", "--max-body-bytes", "99",
-                 "--api-key", "k", "--shutdown-grace", "2", "--max-batch", "4"]) == 0
+                 "--api-key", "k", "--shutdown-grace", "2", "--max-batch", "4", "--prefix-cache", "0"]) == 0
     assert main(["serve", "--drafter", "none"]) == 0
     (pipeline, *rest), (_, *defaults) = calls
     assert pipeline.target.name == "tiny-random" and pipeline.drafter is None
     assert rest == ["0.0.0.0", 9001, "mine", "lookup", d3d_server.Limits(3, None, 99, "k", 2.0, max_batch=4)]
     assert defaults == ["127.0.0.1", 8000, "SmolLM2-135M-Instruct", "speculative",
-                        d3d_server.Limits(api_key="from-env", max_batch=MAX_BATCH)]
+                        d3d_server.Limits(api_key="from-env", max_batch=MAX_BATCH, prefix_cache_mb=PREFIX_CACHE_MB)]
     assert main(["serve", "--drafter", "none", "--max-queue", "-1"]) == 2
     assert main(["serve", "--drafter", "none", "--max-batch", "0"]) == 2
+    assert main(["serve", "--drafter", "none", "--prefix-cache", "-1"]) == 2
 
 
 def free_port() -> int:

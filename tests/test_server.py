@@ -166,6 +166,39 @@ def test_streamed_completion_wire_format(http, pipeline):
     assert len({p["id"] for p in payloads}) == 1
 
 
+def test_a_prompt_starting_with_computed_tokens_reuses_their_positions(pipeline):
+    """With a prefix cache (`d3d serve --prefix-cache`), a prompt that begins with tokens an ended
+    generation computed — a longer prompt, the same request again — computes only the rest: usage
+    reports the cached prompt tokens as OpenAI does (`prompt_tokens_details.cached_tokens`), /metrics
+    counts them, and every answer is exactly that of a server without the cache, batched or not."""
+    longer = PROMPT + " and more"
+    for max_batch in (1, 4):
+        served = tiny_pipeline(eos_token_ids=[])
+        app = create_app(served, MODEL, limits=d3d_server.Limits(prefix_cache_mb=8, max_batch=max_batch))
+        with running(app) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+            first = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=20)
+            assert first.choices[0].text == expected(pipeline, PROMPT, chat=False, max_new_tokens=20)[0]
+            assert first.usage.prompt_tokens_details.cached_tokens == 0
+            second = client.completions.create(model=MODEL, prompt=longer, temperature=0, max_tokens=20)
+            assert second.choices[0].text == expected(pipeline, longer, chat=False, max_new_tokens=20)[0]
+            assert second.usage.prompt_tokens_details.cached_tokens == len(pipeline.encode(PROMPT, chat=False))
+            chats = []
+            for _ in range(2):  # the same streamed chat twice: the second reuses all but the last prompt token
+                stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20,
+                                                        stream=True, stream_options={"include_usage": True})
+                events = list(stream)
+                chats.append(("".join(e.choices[0].delta.content or "" for e in events if e.choices),
+                              events[-1].usage))
+            assert chats[0][0] == chats[1][0] == expected(pipeline, MESSAGES, max_new_tokens=20)[0]
+            assert chats[1][1].prompt_tokens_details.cached_tokens == chats[1][1].prompt_tokens - 1
+            cached = sum(usage.prompt_tokens_details.cached_tokens for usage in (first.usage, second.usage,
+                                                                                 chats[0][1], chats[1][1]))
+            prompt = sum(usage.prompt_tokens for usage in (first.usage, second.usage, chats[0][1], chats[1][1]))
+            metrics = httpx.get(f"{url}/metrics").text
+            assert f"d3d_prompt_tokens_cached_total {cached}" in metrics and f"d3d_prompt_tokens_total {prompt}" in metrics
+
+
 # -- stopping -----------------------------------------------------------------------------------
 
 def test_stop_string_ends_the_text(client, pipeline):

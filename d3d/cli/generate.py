@@ -12,6 +12,7 @@ from d3d.batch import MAX_BATCH
 from d3d.cli.common import add_model_arguments, add_sampling_arguments, load_pipeline
 from d3d.config import ConfigError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
+from d3d.prefix_cache import PREFIX_CACHE_MB, PrefixCache
 
 
 @dataclass
@@ -100,6 +101,10 @@ def generate(args: argparse.Namespace) -> int:
 def chat(args: argparse.Namespace) -> int:
     """An interactive chat: each line you type is a user turn; an empty line or Ctrl-D ends it."""
     pipeline = load_pipeline(args)
+    # each turn's prompt is the conversation so far: only the new message is computed
+    if args.prefix_cache < 0:
+        raise ConfigError(f"--prefix-cache must be at least 0 MiB, got {args.prefix_cache}")
+    pipeline.prefixes = PrefixCache(args.prefix_cache << 20) if args.prefix_cache else None
     args.chat = True
     messages: list[dict[str, str]] = []
     method: Method = "speculative"
@@ -126,7 +131,7 @@ def serve_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"d3d serve needs the serve extra: pip install 'd3d-decoding[serve]' ({error})") from None
     limits = Limits(max_queue=args.max_queue, max_batch=args.max_batch, deadline=args.deadline or None, max_body_bytes=args.max_body_bytes,
                     api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
-                    shutdown_grace=args.shutdown_grace)
+                    shutdown_grace=args.shutdown_grace, prefix_cache_mb=args.prefix_cache)
     pipeline = load_pipeline(args)
     serve(pipeline, args.host, args.port, args.model_name or default_model_name(args.target), args.method, limits)
     return 0
@@ -151,6 +156,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("chat", help="interactive multi-turn chat")
     add_model_arguments(p)
     add_sampling_arguments(p)
+    add_prefix_cache_argument(p)
     p.set_defaults(handler=chat, chat=True)
     p = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API (chat and text completions, streaming)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -173,5 +179,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                         "(default: $D3D_API_KEY; none when unset)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="on Ctrl-C or SIGTERM, seconds the running generation may take to finish")
+    add_prefix_cache_argument(p)
     add_model_arguments(p)
     p.set_defaults(handler=serve_command)
+
+
+def add_prefix_cache_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_MB, metavar="MB",
+                   help="MiB of ended generations' keys and values kept so that a later prompt starting with the "
+                        "same tokens (a chat's next turn, a shared system prompt) computes only the rest; "
+                        f"exact, the same output (default {PREFIX_CACHE_MB}; 0: off)")
