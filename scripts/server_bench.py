@@ -211,12 +211,14 @@ def markdown(result: dict, screenshot_path: str | None, report: Path) -> str:
     return "\n".join(lines + [END])
 
 
-def write_report(report: Path, section: str) -> None:
-    text = report.read_text() if report.is_file() else ""
-    if START in text and END in text:
-        text = text[:text.index(START)] + section + text[text.index(END) + len(END):]
+def write_report(report: Path, section: str, start: str = START, end: str = END) -> None:
+    """Replace what lies between the markers `start` and `end` of `report` with `section` (which
+    holds them); a report without them gets the section at its end."""
+    text = report.read_text() if report.is_file() else "# d3d serve under load\n"
+    if start in text and end in text:
+        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
     else:
-        text = "# d3d serve under load\n\n" + section + "\n"
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
     report.write_text(text)
 
 
