@@ -43,7 +43,8 @@ class Run:
     forward itself is the caller's: `generate_from_sources` runs one sequence, `d3d.batch` many in
     one forward. Every choice — the gate's, the random draws — depends on this run's own tokens, so
     a run batched with others commits what it commits alone. With `prefixes`, it starts from the
-    longest stored prefix of its prompt and leaves its cache there when it ends (`release`)."""
+    longest stored prefix of its prompt, stores its prompt once that is in and its whole cache
+    when it ends (`release`)."""
 
     def __init__(self, target: Decoder, sources: list[DraftSource], prompt_ids: list[int],
                  config: GenerationConfig, adaptive: bool = False, on_commit: OnCommit | None = None,
@@ -158,6 +159,8 @@ class Run:
                 sequence.stats.draft_seconds += states.take_seconds()
             if self.prefilling:
                 return None
+            if self.prefixes is not None:  # requests sharing this prompt need not wait for its answer
+                self.prefixes.keep(sequence.tokens, self.cache)
             return self._committed(sequence.commit([pick(logits[-1], self.config.sampling, self.generator)], 0, 0),
                                    logits[-1:])
         started = time.perf_counter()

@@ -227,6 +227,34 @@ def test_batched_runs_sharing_a_system_prompt_decode_as_alone(models, temperatur
     assert store.stats.hits == len(prompts)
 
 
+def test_a_prompt_is_stored_once_it_is_in_while_its_answer_is_still_decoding(models):
+    """A request arriving while another with the same long prompt decodes finds that prompt (its
+    prefill's positions are stored as soon as it is in); the entry grows to prompt + answer at the
+    end (the longer replaces it)."""
+    target, drafter = models
+    system, message = conversation(6)
+    prompt = system + message
+    config = GenerationConfig(max_new_tokens=24, eos_token_ids=[])
+    store = PrefixCache(MIB)
+
+    def run(method, prompt):
+        found, adaptive = sources(method, drafter)
+        return Run(target, found, prompt, config, adaptive, prefixes=store)
+
+    first = run("speculative", prompt)
+    batch = Batch(target, prefill_rows=8)
+    batch.add(first)
+    while first.prefilling:
+        batch.step()
+    assert [entry.tokens.tolist() for entry in store.entries.values()] == [prompt] and not first.finished
+    second = run("lookup", prompt + [3, 4])
+    assert second.sequence.stats.cached_tokens == len(prompt)
+    key = batch.add(second)
+    steps = batch.run_all()[key]
+    assert [t for step in steps for t in step.tokens] == decode(target, drafter, "lookup", prompt + [3, 4], config)[0]
+    assert len(store) == 2 and all(len(entry.tokens) > len(prompt) for entry in store.entries.values())
+
+
 def remember(target, store: PrefixCache, tokens: list[int]) -> None:
     """Store the positions of `tokens` as a generation leaves them (its prompt's forward)."""
     list(generate_from_sources(target, [], tokens, GenerationConfig(max_new_tokens=1, eos_token_ids=[]),
