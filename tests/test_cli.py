@@ -309,6 +309,13 @@ def test_chat_reads_turns_until_empty_line(capsys, tiny_default, monkeypatch):
     assert code == 0
     assert out.count("assistant> ") == 2
     assert err.count("speculative: 4 tokens") == 2
+    # the second turn's prompt starts with the first turn's: its positions come from the prefix cache
+    assert "prompt tokens from the prefix cache" in err.split("speculative: 4 tokens")[2]
+    lines = iter(["hello", "the world", ""])
+    code, _, err = run_cli(capsys, "chat", "--drafter", "none", "--max-new-tokens", "4", "--prefix-cache", "0")
+    assert code == 0 and "prefix cache" not in err
+    code, _, err = run_cli(capsys, "chat", "--drafter", "none", "--prefix-cache", "-1")
+    assert_usage_error(code, err, "--prefix-cache")
 
 
 def test_data_on_tiny_target(capsys, tiny_default, tmp_path):

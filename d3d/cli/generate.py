@@ -49,6 +49,8 @@ def describe(label: str, result: RunResult) -> str:
         line += (f", τ = {s.tau:.2f} (tokens per verification, bonus included; {s.steps} steps), "
                  f"acceptance by draft position: {rates}{' …' if len(s.acceptance_rate) > 8 else ''}, "
                  f"drafting {100 * s.draft_seconds / max(s.wall_seconds, 1e-9):.0f}% of the time")
+    if s.cached_tokens:
+        line += f", {s.cached_tokens} prompt tokens from the prefix cache"
     if s.branch_rounds_at:  # method "async"
         line += (f", next block drafted ahead for {100 * s.hit_rate:.0f}% of verdicts (a branch for their k: "
                  f"{100 * s.planned_rate:.0f}%), "
@@ -100,10 +102,10 @@ def generate(args: argparse.Namespace) -> int:
 
 def chat(args: argparse.Namespace) -> int:
     """An interactive chat: each line you type is a user turn; an empty line or Ctrl-D ends it."""
-    pipeline = load_pipeline(args)
-    # each turn's prompt is the conversation so far: only the new message is computed
     if args.prefix_cache < 0:
         raise ConfigError(f"--prefix-cache must be at least 0 MiB, got {args.prefix_cache}")
+    pipeline = load_pipeline(args)
+    # each turn's prompt is the conversation so far: only the new message is computed
     pipeline.prefixes = PrefixCache(args.prefix_cache << 20) if args.prefix_cache else None
     args.chat = True
     messages: list[dict[str, str]] = []
