@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -238,6 +239,18 @@ def non_decreasing(ratios: list[list[float]], first: float) -> tuple[float, ...]
     return tuple(costs)
 
 
+_machine_keys: WeakKeyDictionary[Decoder, tuple[int, int, list]] = WeakKeyDictionary()
+
+
+def _machine_key(target: Decoder) -> list:
+    """`machine_key(target)`, kept per decoder, thread count and kernels (it walks every weight's
+    stream, ~0.5 ms, and each new generation asks for its costs several times)."""
+    threads, kernels, held = torch.get_num_threads(), id(target.row_exact), _machine_keys.get(target)
+    if held is None or held[:2] != (threads, kernels):
+        held = _machine_keys[target] = (threads, kernels, machine_key(target))
+    return held[2]
+
+
 def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int) -> Path:
     drafter_shape = None
     if drafter is not None:
@@ -245,7 +258,7 @@ def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int) -> Pa
                          drafter.config.block_attention, drafter.config.denoising_steps, str(drafter.decoder.dtype)]
         if drafter.config.kind != "d3d":  # appended only for other kinds: D3D drafters keep their stored costs
             drafter_shape.append(drafter.config.kind)
-    key = json.dumps([machine_key(target), drafter_shape, max_drafts, CONTEXTS, MEASUREMENT], sort_keys=True)
+    key = json.dumps([_machine_key(target), drafter_shape, max_drafts, CONTEXTS, MEASUREMENT], sort_keys=True)
     return cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
@@ -268,7 +281,7 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
         except (OSError, ValueError, TypeError, KeyError):
             costs = None
         if costs is not None:
-            key = json.dumps(machine_key(target))  # the target alone's and the drafter's costs share a probe
+            key = json.dumps(_machine_key(target))  # the target alone's and the drafter's costs share a probe
             now = _probed[key] = _probed.get(key) or probe_step_ms(target)
             if costs.step_ms <= BUSY * now:
                 _measured[path] = costs
@@ -335,7 +348,7 @@ def batch_costs(target: Decoder) -> tuple[float, ...]:
     """`measure_batch` for this machine and target: from memory, from disk, or measured and stored
     beside the verification costs. Unlike them it is not re-measured when the machine was busy: its
     entries are medians of per-round ratios to a one-row forward timed in the same round."""
-    key = json.dumps([machine_key(target), "batch", BATCH_SEQUENCES, BATCH_CONTEXT, MEASUREMENT, BATCH_MEASUREMENT],
+    key = json.dumps([_machine_key(target), "batch", BATCH_SEQUENCES, BATCH_CONTEXT, MEASUREMENT, BATCH_MEASUREMENT],
                      sort_keys=True)
     path = cache_root() / "costs" / f"batch-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     if path in _batch_measured:

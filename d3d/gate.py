@@ -114,9 +114,14 @@ class SpeculationGate:
         often than its first (α ≈ 0.4 at the first, ≈ 0.9 at each later one on long prompts), and
         borrowing the first's α kept the gate proposing one or two drafts, never learning better
         (a long prompt decoded at half of ungated lookup's speed)."""
+        return self.expected_curve(source, num_drafts)[num_drafts]
+
+    def expected_curve(self, source: str, max_drafts: int) -> list[float]:
+        """[k]: `expected_tokens(source, k)` for every k ≤ max_drafts, in one pass (the gate asks
+        for all of them every step of every generation)."""
         alphas = self.acceptance.get(source)
-        total, reach = 1.0, 1.0
-        for i in range(num_drafts):
+        curve, reach = [1.0], 1.0
+        for i in range(max_drafts):
             if not alphas:
                 alpha = self.prior
             elif i < len(alphas):
@@ -124,8 +129,8 @@ class SpeculationGate:
             else:
                 alpha = max(alphas[-1], self.unseen.get(source, 0.0))
             reach *= alpha
-            total += reach
-        return total
+            curve.append(curve[-1] + reach)
+        return curve
 
     def best_drafts(self, source: str, max_drafts: int, context: int = 0, pending: int = 0,
                     crowd: Crowd | None = None) -> int:
@@ -138,10 +143,11 @@ class SpeculationGate:
         catching_up = self.catch_up_steps(source, context, pending)
         others = crowd.tokens if crowd is not None else 0.0
         best, best_rate = 0, (1.0 + others) / (crowd.cost(crowd.rows) if crowd is not None else 1.0)
+        expected = self.expected_curve(source, max_drafts)
         for k in range(1, max_drafts + 1):
             forward = crowd.cost(crowd.rows + k) if crowd is not None else verify[min(k, len(verify) - 1)]
             cost = forward + drafting[min(k, len(drafting) - 1)] + catching_up
-            rate = (self.expected_tokens(source, k) + others) / cost
+            rate = (expected[k] + others) / cost
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
