@@ -71,6 +71,11 @@ class KVCache:
         return is_split(self.keys, self.values)
 
     @property
+    def position_bytes(self) -> int:
+        """Bytes of keys and values one slot holds."""
+        return sum(t.numel() // self.capacity * t.element_size() for t in (self.keys, self.values))
+
+    @property
     def batch_size(self) -> int:
         return self.keys.shape[1]
 

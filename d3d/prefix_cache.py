@@ -10,8 +10,8 @@ them — the prompt in one piece or in several, a verification's rows, another r
 so a restored prefix holds what this prompt's own prefill would have written. `d3d.run.Run` uses
 it only there.
 
-Bounded in bytes, the least recently used entry leaving first; an entry that a new one extends is
-replaced by it. Thread-safe. This module knows caches and token ids, not models or text.
+Bounded in bytes, the least recently used entry leaving first (a sequence longer than the whole
+budget leaves the prefix that fits); an entry that a new one extends is replaced by it. Thread-safe. This module knows caches and token ids, not models or text.
 """
 
 from __future__ import annotations
@@ -86,8 +86,10 @@ class PrefixCache:
         return length
 
     def keep(self, tokens: list[int], cache: KVCache) -> None:
-        """Store `cache`'s first len(tokens) committed positions, whose tokens are `tokens`."""
-        count = min(len(tokens), cache.length)
+        """Store `cache`'s first len(tokens) committed positions, whose tokens are `tokens` — as many
+        of the first as the whole budget holds, when not all."""
+        per_position = cache.position_bytes + 8  # and its token id
+        count = min(len(tokens), cache.length, self.max_bytes // per_position)
         if count == 0:
             return
         stored = torch.tensor(tokens[:count], dtype=torch.long)
@@ -101,8 +103,6 @@ class PrefixCache:
                     self._drop(key)
             keys, values = cache.snapshot(count)
             entry = Entry(stored, keys, values)
-            if entry.nbytes > self.max_bytes:
-                return
             self.entries[self._next_key] = entry
             self._next_key += 1
             self.nbytes += entry.nbytes

@@ -457,6 +457,15 @@ def create_app(pipeline: Pipeline, model_name: str = "d3d", method: Method = "sp
         text = metrics.render(server.scheduler.queue_depth, server.scheduler.held, batch)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, int]:
+        """Empty the prefix cache (vLLM's route of that name): measure cold prompts without a restart."""
+        prefixes = pipeline.prefixes
+        cleared = len(prefixes) if prefixes is not None else 0
+        if prefixes is not None:
+            prefixes.clear()
+        return {"cleared": cleared}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "d3d"}

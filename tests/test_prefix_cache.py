@@ -97,12 +97,16 @@ def test_the_least_recently_used_entry_leaves_first_within_the_budget():
     store.keep([4] * 10, filled_cache(10, False))
     assert sorted(entry.tokens[0].item() for entry in store.entries.values()) == [1, 3, 4]
     assert store.nbytes == 3 * entry_bytes
-    PrefixCache(entry_bytes - 1).keep([1] * 10, filled_cache(10, False))  # larger than the budget: skipped
+    small = PrefixCache(entry_bytes - 1)  # longer than the whole budget: the prefix that fits
+    small.keep(list(range(10)), filled_cache(10, False))
+    assert [entry.tokens.tolist() for entry in small.entries.values()] == [list(range(9))]
+    assert small.nbytes <= small.max_bytes
     nothing = PrefixCache(0)
     nothing.keep([1] * 10, filled_cache(10, False))
     assert len(nothing) == 0 and nothing.nbytes == 0
     with pytest.raises(ValueError, match="at least 0"):
         PrefixCache(-1)
+    assert filled_cache(0, True).position_bytes == filled_cache(0, False).position_bytes == 2 * 2 * 2 * 32 * 4
 
 
 def test_a_snapshot_of_another_layout_is_refused():

@@ -197,6 +197,10 @@ def test_a_prompt_starting_with_computed_tokens_reuses_their_positions(pipeline)
             prompt = sum(usage.prompt_tokens for usage in (first.usage, second.usage, chats[0][1], chats[1][1]))
             metrics = httpx.get(f"{url}/metrics").text
             assert f"d3d_prompt_tokens_cached_total {cached}" in metrics and f"d3d_prompt_tokens_total {prompt}" in metrics
+            assert httpx.post(f"{url}/reset_prefix_cache").json()["cleared"] >= 2  # then the same chat computes all
+            events = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20,
+                                                         stream=True, stream_options={"include_usage": True}))
+            assert events[-1].usage.prompt_tokens_details.cached_tokens == 0
 
 
 # -- stopping -----------------------------------------------------------------------------------
