@@ -1,17 +1,18 @@
-"""Prompts already computed: the keys and values of ended generations, reused by later prompts that
-begin with the same tokens — a chat's next turn (the conversation so far, then one more message), a
-shared system prompt, a request sent again.
+"""Prompts already computed: the keys and values of earlier generations, reused by later prompts
+that begin with the same tokens — a chat's next turn (the conversation so far, then one more
+message), a shared system prompt, a request sent again.
 
-A generation leaves its cache here when it ends (`keep`: the positions it committed, as a trimmed
-copy); a new one copies in the longest stored prefix of its prompt (`restore`) and computes only the
-rest. That is exact by construction where the target's kernels are row-exact (`d3d.exactness`:
-verify mode "batched"): a position's keys and values are the same bits whichever forward computed
-them — the prompt in one piece or in several, a verification's rows, another request's prompt —
-so a restored prefix holds what this prompt's own prefill would have written. `d3d.run.Run` uses
-it only there.
+A generation leaves its cache here once its prompt is in and again when it ends (`keep`: the
+positions it committed, as a trimmed copy); a new one copies in the longest stored prefix of its
+prompt (`restore`) and computes only the rest. That is exact by construction where the target's
+kernels are row-exact (`d3d.exactness`: verify mode "batched"): a position's keys and values are
+the same bits whichever forward computed them — the prompt in one piece or in several, a
+verification's rows, another request's prompt — so a restored prefix holds what this prompt's own
+prefill would have written. `d3d.run.Run` uses it only there.
 
 Bounded in bytes, the least recently used entry leaving first (a sequence longer than the whole
-budget leaves the prefix that fits); an entry that a new one extends is replaced by it. Thread-safe. This module knows caches and token ids, not models or text.
+budget leaves the prefix that fits); an entry that a new one extends is replaced by it.
+Thread-safe. This module knows caches and token ids, not models or text.
 """
 
 from __future__ import annotations
