@@ -33,6 +33,12 @@
 
 #define AMX_K 32  /* k values per tile step: a 64-byte tile row of bf16 */
 #define AMX_ROWS 16  /* rows of a tile */
+#ifndef AMX_GROUPED_ROWS
+#define AMX_GROUPED_ROWS 32  /* calls of up to this many rows decode grouped blocks (more: the bf16 values) */
+#endif
+#define AMX_AHEAD 4  /* k steps ahead that a packed weight tile is prefetched into L2, for calls of several
+                     * rows (Xeon, 2 cores, whole forwards over bf16 weights: 17 rows 15.8-16.2 ms against
+                     * 17.2-17.6 without; one row 11.3-11.4 against 10.9-11.0: the hardware's own keeps up) */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -106,17 +112,41 @@ static inline void amx_configure(int r0, int r1, int *state) {
     *state = r0 * 64 + r1 + 1;
 }
 
-/* Every row over G ≤ GROUPS groups (columns n0 …) whose packed weights start at tile_w: two groups
- * and up to 32 rows (two row tiles) at a time, each output zeroed, then one TDPBF16PS per k step,
- * then stored by store16_bf16 (+ bias, rounded, + residual, rounded: the packed path's rule). */
-static void amx_block(const uint16_t *x, int64_t x_stride, const uint16_t *tile_w, int G, int64_t n0,
-                      const uint16_t *bias, const uint16_t *residual, uint16_t *y, int64_t M, int64_t N,
-                      int64_t K, int *state) {
-    int64_t group_elems = 16 * K, steps = K / AMX_K, row_bytes = x_stride * 2;
+/* The weights of k step i (32 values of k) of group g as one tile (16 k pairs x 16 columns, 1 KB):
+ * in place in a packed panel, or — from grouped blocks — decoded into `buf` as the 1-4 row path
+ * decodes them (grouped_pair), just before the tiles read it, so it is read from L1. */
+static inline __attribute__((always_inline)) const uint16_t *amx_weight_tile(
+        const uint16_t *tile_w, const d3d_part *grouped, int64_t g, int64_t i, int64_t K, uint16_t *buf, int ahead) {
+    if (!grouped) {
+        const uint16_t *at = tile_w + g * 16 * K + i * 16 * AMX_K;
+        if (ahead)  /* the same group's tile AMX_AHEAD steps on */
+            for (int line = 0; line < 16; line++) __builtin_prefetch(at + AMX_AHEAD * 16 * AMX_K + line * 32, 0, 2);
+        return at;
+    }
+    int g4 = grouped->format == D3D_G4;
+    int64_t size = g4 ? (int64_t)sizeof(block_g4) : (int64_t)sizeof(block_g8);
+    const char *at = (const char *)grouped->data + (g * (K / CHUNK) + i) * size;
+    for (int64_t line = 0; line < size; line += 64) __builtin_prefetch(at + GROUPED_AHEAD * size + line, 0, 2);
+    __m512 s0, s1, o0, o1;
+    grouped_scales(at, g4, &s0, &s1, &o0, &o1);
+    for (int p = 0; p < 16; p++) _mm512_store_si512(buf + p * 32, (__m512i)grouped_pair(at, p, g4, s0, s1, o0, o1));
+    return buf;
+}
+
+/* Every row over G ≤ GROUPS groups (columns n0 …): two groups and up to 32 rows (two row tiles) at
+ * a time, each output zeroed, then one TDPBF16PS per k step, then stored by store16_bf16 (+ bias,
+ * rounded, + residual, rounded: the packed path's rule). The weights come from `tile_w` (packed
+ * layout, group g at tile_w + g·16·K) or, with `grouped`, from its groups g0 … decoded tile by tile
+ * (then M ≤ 32: one pass of rows, each block decoded once). */
+static void amx_block(const uint16_t *x, int64_t x_stride, const uint16_t *tile_w, const d3d_part *grouped,
+                      int64_t g0, int G, const uint16_t *bias, const uint16_t *residual, uint16_t *y, int64_t M,
+                      int64_t N, int64_t K, int *state) {
+    int64_t steps = K / AMX_K, row_bytes = x_stride * 2;
     float out[2 * AMX_ROWS][2][16];
+    uint16_t buf[2][2][16 * AMX_K] __attribute__((aligned(64)));  /* [group][step parity] */
     for (int gp = 0; gp < G; gp += 2) {
         int GG = G - gp < 2 ? G - gp : 2;
-        const uint16_t *w0 = tile_w + gp * group_elems, *w1 = w0 + group_elems;
+        int64_t ga = grouped ? g0 + gp : gp, gb = ga + 1;
         for (int64_t m0 = 0; m0 < M; m0 += 2 * AMX_ROWS) {
             int r0 = M - m0 < AMX_ROWS ? (int)(M - m0) : AMX_ROWS;
             int r1 = M - m0 - r0 < AMX_ROWS ? (int)(M - m0 - r0) : AMX_ROWS;
@@ -130,14 +160,14 @@ static void amx_block(const uint16_t *x, int64_t x_stride, const uint16_t *tile_
             }
             for (int64_t i = 0; i < steps; i++) {
                 TILE_LOAD(4, x0 + i * AMX_K, row_bytes);
-                TILE_LOAD(6, w0 + i * 16 * AMX_K, 64);
+                TILE_LOAD(6, amx_weight_tile(tile_w, grouped, ga, i, K, buf[0][i & 1], M > 1), 64);
                 TILE_DP(0, 4, 6);
                 if (r1) {
                     TILE_LOAD(5, x1 + i * AMX_K, row_bytes);
                     TILE_DP(2, 5, 6);
                 }
                 if (GG > 1) {
-                    TILE_LOAD(7, w1 + i * 16 * AMX_K, 64);
+                    TILE_LOAD(7, amx_weight_tile(tile_w, grouped, gb, i, K, buf[1][i & 1], M > 1), 64);
                     TILE_DP(1, 4, 7);
                     if (r1) TILE_DP(3, 5, 7);
                 }
@@ -150,7 +180,7 @@ static void amx_block(const uint16_t *x, int64_t x_stride, const uint16_t *tile_
             }
             for (int r = 0; r < r0 + r1; r++)
                 for (int g = 0; g < GG; g++) {
-                    int64_t n = n0 + (gp + g) * 16, at = (m0 + r) * N + n;
+                    int64_t n = (g0 + gp + g) * 16, at = (m0 + r) * N + n;
                     store16_bf16(_mm512_loadu_ps(out[r][g]), bias ? bias + n : 0, residual ? residual + at : 0,
                                  y + at, N - n < 16 ? (int)(N - n) : 16);
                 }
@@ -186,11 +216,15 @@ static void amx_bf16_body(const uint16_t *x, int64_t x_stride, const uint16_t *p
     int state = 0;
     for (int64_t g0 = first; g0 < last; g0 += GROUPS) {
         int G = last - g0 < GROUPS ? (int)(last - g0) : GROUPS;
+        if (grouped && M <= 2 * AMX_ROWS) {  /* one pass of rows: each block decoded once, into L1 */
+            amx_block(x, x_stride, NULL, grouped, g0, G, bias, residual, y, M, N, K, &state);
+            continue;
+        }
         const uint16_t *tile_w = panel;
         if (packed) tile_w = packed + g0 * 16 * K;
         else if (grouped) grouped_panel(grouped, g0, G, K, panel);
         else decode_panel(w, g0, G, N, K, panel);
-        amx_block(x, x_stride, tile_w, G, g0 * 16, bias, residual, y, M, N, K, &state);
+        amx_block(x, x_stride, tile_w, NULL, g0, G, bias, residual, y, M, N, K, &state);
     }
     if (state) amx_release();
     _Pragma("omp barrier")
@@ -206,7 +240,7 @@ static int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight
         amx_bf16_body(x, x_stride, w->parts[0].data, NULL, NULL, bias, residual, y, M, N, K, scratch);
     else if (!is_quantized(format))
         return 0;
-    else if (M <= GROUPED_ROWS && w->grouped.data)  /* a third of the bytes of the bf16 values */
+    else if (M <= AMX_GROUPED_ROWS && w->grouped.data)  /* a third of the bytes of the bf16 values */
         amx_bf16_body(x, x_stride, NULL, &w->grouped, NULL, bias, residual, y, M, N, K, scratch);
     else if (w->dense.data)
         amx_bf16_body(x, x_stride, w->dense.data, NULL, NULL, bias, residual, y, M, N, K, scratch);
