@@ -373,3 +373,62 @@ def test_real_llama_server_on_the_gguf_d3d_loads(server_built, tmp_path):
     assert all("first_mismatch" in r for r in runs)
     assert len(started) == 1 and started[0].command[started[0].command.index("-m") + 1] == str(embedded_gguf_path())
     assert started[0].process.poll() is not None
+
+
+# -- llama-server crashing in its warm-up (its AMX repacking on Intel Xeons) -----------------------
+
+STAND_IN = '''#!{python}
+"""A stand-in llama-server: dies with SIGSEGV while loading unless given --no-repack{always}, else
+answers /health on its Unix socket (--host PATH)."""
+import os, signal, socket, sys
+argv = sys.argv[1:]
+if "--no-repack" not in argv or {always_crash}:
+    os.kill(os.getpid(), signal.SIGSEGV)
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(argv[argv.index("--host") + 1])
+server.listen(4)
+while True:
+    connection, _ = server.accept()
+    connection.recv(65536)
+    connection.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\nConnection: close\\r\\n\\r\\n{{}}")
+    connection.close()
+'''
+
+
+def stand_in_install(tmp_path: Path, always_crash: bool) -> llamacpp.Install:
+    import sys
+
+    server = tmp_path / "bin" / "llama-server"
+    server.parent.mkdir(parents=True, exist_ok=True)
+    server.write_text(STAND_IN.format(python=sys.executable, always=" (or always: a broken build)" * always_crash,
+                                      always_crash=always_crash))
+    server.chmod(0o755)
+    gguf = tmp_path / llamacpp.TARGET_GGUF
+    gguf.write_bytes(b"GGUF")
+    return llamacpp.Install(server, gguf)
+
+
+def test_a_server_crashing_in_its_warm_up_is_retried_with_no_repack_and_said(monkeypatch, tmp_path):
+    """llama.cpp b11434's AMX kernels crash on multi-token batches of the Q4_1 file on Intel Xeons, so
+    llama-server dies while loading: the bench starts it again with --no-repack, as a user has to,
+    and the method's description says so."""
+    monkeypatch.setenv("D3D_LLAMACPP_DIR", str(tmp_path))
+    monkeypatch.setattr(llamacpp, "_NO_REPACK", set())
+    assert "--no-repack" not in llamacpp.describe(lookup=False, threads=2)
+    server = llamacpp.Server(stand_in_install(tmp_path, always_crash=False), threads=2, lookup=False)
+    try:
+        assert server.command[-1] == "--no-repack" and server.process.poll() is None
+        assert server.request("GET", "/health", None, timeout=5.0)[0] == 200
+    finally:
+        server.close()
+    assert "llama-server --no-repack (its AMX repacking crashed" in llamacpp.describe(lookup=False, threads=2)
+    again = llamacpp.Server(stand_in_install(tmp_path, always_crash=False), threads=2, lookup=False)
+    again.close()  # the next server of that file starts with --no-repack at once
+    assert again.command.count("--no-repack") == 1
+
+
+def test_a_server_that_crashes_anyway_is_an_error_after_one_retry(monkeypatch, tmp_path):
+    """Negative control: a build that crashes with --no-repack too is reported, not retried forever."""
+    monkeypatch.setattr(llamacpp, "_NO_REPACK", set())
+    with pytest.raises(LlamaCppError, match="exited with code -11 while loading"):
+        llamacpp.Server(stand_in_install(tmp_path, always_crash=True), threads=2, lookup=False)

@@ -136,6 +136,14 @@ def _death_signal():
     return lambda: prctl(1, signal.SIGTERM)
 
 
+# llama.cpp b11434 repacks quantized weights for its AMX kernels on CPUs with AMX, and those crash on
+# any batch of more than one token of the embedded Q4_1 file (Intel Xeon with AMX, 2026-12-04:
+# `llama-bench -p 8` dies with SIGSEGV in ggml_backend_amx_mul_mat, `-p 1` and `-n 128` run), so
+# llama-server dies in its warm-up. A user has to pass --no-repack; the server is retried so, once per
+# model file (kept here), and the method's description says so.
+_NO_REPACK: set[str] = set()
+
+
 class Server:
     """One llama-server process on a Unix socket in its own temporary folder, one slot (batch 1)."""
 
@@ -147,13 +155,29 @@ class Server:
                    "-tb", str(threads), "-np", "1", "--no-webui", "--cache-ram", "0", "--no-cache-prompt"]
         if lookup:
             command += ["--spec-type", "ngram-cache", "--spec-draft-n-max", str(LOOKUP_DRAFTS)]
-        self.command = command
-        started = time.perf_counter()
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            preexec_fn=_death_signal())
+        if str(install.gguf) in _NO_REPACK:
+            command.append("--no-repack")
         atexit.register(self.close)
-        self.wait_ready()
+        while True:
+            self.command = command
+            started = time.perf_counter()
+            with open(self.log_path, "wb") as log:
+                self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
+                                                stderr=subprocess.STDOUT, preexec_fn=_death_signal())
+            try:
+                self.wait_ready()
+                break
+            except LlamaCppError:
+                if self.process.returncode != -signal.SIGSEGV or "--no-repack" in command:
+                    raise
+                print("d3d: llama-server crashed while loading (its warm-up batch); again with --no-repack, as a "
+                      "user would have to", file=sys.stderr)
+                _NO_REPACK.add(str(install.gguf))
+                command = [*command, "--no-repack"]
+                self.folder = tempfile.mkdtemp(prefix="d3d-llamacpp-")
+                self.socket = os.path.join(self.folder, "server.sock")
+                self.log_path = os.path.join(self.folder, "server.log")
+                command[command.index("--host") + 1] = self.socket
         self.load_seconds = time.perf_counter() - started
 
     def log_tail(self, lines: int = 15) -> str:
@@ -230,7 +254,13 @@ def describe(lookup: bool, threads: int | None = None, own_gguf: bool = False) -
             else "plain greedy decoding")
     model = ("the GGUF file d3d loads the target from (embedded default: SmolLM2-135M-Instruct.Q4_1.gguf), "
              "in its own quantization" if own_gguf else "BF16 GGUF of the embedded target")
-    return (f"llama.cpp b{read_version()} {what}: llama-server, {model}, "
+    repack = ""
+    if _NO_REPACK:
+        from d3d.loading import embedded_gguf_path
+
+        if str(embedded_gguf_path() if own_gguf else llamacpp_dir() / TARGET_GGUF) in _NO_REPACK:
+            repack = " --no-repack (its AMX repacking crashed on this CPU's multi-token batches)"
+    return (f"llama.cpp b{read_version()} {what}: llama-server{repack}, {model}, "
             f"{threads} threads, prompt as token ids, its own timers")
 
 
