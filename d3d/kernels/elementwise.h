@@ -25,7 +25,32 @@ static inline __attribute__((always_inline)) v8 v8_silu(v8 g) {
     v8 e = exp_fixed8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
     return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
+#ifdef __AVX512F__
+/* The same on 16 lanes (exp_fixed16: the same operations as exp_fixed8, so the same bits per lane). */
+static inline __attribute__((always_inline)) __m512i v16_bf16_bits(__m512 f) {  /* f32_to_bf16, in the low halves */
+    __m512i u = _mm512_castps_si512(f);
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x00400000));
+    return _mm512_srli_epi32(_mm512_mask_blend_epi32(nan, rounded, quiet), 16);
+}
+static inline __attribute__((always_inline)) __m512 v16_from_bf16(const uint16_t *a) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)a)), 16));
+}
+static inline __attribute__((always_inline)) __m512 v16_silu(__m512 g) {
+    __m512 e = exp_fixed16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+#endif
 static inline int64_t SILU_VECTOR_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *y, int64_t i, int64_t end) {
+#ifdef __AVX512F__
+    for (; i + 16 <= end; i += 16) {
+        __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(v16_bf16_bits(v16_silu(v16_from_bf16(gate + i))), 16));
+        __m512 out = _mm512_mul_ps(silu, v16_from_bf16(up + i));
+        _mm256_storeu_si256((__m256i *)(y + i), _mm512_cvtepi32_epi16(v16_bf16_bits(out)));
+    }
+#endif
     for (; i + 8 <= end; i += 8) {
         v8 out = _mm256_mul_ps(v8_via_bf16(v8_silu(v8_from_bf16(gate + i))), v8_from_bf16(up + i));
         __m256i bits = v8_bf16_bits(out);
@@ -35,6 +60,10 @@ static inline int64_t SILU_VECTOR_bf16(const uint16_t *gate, const uint16_t *up,
     return i;
 }
 static inline int64_t SILU_VECTOR_f32(const float *gate, const float *up, float *y, int64_t i, int64_t end) {
+#ifdef __AVX512F__
+    for (; i + 16 <= end; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_mul_ps(v16_silu(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
+#endif
     for (; i + 8 <= end; i += 8) v8_store(y + i, _mm256_mul_ps(v8_silu(v8_load(gate + i)), v8_load(up + i)));
     return i;
 }
