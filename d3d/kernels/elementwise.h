@@ -72,9 +72,41 @@ static inline int64_t SILU_VECTOR_f32(const float *gate, const float *up, float 
 #define SILU_VECTOR_f32(gate, up, y, i, end) (i)
 #endif
 
+/* RMSNorm of a row on 16 lanes where D is a multiple of 16: lane l's sum of squares is the scalar
+ * loop's acc[l] (one fmaf chain over d = l, l + 16, …), folded as fold_lanes folds it, then the
+ * scalar loop's products and roundings element by element — the same bits. Returns 0 where it
+ * leaves the row to the scalar loop. */
+#ifdef __AVX512F__
+#define NORM_VECTOR(SUFFIX, LOAD16, STORE16)                                                         \
+static inline int rms_norm_vector_##SUFFIX(const T_##SUFFIX *xr, const T_##SUFFIX *weight,           \
+                                           T_##SUFFIX *yr, int64_t D, float eps) {                  \
+    if (D % 16) return 0;                                                                            \
+    __m512 acc = _mm512_setzero_ps();                                                                \
+    for (int64_t d = 0; d < D; d += 16) { __m512 f = LOAD16(xr + d); acc = _mm512_fmadd_ps(f, f, acc); } \
+    float lanes[16];                                                                                 \
+    _mm512_storeu_ps(lanes, acc);                                                                    \
+    __m512 r = _mm512_set1_ps(1.0f / sqrtf(fold_lanes(lanes) / (float)D + eps));                     \
+    for (int64_t d = 0; d < D; d += 16)                                                              \
+        STORE16(yr + d, _mm512_mul_ps(LOAD16(weight + d), ROUND16_##SUFFIX(_mm512_mul_ps(LOAD16(xr + d), r)))); \
+    return 1;                                                                                        \
+}
+typedef uint16_t T_bf16;
+typedef float T_f32;
+static inline __m512 v16_via_bf16(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(v16_bf16_bits(f), 16)); }
+static inline void v16_store_bf16(uint16_t *y, __m512 f) { _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(v16_bf16_bits(f))); }
+#define ROUND16_bf16(f) v16_via_bf16(f)
+#define ROUND16_f32(f) (f)
+NORM_VECTOR(bf16, v16_from_bf16, v16_store_bf16)
+NORM_VECTOR(f32, _mm512_loadu_ps, _mm512_storeu_ps)
+#else
+#define rms_norm_vector_bf16(xr, weight, yr, D, eps) 0
+#define rms_norm_vector_f32(xr, weight, yr, D, eps) 0
+#endif
+
 #define NORMS(SUFFIX, T_ELEM, LOAD, STORE)                                                           \
 static inline void rms_norm_row_##SUFFIX(const T_ELEM *xr, const T_ELEM *weight, T_ELEM *yr, int64_t D, \
                                          float eps) {                                                \
+    if (rms_norm_vector_##SUFFIX(xr, weight, yr, D, eps)) return;                                    \
     float acc[LANES] = {0};                                                                          \
     int64_t d = 0;                                                                                   \
     for (; d + LANES <= D; d += LANES)                                                               \
