@@ -157,9 +157,36 @@ NORMS(f32, float, IDENTITY, IDENTITY)
  * (M, D), or with `positions`, row positions[m] of tables cos_/sin_ (P, D).
  * ------------------------------------------------------------------------------------------- */
 
+/* The rotation on 16 lanes where D is a multiple of 32 (so each half is whole vectors): the scalar
+ * loop's negation (a sign flip), products, sum and roundings element by element — the same bits.
+ * Returns 0 where it leaves the head to the scalar loop. */
+#ifdef __AVX512F__
+#define ROTATE_VECTOR(SUFFIX, LOAD16, STORE16)                                                       \
+static inline int rotate_vector_##SUFFIX(const T_##SUFFIX *x, const T_##SUFFIX *cos_,                \
+                                         const T_##SUFFIX *sin_, T_##SUFFIX *out, int64_t D) {       \
+    if (D % 32) return 0;                                                                            \
+    int64_t half = D / 2;                                                                            \
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);                                       \
+    for (int64_t d = 0; d < D; d += 16) {                                                            \
+        __m512 rot = d < half ? _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(LOAD16(x + d + half)), sign)) \
+                              : LOAD16(x + d - half);                                                \
+        __m512 a = ROUND16_##SUFFIX(_mm512_mul_ps(LOAD16(x + d), LOAD16(cos_ + d)));                 \
+        __m512 b = ROUND16_##SUFFIX(_mm512_mul_ps(rot, LOAD16(sin_ + d)));                           \
+        STORE16(out + d, _mm512_add_ps(a, b));                                                       \
+    }                                                                                                \
+    return 1;                                                                                        \
+}
+ROTATE_VECTOR(bf16, v16_from_bf16, v16_store_bf16)
+ROTATE_VECTOR(f32, _mm512_loadu_ps, _mm512_storeu_ps)
+#else
+#define rotate_vector_bf16(x, cos_, sin_, out, D) 0
+#define rotate_vector_f32(x, cos_, sin_, out, D) 0
+#endif
+
 #define ROPE_STORE(SUFFIX, T_ELEM, LOAD, STORE)                                                      \
 static inline void rotate_##SUFFIX(const T_ELEM *x, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *out, \
                                    int64_t D) {                                                      \
+    if (rotate_vector_##SUFFIX(x, cos_, sin_, out, D)) return;                                       \
     int64_t half = D / 2;                                                                            \
     for (int64_t d = 0; d < D; d++) {                                                                \
         float rot = d < half ? -LOAD(x[d + half]) : LOAD(x[d - half]);                               \
