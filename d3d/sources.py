@@ -35,7 +35,7 @@ from d3d.drafter import Drafter
 from d3d.gate import Costs
 from d3d.lookup import LookupConfig, LookupIndex
 from d3d.models import Decoder
-from d3d.sampling import probabilities, sample
+from d3d.sampling import greedy_ids, probabilities, sample
 
 LOOKUP_MAX_DRAFTS = 15  # a free source's reach: a run of repeated text is drafted 15 tokens at a time
 
@@ -81,7 +81,7 @@ def drafts_from_logits(block_logits: torch.Tensor, sampling: SamplingConfig,
                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Drafts from (K, V) drafter logits → draft_tokens (K,) and, when sampling, draft_probs (K, V)."""
     if sampling.greedy:
-        return block_logits.argmax(-1), None
+        return greedy_ids(block_logits), None
     draft_probs = probabilities(block_logits, sampling)
     return sample(draft_probs, generator), draft_probs
 

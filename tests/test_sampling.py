@@ -123,3 +123,26 @@ def test_sample_frequencies_follow_probabilities():
     draws = sample(probs.expand(20000, -1), generator)
     freq = torch.bincount(draws, minlength=4).float() / 20000
     assert 0.5 * (freq - probs).abs().sum() < 0.02
+
+
+def test_greedy_ids_are_argmax_first_of_equal_maxima():
+    """`greedy_ids` (torch's max, faster on CPU) picks argmax's index — the first of equal maxima —
+    on logits full of ties, in bf16 and fp32, with NaN and all -inf rows, at the vocabulary sizes used."""
+    from d3d.sampling import greedy_ids
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        rows, vocab = 1 + trial % 9, (49152, 8192, 33, 1)[trial % 4]
+        logits = torch.randint(0, 3, (rows, vocab), generator=generator).float()
+        if trial % 2:
+            logits = logits.to(torch.bfloat16)
+        if trial % 5 == 0:
+            logits[0, vocab // 2] = float("nan")
+        if trial % 7 == 0:
+            logits[-1] = float("-inf")
+        expected = logits.float().argmax(-1)
+        assert torch.equal(greedy_ids(logits), expected)
+        assert int(greedy_ids(logits[0])) == int(expected[0])
+    ties = torch.zeros(2, 49152)
+    ties[:, [5, 9, 40000]] = 1.0
+    assert greedy_ids(ties).tolist() == [5, 5]  # the first maximum, not any of them
