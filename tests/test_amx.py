@@ -125,8 +125,9 @@ def pair_chain(x: torch.Tensor, weight: torch.Tensor, first: int) -> torch.Tenso
 def test_each_output_is_one_chain_over_k_pairs(tiles):
     """The emulated tiles compute what the SDM says TDPBF16PS does: per output one FMA chain over the k
     pairs in order, the even element of a pair before the odd one. (vdpbf16ps, the AVX-512 path, takes
-    the odd one first, as the SDM says of it — measured on AMD Zen 4 —, so the two paths round
-    differently and a process keeps to one.) On AMX hardware, which rule it follows is reported."""
+    the odd one first, as the SDM says of it — measured on AMD Zen 4 and an Intel Xeon —, so the two
+    paths round differently and a process keeps to one.) On AMX hardware, which rule it follows is
+    reported: "neither" on the Intel Xeon of docs/amx.md (row-exactness does not depend on it)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(4, 576, generator=generator).to(torch.bfloat16)
     weight = torch.randn(16384, 576, generator=generator).to(torch.bfloat16)

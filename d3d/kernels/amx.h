@@ -8,12 +8,14 @@
  * of k, in k order. A row's elements are computed by the same tile operations in the same order
  * whether its tile holds 1 or 16 valid rows, and threads split output columns, never k — so every
  * row's bits are the row's alone, as on the other paths (rowexact.c). The bits differ from the
- * AVX-512 path's: both run one fp32 FMA chain per output over the k pairs in order, but TDPBF16PS
- * takes a pair's even element first (SDM) and vdpbf16ps its odd one (SDM; measured on AMD Zen 4:
- * tests/test_amx.py) — so once a process turns AMX on, every bf16 linear
- * of every row count takes it: weights in the packed layout directly, quantized weights decoded into
- * a panel of that layout first (grouped blocks by the same vector decoder as the 1-4 row path, other
- * formats by decode_panel) — the same bf16 values, so the same bits as their bf16 copy's.
+ * AVX-512 path's: vdpbf16ps runs one fp32 FMA chain per output, a pair's odd product first (SDM;
+ * measured on AMD Zen 4 and on an Intel Xeon), while TDPBF16PS follows neither that nor the SDM's
+ * even-first chain on the hardware (an Intel Xeon, tests/test_amx.py; docs/amx.md) — so once a
+ * process turns AMX on, every bf16 linear of every row count takes it: weights in the packed layout
+ * directly, quantized weights decoded into tiles of that layout (grouped blocks by the same vector
+ * decoder as the 1-4 row path, one 1 KB tile at a time just before the tiles read it, or a panel
+ * once for calls of many rows; other formats by decode_panel) — the same bf16 values, so the same
+ * bits as their bf16 copy's.
  *
  * Linux gives a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM): d3d_amx(1)
  * asks, and the path is on only if the CPU reports AMX-BF16 and the kernel grants it. Built with
