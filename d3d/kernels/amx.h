@@ -135,11 +135,11 @@ static inline __attribute__((always_inline)) const uint16_t *amx_weight_tile(
     return buf;
 }
 
-/* Every row over G ≤ GROUPS groups (columns n0 …): two groups and up to 32 rows (two row tiles) at
- * a time, each output zeroed, then one TDPBF16PS per k step, then stored by store16_bf16 (+ bias,
- * rounded, + residual, rounded: the packed path's rule). The weights come from `tile_w` (packed
- * layout, group g at tile_w + g·16·K) or, with `grouped`, from its groups g0 … decoded tile by tile
- * (then M ≤ 32: one pass of rows, each block decoded once). */
+/* Every row over the G ≤ GROUPS groups g0 … (columns from 16·g0): two groups and up to 32 rows (two
+ * row tiles) at a time, each output zeroed, then one TDPBF16PS per k step, then stored by
+ * store16_bf16 (+ bias, rounded, + residual, rounded: the packed path's rule). The weights come from
+ * `tile_w` (packed layout, the G groups from tile_w on) or, with `grouped`, from its groups g0 …
+ * decoded tile by tile (callers pass M ≤ 32 then: one pass of rows, each block decoded once). */
 static void amx_block(const uint16_t *x, int64_t x_stride, const uint16_t *tile_w, const d3d_part *grouped,
                       int64_t g0, int G, const uint16_t *bias, const uint16_t *residual, uint16_t *y, int64_t M,
                       int64_t N, int64_t K, int *state) {
