@@ -148,36 +148,30 @@ class Server:
     """One llama-server process on a Unix socket in its own temporary folder, one slot (batch 1)."""
 
     def __init__(self, install: Install, threads: int, lookup: bool) -> None:
-        self.folder = tempfile.mkdtemp(prefix="d3d-llamacpp-")
-        self.socket = os.path.join(self.folder, "server.sock")
-        self.log_path = os.path.join(self.folder, "server.log")
-        command = [str(install.server), "-m", str(install.gguf), "--host", self.socket, "-t", str(threads),
-                   "-tb", str(threads), "-np", "1", "--no-webui", "--cache-ram", "0", "--no-cache-prompt"]
-        if lookup:
-            command += ["--spec-type", "ngram-cache", "--spec-draft-n-max", str(LOOKUP_DRAFTS)]
-        if str(install.gguf) in _NO_REPACK:
-            command.append("--no-repack")
         atexit.register(self.close)
-        while True:
-            self.command = command
+        while True:  # at most twice: again with --no-repack after a crash while loading (see _NO_REPACK)
+            self.folder = tempfile.mkdtemp(prefix="d3d-llamacpp-")
+            self.socket = os.path.join(self.folder, "server.sock")
+            self.log_path = os.path.join(self.folder, "server.log")
+            self.command = [str(install.server), "-m", str(install.gguf), "--host", self.socket, "-t", str(threads),
+                            "-tb", str(threads), "-np", "1", "--no-webui", "--cache-ram", "0", "--no-cache-prompt"]
+            if lookup:
+                self.command += ["--spec-type", "ngram-cache", "--spec-draft-n-max", str(LOOKUP_DRAFTS)]
+            if str(install.gguf) in _NO_REPACK:
+                self.command.append("--no-repack")
             started = time.perf_counter()
             with open(self.log_path, "wb") as log:
-                self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
+                self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log,
                                                 stderr=subprocess.STDOUT, preexec_fn=_death_signal())
             try:
                 self.wait_ready()
                 break
             except LlamaCppError:
-                if self.process.returncode != -signal.SIGSEGV or "--no-repack" in command:
+                if self.process.returncode != -signal.SIGSEGV or "--no-repack" in self.command:
                     raise
                 print("d3d: llama-server crashed while loading (its warm-up batch); again with --no-repack, as a "
                       "user would have to", file=sys.stderr)
                 _NO_REPACK.add(str(install.gguf))
-                command = [*command, "--no-repack"]
-                self.folder = tempfile.mkdtemp(prefix="d3d-llamacpp-")
-                self.socket = os.path.join(self.folder, "server.sock")
-                self.log_path = os.path.join(self.folder, "server.log")
-                command[command.index("--host") + 1] = self.socket
         self.load_seconds = time.perf_counter() - started
 
     def log_tail(self, lines: int = 15) -> str:

@@ -35,9 +35,13 @@ static inline __attribute__((always_inline)) __m512i v16_bf16_bits(__m512 f) {  
     __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x00400000));
     return _mm512_srli_epi32(_mm512_mask_blend_epi32(nan, rounded, quiet), 16);
 }
-static inline __attribute__((always_inline)) __m512 v16_from_bf16(const uint16_t *a) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)a)), 16));
+static inline __attribute__((always_inline)) __m512 v16_via_bf16(__m512 f) {  /* bf16_to_f32(f32_to_bf16(f)) */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v16_bf16_bits(f), 16));
 }
+static inline __attribute__((always_inline)) void v16_store_bf16(uint16_t *y, __m512 f) {
+    _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(v16_bf16_bits(f)));
+}
+static inline __attribute__((always_inline)) __m512 v16_from_bf16(const uint16_t *a) { return load16_bf16(a, 0xffff); }
 static inline __attribute__((always_inline)) __m512 v16_silu(__m512 g) {
     __m512 e = exp_fixed16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))));
     return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
@@ -45,11 +49,8 @@ static inline __attribute__((always_inline)) __m512 v16_silu(__m512 g) {
 #endif
 static inline int64_t SILU_VECTOR_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *y, int64_t i, int64_t end) {
 #ifdef __AVX512F__
-    for (; i + 16 <= end; i += 16) {
-        __m512 silu = _mm512_castsi512_ps(_mm512_slli_epi32(v16_bf16_bits(v16_silu(v16_from_bf16(gate + i))), 16));
-        __m512 out = _mm512_mul_ps(silu, v16_from_bf16(up + i));
-        _mm256_storeu_si256((__m256i *)(y + i), _mm512_cvtepi32_epi16(v16_bf16_bits(out)));
-    }
+    for (; i + 16 <= end; i += 16)
+        v16_store_bf16(y + i, _mm512_mul_ps(v16_via_bf16(v16_silu(v16_from_bf16(gate + i))), v16_from_bf16(up + i)));
 #endif
     for (; i + 8 <= end; i += 8) {
         v8 out = _mm256_mul_ps(v8_via_bf16(v8_silu(v8_from_bf16(gate + i))), v8_from_bf16(up + i));
@@ -92,8 +93,6 @@ static inline int rms_norm_vector_##SUFFIX(const T_##SUFFIX *xr, const T_##SUFFI
 }
 typedef uint16_t T_bf16;
 typedef float T_f32;
-static inline __m512 v16_via_bf16(__m512 f) { return _mm512_castsi512_ps(_mm512_slli_epi32(v16_bf16_bits(f), 16)); }
-static inline void v16_store_bf16(uint16_t *y, __m512 f) { _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(v16_bf16_bits(f))); }
 #define ROUND16_bf16(f) v16_via_bf16(f)
 #define ROUND16_f32(f) (f)
 NORM_VECTOR(bf16, v16_from_bf16, v16_store_bf16)
