@@ -183,3 +183,73 @@ def test_the_amx_state_is_reported():
     print(f"AMX tiles on this machine: {state}")
     assert state == "on" or state.startswith(("off:", "refused"))
     assert row_exact_kernels().path_name.startswith("amx") == (state == "on")
+
+
+def attention_inputs(queries: int, cached: int, heads: int = 9, kv_heads: int = 3, dim: int = 64, seed: int = 0):
+    q = randn(1, queries, heads, dim, seed=seed)
+    k = randn(1, kv_heads, cached + queries, dim, seed=seed + 1, scale=2.0)
+    v = randn(1, kv_heads, cached + queries, dim, seed=seed + 2)
+    return q, k, v
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (16, 1, 32), (4, 4, 128)])
+def test_attention_on_tiles_gives_each_query_its_own_bits(tiles, heads, kv_heads, dim):
+    """bf16 attention on tiles (attention_amx.h): every query of a causal call — one-token steps (the
+    keys-as-rows form), verifications and prefill blocks (the query-rows form), full and partial 16-key
+    and 16-head tiles — equals that query alone over its own keys, plain or split values, and all are
+    within bf16 rounding of SDPA."""
+    from d3d.cache import split_values
+    from d3d.kernels import TorchKernels
+
+    queries, cached = (20, 37) if small(tiles) else (70, 300)
+    q, k, v = attention_inputs(queries, cached, heads, kv_heads, dim)
+    for values in (v, split_values(v).contiguous()):
+        together = tiles.attention(q, k, values, None)
+        for i in (0, 1, 6, queries - 1):
+            keys = cached + i + 1
+            part = values[..., :keys, :] if values.dim() == 5 else values[:, :, :keys]
+            alone = tiles.attention(q[:, i:i + 1], k[:, :, :keys].contiguous(), part.contiguous(), None)
+            assert torch.equal(together[:, i:i + 1], alone), f"query {i}"
+        first_two = tiles.attention(q[:, :2], k[:, :, :cached + 2].contiguous(),
+                                    (values[..., :cached + 2, :] if values.dim() == 5 else values[:, :, :cached + 2]).contiguous(), None)
+        assert torch.equal(together[:, :2], first_two)
+    expected = TorchKernels.attention(q.float(), k.float(), v.float(), None)
+    torch.testing.assert_close(together.float(), expected, rtol=3e-2, atol=3e-2)
+
+
+def test_masked_attention_on_tiles_reads_no_key_past_a_querys_last(tiles):
+    """A mask with holes, whole masked tiles, trailing masked keys and an empty row: each row equals
+    that row alone over its keys up to its last visible one, and keys past it set to NaN change
+    nothing; a query whose row is empty gets zeros."""
+    queries, cached = (12, 40) if small(tiles) else (24, 200)
+    q, k, v = attention_inputs(queries, cached)
+    keys = cached + queries
+    mask = torch.rand(1, queries, keys, generator=torch.Generator().manual_seed(6)) < 0.5
+    ends = torch.randint(1, keys + 1, (queries,), generator=torch.Generator().manual_seed(7))
+    for row, end in enumerate(ends.tolist()):
+        mask[0, row, end:] = False
+        mask[0, row, end - 1] = True
+    mask[0, 2, 16:48] = False
+    mask[0, 3] = False
+    together = tiles.attention(q, k, v, mask)
+    assert torch.equal(together[:, 3], torch.zeros_like(together[:, 3]))
+    for row in (0, 2, 5, queries - 1):
+        end = int(torch.nonzero(mask[0, row]).max()) + 1
+        poisoned_k, poisoned_v = k.clone(), v.clone()
+        poisoned_k[:, :, end:], poisoned_v[:, :, end:] = float("nan"), float("nan")
+        alone = tiles.attention(q[:, row:row + 1], poisoned_k, poisoned_v, mask[:, row:row + 1])
+        assert torch.equal(together[:, row:row + 1], alone), f"row {row}"
+
+
+def test_attention_on_tiles_is_one_choice_at_every_thread_count(tiles):
+    """1, 2 and 3 threads split the keys, query heads and value slices differently: the same bits."""
+    q, k, v = attention_inputs(17, 120 if small(tiles) else 700)
+    previous = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(tiles.attention(q, k, v, None))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])

@@ -308,13 +308,15 @@ def portable():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_vector_paths_give_the_portable_bits(kernels, portable, dtype):
     """Attention, norms, SwiGLU and RoPE give the portable C's bits on this machine's vector path
-    (AVX2 or AVX-512), and so does the linear wherever this build reads the weight by the lanes."""
+    (AVX2 or AVX-512), and so does the linear wherever this build reads the weight by the lanes.
+    (bf16 attention on AMX tiles is a contract of its own: tests/test_amx.py.)"""
     q = randn(2, 5, 6, 64, seed=0, dtype=dtype)
     k = randn(2, 2, 37, 64, seed=1, dtype=dtype, scale=3.0)
     v = randn(2, 2, 37, 64, seed=2, dtype=dtype)
     mask = torch.rand(2, 5, 37, generator=torch.Generator().manual_seed(3)) > 0.3
     for m in (None, mask):
-        assert torch.equal(kernels.attention(q, k, v, m), portable.attention(q, k, v, m))
+        if not (kernels.amx and dtype == torch.bfloat16):
+            assert torch.equal(kernels.attention(q, k, v, m), portable.attention(q, k, v, m))
     x = randn(7, 576, seed=4, dtype=dtype, scale=5.0)
     weight = randn(576, seed=5, dtype=dtype)
     assert torch.equal(kernels.rms_norm(x, weight, 1e-5), portable.rms_norm(x, weight, 1e-5))

@@ -531,8 +531,41 @@ static inline int tile_unseen(const uint8_t *mrow, int64_t n) {
 /* Queries go in blocks of QUERY_BLOCK: a block's scores (QUERY_BLOCK x H x S floats) are written,
  * exponentiated and read back while they are still in cache, and the scratch holds one block. */
 #define QUERY_BLOCK 32
-int64_t d3d_attention_scratch(int64_t B, int64_t T, int64_t H, int64_t S) {
-    return B * (T < QUERY_BLOCK ? T : QUERY_BLOCK) * H * (S + 1);
+
+/* Attention on AMX tiles (attention_amx.h), for bf16 where amx_attention_fits: the bodies below hand
+ * their calls to it. */
+#ifdef D3D_AMX
+#define AMX_MAX_DIM 256  /* head dims up to this, multiples of 32 */
+#define AMX_MAX_GROUP 16  /* query heads per KV head, up to this */
+static int amx_attention_fits(int64_t D, int64_t group);
+static int64_t amx_plan_floats(int64_t nt, int64_t H, int64_t Hkv, int64_t S, int64_t D);
+static void amx_attention_blocks(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
+                                 uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,
+                                 int64_t kv_batch, int64_t kv_head, int64_t v_row, int64_t v_part, float scale,
+                                 float *scratch);
+#define ON_TILES_bf16(D, group) amx_attention_fits(D, group)
+#define TILES_BLOCKS_bf16(...) amx_attention_blocks(__VA_ARGS__)
+#define TILES_SEGMENTS_bf16(...) amx_attention_segments(__VA_ARGS__)
+#else
+#define ON_TILES_bf16(D, group) 0
+#define TILES_BLOCKS_bf16(...) (void)0
+#define TILES_SEGMENTS_bf16(...) (void)0
+#endif
+#define ON_TILES_f32(D, group) 0
+#define TILES_BLOCKS_f32(...) (void)0
+#define TILES_SEGMENTS_f32(...) (void)0
+
+/* Scratch floats for B x T queries over S keys (either path's, for both element types). */
+int64_t d3d_attention_scratch(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D) {
+    int64_t chains = B * (T < QUERY_BLOCK ? T : QUERY_BLOCK) * H * (S + 1);
+#ifdef D3D_AMX
+    if (amx_attention_fits(D, H / Hkv)) {
+        int64_t tiles = B * amx_plan_floats(T < QUERY_BLOCK ? T : QUERY_BLOCK, H, Hkv, S, D);
+        return tiles > chains ? tiles : chains;
+    }
+#endif
+    (void)Hkv, (void)D;
+    return chains;
 }
 
 #define ATTENTION(NAME, SUFFIX, T_ELEM, LOAD, STORE)                                                         \
@@ -541,6 +574,10 @@ static void NAME##_body(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const
                         int64_t D, int64_t kv_batch, int64_t kv_head, int64_t v_row, int64_t v_part, \
                         float scale, float *scores) {                                                \
     int64_t group = H / Hkv, threads = omp_get_num_threads(), me = omp_get_thread_num();             \
+    if (ON_TILES_##SUFFIX(D, group)) {                                                               \
+        TILES_BLOCKS_##SUFFIX(q, k, v, mask, out, B, T, H, Hkv, S, D, kv_batch, kv_head, v_row, v_part, scale, scores); \
+        return;                                                                                      \
+    }                                                                                                \
     SCORE_JOB_STATE(T_ELEM)                                                                          \
     int64_t rows = T < QUERY_BLOCK ? T : QUERY_BLOCK;  /* scratch rows per batch row */              \
     float *totals = scores + B * rows * H * S;  /* each query's softmax denominator */               \
@@ -756,6 +793,11 @@ typedef struct {
     int64_t kv_layer, kv_head, v_row, v_part;
     const uint8_t *mask;
 } d3d_segment;
+#ifdef D3D_AMX
+static void amx_attention_segments(const uint16_t *q_all, uint16_t *out_all, const d3d_segment *segments,
+                                   int64_t n_segments, int64_t layer, int64_t H, int64_t Hkv, int64_t D, float scale,
+                                   float *scratch);
+#endif
 
 /* Segments of at most QUERY_BLOCK rows (decoding steps, verifications) run the three passes
  * together: each pass deals the jobs of every such segment round-robin over the threads, then one
@@ -763,10 +805,10 @@ typedef struct {
  * 23 ms against 15 for one 17-row sequence before). A job is the same code over the same data as in
  * a call of its own, so the same bits. Longer segments (a prompt's pieces) run one call each.
  * Scratch: d3d_segments_scratch floats. */
-int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H) {
+int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t Hkv, int64_t D) {
     int64_t together = 0, alone = 0;
     for (int64_t i = 0; i < n; i++) {
-        int64_t size = d3d_attention_scratch(1, g[i].rows, H, g[i].start + g[i].rows);
+        int64_t size = d3d_attention_scratch(1, g[i].rows, H, Hkv, g[i].start + g[i].rows, D);
         if (g[i].rows <= QUERY_BLOCK) together += size;
         else if (size > alone) alone = size;
     }
@@ -810,6 +852,10 @@ static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d
                                  int64_t n_segments, int64_t layer, int64_t H, int64_t Hkv, int64_t D,        \
                                  float scale, float *scratch) {                                      \
     int64_t group = H / Hkv, threads = omp_get_num_threads(), me = omp_get_thread_num();             \
+    if (ON_TILES_##SUFFIX(D, group)) {                                                               \
+        TILES_SEGMENTS_##SUFFIX(q_all, out_all, segments, n_segments, layer, H, Hkv, D, scale, scratch); \
+        return;                                                                                      \
+    }                                                                                                \
     SCORE_JOB_STATE(T_ELEM)                                                                          \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
         for (int64_t job = SPAN_FIRST(jobs), job_step_ = 1, job_end_ = SPAN_END(jobs); job < job_end_; job++) \

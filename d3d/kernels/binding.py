@@ -153,9 +153,9 @@ class RowExactKernels:
         library.d3d_packed_linear.argtypes = [i32]
         library.d3d_linear_scratch.argtypes = [i64, i64, i32]
         library.d3d_linear_scratch.restype = i64
-        library.d3d_attention_scratch.argtypes = [i64, i64, i64, i64]
+        library.d3d_attention_scratch.argtypes = [i64, i64, i64, i64, i64, i64]
         library.d3d_attention_scratch.restype = i64
-        library.d3d_segments_scratch.argtypes = [ctypes.POINTER(SegmentArgs), i64, i64]
+        library.d3d_segments_scratch.argtypes = [ctypes.POINTER(SegmentArgs), i64, i64, i64, i64]
         library.d3d_segments_scratch.restype = i64
         library.d3d_group_pack.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p]
         library.d3d_group_pack.restype = i64
@@ -345,9 +345,11 @@ class RowExactKernels:
                               weight._version, grouped)
         return grouped
 
-    def _attention_scratch(self, batch: int, length: int, heads: int, keys: int) -> torch.Tensor:
+    def _attention_scratch(self, batch: int, length: int, heads: int, kv_heads: int, keys: int,
+                           dim: int) -> torch.Tensor:
         """The attention's scores of one block of queries, and their softmax sums (attention.h)."""
-        return torch.empty(self.library.d3d_attention_scratch(batch, length, heads, keys), dtype=torch.float32)
+        return torch.empty(self.library.d3d_attention_scratch(batch, length, heads, kv_heads, keys, dim),
+                           dtype=torch.float32)
 
     def _scratch(self, rows: int, width: int) -> torch.Tensor:
         return torch.empty(self.library.d3d_linear_scratch(rows, width, torch.get_num_threads()), dtype=torch.float32)
@@ -435,7 +437,7 @@ class RowExactKernels:
         assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         width = (heads + 2 * shape.kv_heads) * dim
         work = torch.empty(rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), dtype=x.dtype)
-        scores = torch.empty(self.library.d3d_segments_scratch(structs, len(segments), heads), dtype=torch.float32)
+        scores = torch.empty(self.library.d3d_segments_scratch(structs, len(segments), heads, shape.kv_heads, dim), dtype=torch.float32)
         scratch = self._scratch(rows, max(hidden, heads * dim, shape.intermediate))
         out = torch.empty_like(x)
         captured, first = [], 0
@@ -492,7 +494,7 @@ class RowExactKernels:
             assert mask.shape == (batch, length, keys), f"mask {tuple(mask.shape)}"
         out = torch.empty_like(q)
         threads = torch.get_num_threads()
-        scratch = self._attention_scratch(batch, length, heads, keys)
+        scratch = self._attention_scratch(batch, length, heads, kv_heads, keys, dim)
         self._fn("attention", q.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(),
                                        batch, length, heads, kv_heads, keys, dim, k.stride(0), k.stride(1),
                                        v_row, v_part, dim ** -0.5, scratch.data_ptr(), threads)

@@ -125,6 +125,7 @@ static inline __attribute__((always_inline)) v8 exp_fixed8(v8 x) {
 #include "linear.h"
 #include "attention.h"
 #include "elementwise.h"
+#include "attention_amx.h"
 
 /* ---------------------------------------------------------------------------------------------
  * The whole decoder in one call: every layer, then the final norm, over a KV cache, in one
