@@ -24,7 +24,8 @@
  *  - anything else: the same lanes in portable C.
  *
  * Parts: isa.h (instruction sets and their vector primitives), formats.h (weight formats and their
- * decoding), linear.h (with amx.h: the bf16 products on Intel's AMX tiles), attention.h, elementwise.h
+ * decoding), linear.h (with amx.h: the bf16 products on Intel's AMX tiles), attention.h (with
+ * attention_amx.h: bf16 attention on the tiles), elementwise.h
  * (RMSNorm, SwiGLU, RoPE and the KV store); this file holds the shared helpers and the whole
  * forward. Compiled on first use by d3d/kernels/build.py with the machine's C compiler
  * (-O3 -march=native -fopenmp) and called through ctypes (d3d/kernels/binding.py); it sees raw
@@ -255,9 +256,9 @@ const char *d3d_kernel_path(void) {
 #ifdef D3D_AMX
     if (amx_on)
 #ifdef D3D_AMX_EMULATE
-        return "amx (emulated): bf16 tiles (bf16; quantized blocks decoded into tiles), packed fp32 FMA (fp32)";
+        return "amx (emulated): bf16 tiles (bf16 linears, quantized blocks decoded into tiles; bf16 attention), packed fp32 FMA (fp32)";
 #else
-        return "amx: bf16 tiles (bf16; quantized blocks decoded into tiles), packed fp32 FMA (fp32)";
+        return "amx: bf16 tiles (bf16 linears, quantized blocks decoded into tiles; bf16 attention), packed fp32 FMA (fp32)";
 #endif
 #endif
 #if defined(D3D_AVX512_BF16)
