@@ -3,8 +3,10 @@
  * head dim is a multiple of 32 (up to AMX_MAX_DIM) and whose groups have at most AMX_MAX_GROUP heads
  * runs here, at every query count — a contract of its own, not attention.h's fp32 chains:
  *  1. x(query head, key) = the TDPBF16PS products of its bf16 q and k, 32 values of d per tile
- *     product, in d order (the KV head's query heads are a tile's rows, 16 keys its columns, each
- *     16-key tile transposed into d pairs once for every query head);
+ *     product, in d order — the KV head's query heads a tile's rows and 16 keys its columns (each
+ *     16-key tile transposed into d pairs once for all of them), or, for at most AMX_KEY_ROWS query
+ *     heads (a one-token step's), the keys as rows read from the cache as they are: the same products
+ *     in the same pair positions, so the same x;
  *  2. per query head: m = the max of x over its visible keys, p = bf16(exp_fixed(fl(x · scale) -
  *     fl(m · scale))) (0 where the key is not visible), total = the sum of those rounded p in 16
  *     lanes, in key order;
