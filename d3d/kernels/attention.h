@@ -538,7 +538,7 @@ static inline int tile_unseen(const uint8_t *mrow, int64_t n) {
 #define AMX_MAX_DIM 256  /* head dims up to this, multiples of 32 */
 #define AMX_MAX_GROUP 16  /* query heads per KV head, up to this */
 static int amx_attention_fits(int64_t D, int64_t group);
-static int64_t amx_plan_floats(int64_t nt, int64_t H, int64_t Hkv, int64_t S, int64_t D);
+static int64_t amx_plan_floats(int64_t nt, int64_t H, int64_t Hkv, int64_t S);
 static void amx_attention_blocks(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint8_t *mask,
                                  uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,
                                  int64_t kv_batch, int64_t kv_head, int64_t v_row, int64_t v_part, float scale,
@@ -560,7 +560,7 @@ int64_t d3d_attention_scratch(int64_t B, int64_t T, int64_t H, int64_t Hkv, int6
     int64_t chains = B * (T < QUERY_BLOCK ? T : QUERY_BLOCK) * H * (S + 1);
 #ifdef D3D_AMX
     if (amx_attention_fits(D, H / Hkv)) {
-        int64_t tiles = B * amx_plan_floats(T < QUERY_BLOCK ? T : QUERY_BLOCK, H, Hkv, S, D);
+        int64_t tiles = B * amx_plan_floats(T < QUERY_BLOCK ? T : QUERY_BLOCK, H, Hkv, S);
         return tiles > chains ? tiles : chains;
     }
 #endif

@@ -49,9 +49,8 @@ static int amx_attention_fits(int64_t D, int64_t group) {
     return amx_on && D % AMX_K == 0 && D <= AMX_MAX_DIM && group <= AMX_MAX_GROUP;
 }
 
-static int64_t amx_plan_floats(int64_t nt, int64_t H, int64_t Hkv, int64_t S, int64_t D) {
+static int64_t amx_plan_floats(int64_t nt, int64_t H, int64_t Hkv, int64_t S) {
     int64_t rows = Hkv * round_up(nt * (H / Hkv), AMX_ROWS);
-    (void)D;
     return 2 * rows * (round_up(S, KEY_TILE) + KEY_TILE) + round_up(rows, 16);
 }
 
@@ -83,8 +82,9 @@ static int64_t amx_last_end(const amx_plan *p, int64_t a, int64_t b) {
     return end;
 }
 
-/* The KV head's query heads as TDPBF16PS first operands: row (t - t0) · group + j holds query head
- * j's q — a thread's copy, kept while it works on the same plan's KV head (reset per call). */
+/* A thread's copy of one plan's KV head's query heads as tile operands, kept while it works on them
+ * (reset per call): as rows (amx_query_rows: row (t - t0) · group + j holds query head j's q) or, in
+ * the keys-as-rows form, as d pairs (amx_query_pairs) — a plan takes one form only. */
 static __thread struct {
     const uint16_t *q;
     int64_t g;
@@ -362,7 +362,7 @@ static void amx_attention_blocks(const uint16_t *q, const uint16_t *k, const uin
                                  uint16_t *out, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D,
                                  int64_t kv_batch, int64_t kv_head, int64_t v_row, int64_t v_part, float scale,
                                  float *scratch) {
-    int64_t size = amx_plan_floats(T < QUERY_BLOCK ? T : QUERY_BLOCK, H, Hkv, S, D);
+    int64_t size = amx_plan_floats(T < QUERY_BLOCK ? T : QUERY_BLOCK, H, Hkv, S);
     amx_plan plans[B];
     for (int64_t t0 = 0; t0 < T; t0 += QUERY_BLOCK) {
         int64_t nt = T - t0 < QUERY_BLOCK ? T - t0 : QUERY_BLOCK;
@@ -386,7 +386,7 @@ static void amx_attention_segments(const uint16_t *q_all, uint16_t *out_all, con
         amx_plan_init(plans + n++, q_all + row0 * H * D, (const uint16_t *)g->k_cache + layer * g->kv_layer,
                       (const uint16_t *)g->v_cache + layer * g->kv_layer, g->mask, out_all + row0 * H * D, g->rows, S,
                       0, g->rows, H, Hkv, D, g->kv_head, g->v_row, g->v_part, scratch);
-        scratch += amx_plan_floats(g->rows, H, Hkv, S, D);
+        scratch += amx_plan_floats(g->rows, H, Hkv, S);
     }
     if (n) amx_attention_run(plans, n, H, Hkv, D, scale);
 }

@@ -437,7 +437,8 @@ class RowExactKernels:
         assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         width = (heads + 2 * shape.kv_heads) * dim
         work = torch.empty(rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), dtype=x.dtype)
-        scores = torch.empty(self.library.d3d_segments_scratch(structs, len(segments), heads, shape.kv_heads, dim), dtype=torch.float32)
+        scores = torch.empty(self.library.d3d_segments_scratch(structs, len(segments), heads, shape.kv_heads, dim),
+                             dtype=torch.float32)
         scratch = self._scratch(rows, max(hidden, heads * dim, shape.intermediate))
         out = torch.empty_like(x)
         captured, first = [], 0
