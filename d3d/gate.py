@@ -29,6 +29,7 @@ is not tried for exploration when catching up costs more than `max_catch_up` ste
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -95,7 +96,12 @@ class SpeculationGate:
     catch_up: dict[str, Costs] = field(default_factory=dict)  # per source: [0] = steps per token it must catch up on
     max_catch_up: float = 4.0  # steps of catching up beyond which a source is not tried for exploration
     explore_every: int = 8  # steps before a source that does not pay is tried again …
-    max_explore_every: int = 64  # … an interval that doubles after every try that still does not pay
+    max_explore_every: int = 64  # … an interval that doubles after every try that still does not pay,
+    # up to this, or sooner where a try is cheap: tries may cost up to `explore_budget` one-token
+    # steps per step (a lookup try at 4K tokens costs ~0.1 step: every ~10 steps, so a repetition
+    # that starts is copied within a few steps, not after up to 64 plain ones — Intel Xeon, long4k:
+    # the default had decoded at 0.91x ungated lookup; a drafter try, ~0.4 steps, still backs off to 40-64)
+    explore_budget: float = 0.01
     explore_drafts: int = 2  # drafts a try proposes: enough to see the source recover, for ~1.2 steps
     weight: float = 0.25  # moving-average weight of the newest observation
     prior: float = 0.5  # α at every position of a source not yet seen on this request
@@ -191,5 +197,13 @@ class SpeculationGate:
             # a source that pays is tried again soon once it stops; one that keeps failing, less often
             pays = self.best_drafts(source, len(costs_at(self.verify_costs, context)) - 1, context) > 0
             interval = self.intervals.get(source, self.explore_every)
-            self.intervals[source] = self.explore_every if pays else min(2 * interval, self.max_explore_every)
+            self.intervals[source] = self.explore_every if pays else min(2 * interval, self.longest_interval(source, context))
         self.step += 1
+
+    def longest_interval(self, source: str, context: int = 0) -> int:
+        """The most steps between tries of `source`: `max_explore_every`, or fewer where its tries'
+        cost over a plain step, spread over the interval, stays within `explore_budget` steps a step."""
+        verify, drafting = costs_at(self.verify_costs, context), costs_at(self.draft_costs[source], context)
+        k = self.explore_drafts
+        extra = verify[min(k, len(verify) - 1)] + drafting[min(k, len(drafting) - 1)] - 1.0
+        return max(self.explore_every, min(self.max_explore_every, math.ceil(round(extra / self.explore_budget, 6))))

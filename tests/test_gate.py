@@ -65,6 +65,26 @@ def test_a_useless_source_falls_back_to_plain_steps_and_is_explored():
     assert tries == [(8, 2), (24, 2), (40, 2), (56, 2)]  # intervals 8, 16, then capped at 16
 
 
+def test_a_cheap_source_is_tried_again_sooner_than_a_dear_one():
+    """Tries back off only as far as their cost allows: a lookup try costing 0.1 step above a plain
+    one comes every 10 steps however often it fails (1% of a step per step), a drafter try costing
+    0.6 after 16, 32, then every 60 steps."""
+    def tries(source: str, drafting: float) -> list[int]:
+        gate = SpeculationGate({source: [0.0, drafting, drafting]}, linear(0.05), explore_every=8, max_explore_every=64)
+        gate.record(source, 15, 0)
+        steps = []
+        for step in range(1, 200):
+            k = gate.num_drafts(source, 15)
+            if k:
+                steps.append(step)
+            gate.record(source if k else "none", k, 0)
+        return steps
+
+    assert tries("lookup", 0.0) == list(range(10, 200, 10))
+    dear = tries("drafter", 0.5)
+    assert [b - a for a, b in zip([0] + dear, dear)] == [16, 32, 60, 60]
+
+
 def test_a_useless_source_is_not_explored_in_a_batch():
     """In a batched forward a try's rows cost every sequence: the gate that would try a useless source
     alone proposes nothing in a crowd, until the source pays again."""
