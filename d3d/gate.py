@@ -8,7 +8,9 @@ each step proposes the k that maximises tokens ÷ cost — or nothing, when no k
 decoding. A weak drafter then drafts only its first, likely tokens, and lookup drafts that keep
 missing fall back to plain decoding instead of slowing the request. A source that does not pay
 is tried again with a couple of drafts after `explore_every` steps, then after twice as many each
-time the try fails, so the averages follow the text without a full block's cost (~3 steps) per try.
+time the try fails — up to as many as the try's cost allows (`explore_budget`: a cheap lookup try
+keeps coming every ~10 steps, so a repetition that starts is soon copied) — so the averages follow
+the text without a full block's cost (~3 steps) per try.
 A source not yet seen on the request proposes what pays under a `prior` α at every position, and
 its first verdict replaces the prior. (It used to propose a full block, to see every position at
 once: at T = 1, where drafts are rarely accepted, those first blocks cost a request 2–3 steps each,
