@@ -88,7 +88,7 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
     alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(17)])
     grouped = kernels.grouped_rows
     if grouped and kernels.stream(weight).format in ("u4", "i8"):  # one row reads the grouped blocks here
-        assert kernels._grouped_stream(weight, kernels.stream(weight)).format in ("g4", "g8")
+        assert kernels._grouped_stream(weight, kernels.stream(weight)).format in ("g4", "g8", "a4")
     try:
         # several rows from the bf16 values, one from the grouped blocks (AVX-512 BF16), or decoding the blocks
         for dense_rows, kernels.grouped_rows in ((True, grouped), (True, False), (False, False)):

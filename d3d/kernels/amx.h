@@ -14,8 +14,9 @@
  * process turns AMX on, every bf16 linear of every row count takes it: weights in the packed layout
  * directly, quantized weights decoded into tiles of that layout (grouped blocks by the same vector
  * decoder as the 1-4 row path, one 1 KB tile at a time just before the tiles read it, or a panel
- * once for calls of many rows; other formats by decode_panel) — the same bf16 values, so the same
- * bits as their bf16 copy's.
+ * once for calls of many rows; other formats by decode_panel), or — 4-bit blocks, calls of up to 32
+ * rows — looked up per column into tiles of the first operand (A4, below) — the same bf16 values, so
+ * the same bits as their bf16 copy's.
  *
  * Linux gives a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM): d3d_amx(1)
  * asks, and the path is on only if the CPU reports AMX-BF16 and the kernel grants it. Built with
@@ -206,6 +207,176 @@ static void grouped_panel(const d3d_part *grouped, int64_t g0, int G, int64_t K,
         }
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Q4 blocks as the tiles' first operand (formats.h's A4). A 4-bit block has 16 values, so a column's
+ * 32 weights decode as a lookup: the block's table bf16(fma(s, q, o)) for q = 0 … 15 (the decoders'
+ * operations, so the same values), indexed by its codes — vpmultishiftqb puts each code in the low
+ * bits of a 16-bit index, vpermw reads the table (its 16 entries twice: the index's fifth bit is the
+ * next code's). That takes about half the vector operations of grouped_pair, but needs the weights
+ * of a tile row to share a column: so the weight tile is the first operand (16 columns x 32 k) and
+ * x's rows, as k pairs, the second (16 pairs x up to 16 rows), giving each output (column, row) from
+ * the same pair products in the same order as the weights-second form — the products commute, and
+ * the hardware gives the same bits either way round (docs/amx.md; tests/test_amx.py compares every
+ * row count's rows with the row alone, across the two forms).
+ * ------------------------------------------------------------------------------------------- */
+#if defined(__AVX512VBMI__)
+#define AMX_A4 1
+#define A4_AHEAD 12288  /* bytes ahead in a thread's stream prefetched into L2 (Xeon, 2 threads, the
+                         * model's 120 Q4 matrices: none or 1.5 KB ahead ~13 GB/s, 6-12 KB ~15-16) */
+
+/* The multishift control: output qword j's words read source qword j % 2 (the 16 code bytes are
+ * broadcast to every 128-bit lane) at the 4-bit slots formats.h's A4 puts weights 4j … 4j + 3 in. */
+static inline __m512i a4_control(void) {
+    uint64_t ctrl[8];
+    for (int j = 0; j < 8; j++) {
+        uint64_t c = 0;
+        for (int i = 0; i < 4; i++) {
+            uint64_t bit = 4 * ((j / 2) * 4 + i);
+            c |= bit << (16 * i) | bit << (16 * i + 8);
+        }
+        ctrl[j] = c;
+    }
+    return _mm512_loadu_si512(ctrl);
+}
+
+/* Bit of weight k's code within an A4 block's 16 bytes. */
+static inline int a4_bit(int k) { return 64 * ((k / 4) % 2) + 4 * (4 * (k / 8) + k % 4); }
+
+/* One weight tile: the 16 columns' blocks from `at` on, each a 64-byte row of 32 bf16 values in k order. */
+static inline __attribute__((always_inline)) void a4_tile(const block_u4 *at, __m512i control, uint16_t *buf) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int j = 0; j < 16; j++) {
+        __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(at[j].scale), codes, _mm512_set1_ps(at[j].offset));
+        __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+        __m512i index = _mm512_multishift_epi64_epi8(control, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)at[j].q)));
+        _mm512_store_si512(buf + 32 * j, _mm512_permutexvar_epi16(index, table));
+    }
+}
+
+/* Block b of the 16-column group g of an A4 weight (`groups` groups, `blocks` blocks a row): groups
+ * go in quads of 4 (64 columns; the last quad as many as remain), each quad block by block, so that a
+ * thread's run of groups is one stream through memory. */
+static inline const block_u4 *a4_at(const void *data, int64_t g, int64_t b, int64_t groups, int64_t blocks) {
+    int64_t quad = g / 4, width = groups - 4 * quad < 4 ? groups - 4 * quad : 4;
+    return (const block_u4 *)data + (quad * 4 * blocks + b * width + g % 4) * 16;
+}
+
+/* Bytes of the A4 copy of a U4 weight (N, K), and with `out` the copy (columns past N zero). */
+static int64_t a4_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
+    int64_t blocks = K / CHUNK, groups = (N + 15) / 16, size = groups * 16 * blocks * (int64_t)sizeof(block_u4);
+    if (!out) return size;
+    memset(out, 0, size);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t format;
+            const block_u4 *from = block_at(w, n, b, K, &format);
+            block_u4 *to = (block_u4 *)a4_at(out, n / 16, b, groups, blocks) + n % 16;
+            to->scale = from->scale, to->offset = from->offset;
+            for (int k = 0; k < CHUNK; k++) to->q[a4_bit(k) / 8] |= (uint8_t)(nibble(from->q, k) << (a4_bit(k) % 8));
+        }
+    return size;
+}
+
+/* Tiles of the weights-first form: accumulators C[rt][g] = tmm(rt·GP + g) (16 columns x r rows of
+ * row tile rt, GP = 4 groups for one row tile, 2 for two); x's k pairs in tmm4, tmm5; weights in
+ * tmm6, tmm7. */
+static inline void amx_configure_a4(int r0, int r1, int *state) {
+    int key = 4096 + r0 * 64 + r1 + 1;
+    if (*state == key) return;
+    amx_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 4; t++) {
+        int r = r1 && t >= 2 ? r1 : r0;
+        config.rows[t] = AMX_ROWS, config.colsb[t] = (uint16_t)(4 * r);
+    }
+    config.rows[4] = AMX_ROWS, config.colsb[4] = (uint16_t)(4 * r0);
+    if (r1) config.rows[5] = AMX_ROWS, config.colsb[5] = (uint16_t)(4 * r1);
+    for (int t = 6; t < 8; t++) config.rows[t] = AMX_ROWS, config.colsb[t] = 64;
+    amx_load_config(&config);
+    *state = key;
+}
+
+/* Every row (M ≤ 32) over an A4 weight: this thread's groups in passes of up to GP within a quad;
+ * per k step each group's tile decoded once (a4_tile) and multiplied by every row tile; each output
+ * zeroed, fed one TDPBF16PS per k step in k order, stored by store16_bf16 as the other forms. */
+static void amx_a4_body(const uint16_t *x, int64_t x_stride, const d3d_part *a4, const uint16_t *bias,
+                        const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
+    int64_t groups = (N + 15) / 16, blocks = K / CHUNK, threads = omp_get_num_threads(), me = omp_get_thread_num();
+    int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
+    int r0 = M < AMX_ROWS ? (int)M : AMX_ROWS, r1 = (int)(M - r0), GP = r1 ? 2 : 4;
+    /* x as k pairs: pairs[rt][i][p][m] = x[16 rt + m][32 i + 2p … + 1] (one 32-bit pair) */
+    float *pairs = scratch + me * (GROUPS * 16 * K / 2);
+    if (M == 1) pairs = (float *)x;  /* already in that order (row stride 4 bytes) */
+    else
+        for (int rt = 0; rt < (r1 ? 2 : 1); rt++)
+            for (int64_t kp = 0; kp < K / 2; kp += 16) {  /* K / 2 is a multiple of 16 (K % AMX_K == 0) */
+                __m512 rows_[AMX_ROWS], moved[AMX_ROWS];
+                for (int m = 0; m < AMX_ROWS; m++)
+                    rows_[m] = m < (rt ? r1 : r0) ? _mm512_loadu_ps(x + (rt * AMX_ROWS + m) * x_stride + 2 * kp)
+                                                  : _mm512_setzero_ps();
+                transpose16(rows_, moved);
+                for (int j = 0; j < 16; j++) _mm512_store_ps(pairs + (rt * (K / 2) + kp + j) * AMX_ROWS, moved[j]);
+            }
+    const __m512i control = a4_control();
+    uint16_t buf[2][16 * AMX_K] __attribute__((aligned(64)));
+    float out[AMX_ROWS][AMX_ROWS] __attribute__((aligned(64)));
+    int state = 0;
+    for (int64_t g0 = first, g1; g0 < last; g0 = g1) {
+        g1 = g0 + GP < (g0 / 4 + 1) * 4 ? g0 + GP : (g0 / 4 + 1) * 4;
+        if (g1 > last) g1 = last;
+        int G = (int)(g1 - g0);
+        amx_configure_a4(r0, r1, &state);
+        TILE_ZERO(0);
+        TILE_ZERO(1);
+        TILE_ZERO(2);
+        TILE_ZERO(3);
+        for (int64_t i = 0; i < blocks; i++) {
+            if (M == 1) TILE_LOAD(4, pairs + i * 16, 4);
+            else TILE_LOAD(4, pairs + i * 16 * AMX_ROWS, 4 * AMX_ROWS);
+            if (r1) TILE_LOAD(5, pairs + ((K / 2) + i * 16) * AMX_ROWS, 4 * AMX_ROWS);
+            for (int g = 0; g < G; g++) {
+                const block_u4 *at = a4_at(a4->data, g0 + g, i, groups, blocks);
+                for (int line = 0; line < 16 * (int)sizeof(block_u4); line += 64)
+                    _mm_prefetch((const char *)at + A4_AHEAD + line, _MM_HINT_T1);
+                a4_tile(at, control, buf[g & 1]);
+                switch (g) {  /* tile numbers are immediates; with two row tiles GP = 2, so g < 2 */
+                    case 0: TILE_LOAD(6, buf[0], 64); TILE_DP(0, 6, 4); if (r1) TILE_DP(2, 6, 5); break;
+                    case 1: TILE_LOAD(7, buf[1], 64); TILE_DP(1, 7, 4); if (r1) TILE_DP(3, 7, 5); break;
+                    case 2: TILE_LOAD(6, buf[0], 64); TILE_DP(2, 6, 4); break;
+                    default: TILE_LOAD(7, buf[1], 64); TILE_DP(3, 7, 4); break;
+                }
+            }
+        }
+        for (int rt = 0; rt < (r1 ? 2 : 1); rt++)
+            for (int g = 0; g < G; g++) {
+                int rows = rt ? r1 : r0;
+                int64_t stride = rows == 1 ? 4 : sizeof out[0];  /* one row: its 16 columns side by side */
+                switch (rt * GP + g) {  /* tile numbers are immediates */
+                    case 0: TILE_STORE(0, out, stride); break;
+                    case 1: TILE_STORE(1, out, stride); break;
+                    case 2: TILE_STORE(2, out, stride); break;
+                    default: TILE_STORE(3, out, stride); break;
+                }
+                __m512 row[AMX_ROWS];
+                if (rows == 1) row[0] = _mm512_load_ps(out[0]);
+                else {
+                    __m512 column[AMX_ROWS];
+                    for (int c = 0; c < AMX_ROWS; c++) column[c] = _mm512_load_ps(out[c]);
+                    transpose16(column, row);
+                }
+                int64_t n = (g0 + g) * 16;
+                for (int r = 0; r < rows; r++) {
+                    int64_t at = (rt * AMX_ROWS + r) * N + n;
+                    store16_bf16(row[r], bias ? bias + n : 0, residual ? residual + at : 0, y + at, N - n < 16 ? (int)(N - n) : 16);
+                }
+            }
+    }
+    if (state) amx_release();
+    _Pragma("omp barrier")
+}
+#endif
+
 /* Threads own runs of 16-column groups, as the packed path's; each run goes in blocks of up to
  * GROUPS groups, read from `packed` or decoded into this thread's panel (from `grouped` blocks, or
  * any quantized `w` by decode_panel). */
@@ -242,6 +413,10 @@ static int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight
         amx_bf16_body(x, x_stride, w->parts[0].data, NULL, NULL, bias, residual, y, M, N, K, scratch);
     else if (!is_quantized(format))
         return 0;
+#ifdef AMX_A4
+    else if (M <= AMX_GROUPED_ROWS && w->grouped.data && w->grouped.format == D3D_A4)
+        amx_a4_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K, scratch);
+#endif
     else if (M <= AMX_GROUPED_ROWS && w->grouped.data)  /* a third of the bytes of the bf16 values */
         amx_bf16_body(x, x_stride, NULL, &w->grouped, NULL, bias, residual, y, M, N, K, scratch);
     else if (w->dense.data)

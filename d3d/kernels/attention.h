@@ -298,26 +298,6 @@ static inline void sum_values_f32(const float (*acc)[16], float *o) { (void)acc,
         _mm512_storeu_ps((acc)[4], a4_); _mm512_storeu_ps((acc)[5], a5_);                            \
         _mm512_storeu_ps((acc)[6], a6_); _mm512_storeu_ps((acc)[7], a7_);                            \
     } while (0)
-/* out[j] lane l = r[l] lane j: a 16 × 16 transpose of 32-bit lanes in registers. */
-static inline __attribute__((always_inline)) void transpose16(const __m512 r[16], __m512 out[16]) {
-    __m512 t[16], u[16];
-    for (int p = 0; p < 8; p++) {
-        t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
-        t[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
-    }
-    for (int q = 0; q < 4; q++) {  /* u[4q + m], 128-bit lane c: column 4c + m of rows 4q … 4q+3 */
-        u[4 * q] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0x44);
-        u[4 * q + 1] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0xEE);
-        u[4 * q + 2] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0x44);
-        u[4 * q + 3] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
-    }
-    for (int m = 0; m < 4; m++) {  /* column 4c + m gathers lane c of u[m], u[4+m], u[8+m], u[12+m] */
-        __m512 v0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
-        __m512 v2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44), v3 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
-        out[m] = _mm512_shuffle_f32x4(v0, v2, 0x88), out[4 + m] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
-        out[8 + m] = _mm512_shuffle_f32x4(v1, v3, 0x88), out[12 + m] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
-    }
-}
 /* kt[d][l] = key l's element d, as float (0 for l ≥ n): 16 × 16 blocks transposed in registers. */
 static inline void transpose16_store(__m512 r[16], float (*kt)[KEY_TILE], int64_t d0, int64_t D) {
     __m512 out[16];

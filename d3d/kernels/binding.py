@@ -159,6 +159,8 @@ class RowExactKernels:
         library.d3d_segments_scratch.restype = i64
         library.d3d_group_pack.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p]
         library.d3d_group_pack.restype = i64
+        library.d3d_group_format.argtypes = [ctypes.c_void_p, i64]
+        library.d3d_group_format.restype = i64
         library.d3d_dequantize.argtypes = [ptr, i64, ptr, i64, i64]
         library.d3d_dequantize_reference.argtypes = [ptr, i64, ptr, i64, i64]
         for suffix in ("bf16", "f32"):
@@ -339,7 +341,8 @@ class RowExactKernels:
         if size:
             data = self.arena.empty((size,), torch.uint8)
             self.library.d3d_group_pack(ctypes.byref(descriptor), rows, width, data.data_ptr())
-            grouped = WeightStream.whole("g4" if stream.format == "u4" else "g8", data, rows, stream.source)
+            format = self.library.d3d_group_format(ctypes.byref(descriptor), width)
+            grouped = WeightStream.whole(next(name for name, number in WEIGHT_FORMATS.items() if number == format), data, rows, stream.source)
         key = id(weight)
         self._grouped[key] = (weakref.ref(weight, lambda _, key=key: self._grouped.pop(key, None)),
                               weight._version, grouped)

@@ -20,6 +20,11 @@
  *           in the packed layout's lane order — lane l of the first half is column l/2 at k = 2p +
  *           l%2, of the second half column 8 + l/2 (G4: one byte per lane pair, first half in the low
  *           nibble; G8: 16 bytes per half). The same values, decoded by the same operations.
+ *   A4      U4 blocks for the AMX tiles' first operand (amx.h; made where the tiles are on): per quad
+ *           of 16-column groups (64 columns, the last quad as many as remain) and per 32 weights,
+ *           each column's block_u4 in column order, its codes placed for vpmultishiftqb — weight k's
+ *           nibble at bit 64·((k/4) mod 2) + 4·(4·(k/8) + k mod 4) of the 16 bytes. The same values,
+ *           decoded as a lookup in the block's table of its 16.
  *
  * Each quantized value is the GGUF reference dequantization (gguf-py's, which transformers and
  * so d3d's loader use) rounded to bf16, by construction: the reference computes d·q + m (Q4_1),
@@ -35,7 +40,7 @@
  * every decoded weight is 0 or at least 2^-24 in magnitude, being a sum of fp16 multiples.
  */
 
-enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7 };
+enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8 };
 
 #define CHUNK 32  /* weights of a row per block of every quantized format */
 

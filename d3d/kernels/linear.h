@@ -601,12 +601,18 @@ static int64_t panel_scratch(int64_t K, int threads) { (void)K, (void)threads; r
  * of the bytes.
  * ------------------------------------------------------------------------------------------- */
 
-/* Bytes of the grouped copy of `w` (N, K) — 0 when its parts are not all U4 or all I8 — and, with
- * `out`, the copy itself (columns past N padded with zero scales and codes). */
-int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
-    int64_t format = w->parts[0].format, blocks = K / CHUNK, groups = (N + 15) / 16;
+/* The format all of `w`'s parts share, or -1. */
+static int64_t parts_format(const d3d_weight *w) {
+    int64_t format = w->parts[0].format;
     for (int p = 0; p < MAX_PARTS && w->parts[p].rows; p++)
-        if (w->parts[p].format != format) return 0;
+        if (w->parts[p].format != format) return -1;
+    return format;
+}
+
+/* Bytes of the grouped copy of `w` (N, K) in G4 or G8 — 0 when its parts are not all U4 or all I8 —
+ * and, with `out`, the copy itself (columns past N padded with zero scales and codes). */
+static int64_t group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
+    int64_t format = parts_format(w), blocks = K / CHUNK, groups = (N + 15) / 16;
     if ((format != D3D_U4 && format != D3D_I8) || K % CHUNK) return 0;
     int64_t size = format == D3D_U4 ? (int64_t)sizeof(block_g4) : (int64_t)sizeof(block_g8);
     if (!out) return groups * blocks * size;
@@ -751,6 +757,25 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
 
 #include "amx.h"
 
+/* The format of the grouped copy of `w` that this process's calls of a few rows read (0: none):
+ * A4 for U4 weights while the AMX tiles are on (where the build has them), else G4 or G8. */
+int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
+    int64_t format = parts_format(w);
+    if ((format != D3D_U4 && format != D3D_I8) || K % CHUNK) return 0;
+#ifdef AMX_A4
+    if (amx_on && format == D3D_U4) return D3D_A4;
+#endif
+    return format == D3D_U4 ? D3D_G4 : D3D_G8;
+}
+
+/* Bytes of that copy (0: none) and, with `out`, the copy. */
+int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
+#ifdef AMX_A4
+    if (d3d_group_format(w, K) == D3D_A4) return a4_pack(w, N, K, out);
+#endif
+    return group_pack(w, N, K, out);
+}
+
 /* ---------------------------------------------------------------------------------------------
  * The linear a weight takes, by its format and this build — the same choice for every row count,
  * which is the invariant — and the per-op entry points.
@@ -769,7 +794,7 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
      * interleaved: 3 rows 16.2 vs 18.5 ms, 8 rows 36.4 vs 42.5 — but 12 rows 55.0 vs 46.8, where
      * decoding the smaller blocks once into the strip pays again */
 #ifdef D3D_AVX512_BF16
-    if (M <= GROUPED_ROWS && w->grouped.data) { grouped_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K); return; }
+    if (M <= GROUPED_ROWS && w->grouped.data && w->grouped.format != D3D_A4) { grouped_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K); return; }
     /* with AVX-512 BF16 every other row count reads them: the panel decoder below is scalar (one-
      * token step, AMD EPYC Zen 5: 90 ms over Q4_1 blocks against 8.0 ms over the bf16 values) */
     if (is_quantized(format) && w->dense.data) {

@@ -101,6 +101,26 @@ static inline __m512 exp_fixed16(__m512 x) {
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
+/* out[j] lane l = r[l] lane j: a 16 × 16 transpose of 32-bit lanes in registers. */
+static inline __attribute__((always_inline)) void transpose16(const __m512 r[16], __m512 out[16]) {
+    __m512 t[16], u[16];
+    for (int p = 0; p < 8; p++) {
+        t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+        t[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+    }
+    for (int q = 0; q < 4; q++) {  /* u[4q + m], 128-bit lane c: column 4c + m of rows 4q … 4q+3 */
+        u[4 * q] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0x44);
+        u[4 * q + 1] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0xEE);
+        u[4 * q + 2] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0x44);
+        u[4 * q + 3] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
+    }
+    for (int m = 0; m < 4; m++) {  /* column 4c + m gathers lane c of u[m], u[4+m], u[8+m], u[12+m] */
+        __m512 v0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
+        __m512 v2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44), v3 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
+        out[m] = _mm512_shuffle_f32x4(v0, v2, 0x88), out[4 + m] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+        out[8 + m] = _mm512_shuffle_f32x4(v1, v3, 0x88), out[12 + m] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+    }
+}
 #endif
 
 
