@@ -88,7 +88,8 @@ def test_quantized_weights_on_tiles_give_their_bf16_values_bits(tiles, type_name
     tiles.use_stream(weight, stream_of(tiles, type_name, raw))
     x = randn(33, width, seed=6, scale=3.0)
     bias = randn(outputs, seed=7)
-    if type_name == "Q4_1":  # 4-bit blocks as the tiles' first operand (A4), looked up in their tables
+    if type_name == "Q4_1" and " avx512vbmi" in open("/proc/cpuinfo").read():  # every AMX CPU has VBMI
+        # 4-bit blocks as the tiles' first operand (A4), looked up in their tables (vpmultishiftqb)
         assert tiles._grouped_stream(weight, tiles.stream(weight)).format == "a4"
     try:
         for tiles.dense_rows in (True, False):  # False: every row count decodes the blocks
