@@ -78,22 +78,23 @@ def test_every_row_of_a_call_is_the_row_alone_on_tiles(tiles):
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K"])
 def test_quantized_weights_on_tiles_give_their_bf16_values_bits(tiles, type_name):
-    """A GGUF stream on the tiles — up to 32 rows decode its grouped blocks (Q4_1 as the tiles'
-    first operand, Q8_0 as the second) or its blocks (Q4_K) into a panel, more rows read its bf16
-    values — gives the bits of the dequantized weight's tiles (the second operand), at every row count."""
+    """A GGUF stream on the tiles — up to 64 rows (Q4_1, as the tiles' first operand, one to four
+    row tiles) or 32 (Q8_0, the second) decode its grouped blocks, Q4_K its blocks into a panel, more
+    rows read its bf16 values — gives the bits of the dequantized weight's tiles (the second
+    operand), at every row count."""
     width, outputs = (256, 40) if small(tiles) else (1536, 100)
     raw = random_blocks(type_name, outputs, width, seed=5)
     weight = loader_values(type_name, raw)
     plain = weight.clone()
     tiles.use_stream(weight, stream_of(tiles, type_name, raw))
-    x = randn(33, width, seed=6, scale=3.0)
+    x = randn(65, width, seed=6, scale=3.0)
     bias = randn(outputs, seed=7)
     if type_name == "Q4_1" and " avx512vbmi" in open("/proc/cpuinfo").read():  # every AMX CPU has VBMI
         # 4-bit blocks as the tiles' first operand (A4), looked up in their tables (vpmultishiftqb)
         assert tiles._grouped_stream(weight, tiles.stream(weight)).format == "a4"
     try:
         for tiles.dense_rows in (True, False):  # False: every row count decodes the blocks
-            for rows in (1, 2, 3, 4, 5, 16, 17, 32, 33):
+            for rows in (1, 2, 3, 4, 5, 16, 17, 32, 33, 47, 48, 64, 65):
                 assert torch.equal(tiles.linear(x[:rows], weight, bias), tiles.linear(x[:rows], plain, bias)), rows
     finally:
         tiles.dense_rows = True

@@ -261,6 +261,14 @@ static inline const block_u4 *a4_at(const void *data, int64_t g, int64_t b, int6
     return (const block_u4 *)data + (quad * 4 * blocks + b * width + g % 4) * 16;
 }
 
+/* a4_at, with the stream A4_AHEAD bytes on prefetched into L2. */
+static inline __attribute__((always_inline)) const block_u4 *a4_next(const void *data, int64_t g, int64_t b,
+                                                                     int64_t groups, int64_t blocks) {
+    const block_u4 *at = a4_at(data, g, b, groups, blocks);
+    for (int line = 0; line < 16 * (int)sizeof(block_u4); line += 64) _mm_prefetch((const char *)at + A4_AHEAD + line, _MM_HINT_T1);
+    return at;
+}
+
 /* Bytes of the A4 copy of a U4 weight (N, K), and with `out` the copy (columns past N zero). */
 static int64_t a4_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     int64_t blocks = K / CHUNK, groups = (N + 15) / 16, size = groups * 16 * blocks * (int64_t)sizeof(block_u4);
@@ -277,44 +285,53 @@ static int64_t a4_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     return size;
 }
 
-/* Tiles of the weights-first form: accumulators C[rt][g] = tmm(rt·GP + g) (16 columns x r rows of
- * row tile rt, GP = 4 groups for one row tile, 2 for two); x's k pairs in tmm4, tmm5; weights in
- * tmm6, tmm7. */
-static inline void amx_configure_a4(int r0, int r1, int *state) {
-    int key = 4096 + r0 * 64 + r1 + 1;
+#define AMX_A4_ROWS 64  /* calls of up to this many rows decode A4 blocks (more: the bf16 values) */
+
+/* Tiles of the weights-first form, for RT row tiles of 16 rows (the last one `last` rows): the
+ * accumulators C[rt][g] = tmm(rt·GP + g) (16 columns x the tile's rows; GP = 4 groups for one row
+ * tile, 2 for two, 1 for three or four); x's k pairs in tmm4 (full row tiles) and tmm5 (the last);
+ * the weights in tmm6, tmm7. */
+static inline void amx_configure_a4(int RT, int last, int *state) {
+    int key = 4096 + RT * 64 + last;
     if (*state == key) return;
     amx_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int t = 0; t < 4; t++) {
-        int r = r1 && t >= 2 ? r1 : r0;
-        config.rows[t] = AMX_ROWS, config.colsb[t] = (uint16_t)(4 * r);
+    int GP = RT == 1 ? 4 : RT == 2 ? 2 : 1;
+    for (int t = 0; t < 4; t++) {  /* all four, so that each can be zeroed (unused ones: one column) */
+        int rows = t >= RT * GP ? 1 : t / GP == RT - 1 ? last : AMX_ROWS;
+        config.rows[t] = AMX_ROWS, config.colsb[t] = (uint16_t)(4 * rows);
     }
-    config.rows[4] = AMX_ROWS, config.colsb[4] = (uint16_t)(4 * r0);
-    if (r1) config.rows[5] = AMX_ROWS, config.colsb[5] = (uint16_t)(4 * r1);
+    if (RT > 1) config.rows[4] = AMX_ROWS, config.colsb[4] = 4 * AMX_ROWS;
+    config.rows[5] = AMX_ROWS, config.colsb[5] = (uint16_t)(4 * last);
     for (int t = 6; t < 8; t++) config.rows[t] = AMX_ROWS, config.colsb[t] = 64;
     amx_load_config(&config);
     *state = key;
 }
 
-/* Every row (M ≤ 32) over an A4 weight: this thread's groups in passes of up to GP within a quad;
- * per k step each group's tile decoded once (a4_tile) and multiplied by every row tile; each output
- * zeroed, fed one TDPBF16PS per k step in k order, stored by store16_bf16 as the other forms. */
+/* tmm(c) += tmm(a) · tmm(b) for a run-time c < 4 (tile numbers are immediates). */
+#define A4_DP(c, a, b) do { switch (c) { case 0: TILE_DP(0, a, b); break; case 1: TILE_DP(1, a, b); break; \
+                                          case 2: TILE_DP(2, a, b); break; default: TILE_DP(3, a, b); } } while (0)
+
+/* Every row (M ≤ AMX_A4_ROWS) over an A4 weight: this thread's groups in passes of up to GP within a
+ * quad; per k step each group's tile decoded once (a4_tile) and multiplied by every row tile; each
+ * output zeroed, fed one TDPBF16PS per k step in k order, stored by store16_bf16 as the other forms. */
 static void amx_a4_body(const uint16_t *x, int64_t x_stride, const d3d_part *a4, const uint16_t *bias,
                         const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
     int64_t groups = (N + 15) / 16, blocks = K / CHUNK, threads = omp_get_num_threads(), me = omp_get_thread_num();
     int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
-    int r0 = M < AMX_ROWS ? (int)M : AMX_ROWS, r1 = (int)(M - r0), GP = r1 ? 2 : 4;
+    int RT = (int)((M + AMX_ROWS - 1) / AMX_ROWS), tail = (int)(M - (RT - 1) * AMX_ROWS);
+    int GP = RT == 1 ? 4 : RT == 2 ? 2 : 1;
     /* x as k pairs: pairs[rt][i][p][m] = x[16 rt + m][32 i + 2p … + 1] (one 32-bit pair) */
     float *pairs = scratch + me * (GROUPS * 16 * K / 2);
     if (M == 1) pairs = (float *)x;  /* already in that order (row stride 4 bytes) */
     else
-        for (int rt = 0; rt < (r1 ? 2 : 1); rt++)
+        for (int rt = 0; rt < RT; rt++)
             for (int64_t kp = 0; kp < K / 2; kp += 16) {  /* K / 2 is a multiple of 16 (K % AMX_K == 0) */
                 __m512 rows_[AMX_ROWS], moved[AMX_ROWS];
                 for (int m = 0; m < AMX_ROWS; m++)
-                    rows_[m] = m < (rt ? r1 : r0) ? _mm512_loadu_ps(x + (rt * AMX_ROWS + m) * x_stride + 2 * kp)
-                                                  : _mm512_setzero_ps();
+                    rows_[m] = m < (rt == RT - 1 ? tail : AMX_ROWS)
+                                   ? _mm512_loadu_ps(x + (rt * AMX_ROWS + m) * x_stride + 2 * kp) : _mm512_setzero_ps();
                 transpose16(rows_, moved);
                 for (int j = 0; j < 16; j++) _mm512_store_ps(pairs + (rt * (K / 2) + kp + j) * AMX_ROWS, moved[j]);
             }
@@ -326,31 +343,47 @@ static void amx_a4_body(const uint16_t *x, int64_t x_stride, const d3d_part *a4,
         g1 = g0 + GP < (g0 / 4 + 1) * 4 ? g0 + GP : (g0 / 4 + 1) * 4;
         if (g1 > last) g1 = last;
         int G = (int)(g1 - g0);
-        amx_configure_a4(r0, r1, &state);
+        amx_configure_a4(RT, tail, &state);
         TILE_ZERO(0);
         TILE_ZERO(1);
         TILE_ZERO(2);
         TILE_ZERO(3);
-        for (int64_t i = 0; i < blocks; i++) {
-            if (M == 1) TILE_LOAD(4, pairs + i * 16, 4);
-            else TILE_LOAD(4, pairs + i * 16 * AMX_ROWS, 4 * AMX_ROWS);
-            if (r1) TILE_LOAD(5, pairs + ((K / 2) + i * 16) * AMX_ROWS, 4 * AMX_ROWS);
-            for (int g = 0; g < G; g++) {
-                const block_u4 *at = a4_at(a4->data, g0 + g, i, groups, blocks);
-                for (int line = 0; line < 16 * (int)sizeof(block_u4); line += 64)
-                    _mm_prefetch((const char *)at + A4_AHEAD + line, _MM_HINT_T1);
-                a4_tile(at, control, buf[g & 1]);
-                switch (g) {  /* tile numbers are immediates; with two row tiles GP = 2, so g < 2 */
-                    case 0: TILE_LOAD(6, buf[0], 64); TILE_DP(0, 6, 4); if (r1) TILE_DP(2, 6, 5); break;
-                    case 1: TILE_LOAD(7, buf[1], 64); TILE_DP(1, 7, 4); if (r1) TILE_DP(3, 7, 5); break;
-                    case 2: TILE_LOAD(6, buf[0], 64); TILE_DP(2, 6, 4); break;
-                    default: TILE_LOAD(7, buf[1], 64); TILE_DP(3, 7, 4); break;
+        if (RT > 2)  /* one group a pass: its tile decoded once a k step, each row tile's pairs loaded in turn */
+            for (int64_t i = 0; i < blocks; i++) {
+                a4_tile(a4_next(a4->data, g0, i, groups, blocks), control, buf[0]);
+                TILE_LOAD(6, buf[0], 64);
+                for (int rt = 0; rt < RT; rt++) {
+                    const float *at = pairs + (rt * (K / 2) + i * 16) * AMX_ROWS;
+                    if (rt < RT - 1) {
+                        TILE_LOAD(4, at, 4 * AMX_ROWS);
+                        A4_DP(rt, 6, 4);
+                    } else {
+                        TILE_LOAD(5, at, 4 * AMX_ROWS);
+                        A4_DP(rt, 6, 5);
+                    }
                 }
             }
-        }
-        for (int rt = 0; rt < (r1 ? 2 : 1); rt++)
+        else
+            for (int64_t i = 0; i < blocks; i++) {  /* the row tiles' pairs stay loaded for every group */
+                if (M == 1) TILE_LOAD(5, pairs + i * 16, 4);
+                else if (RT == 1) TILE_LOAD(5, pairs + i * 16 * AMX_ROWS, 4 * AMX_ROWS);
+                else {
+                    TILE_LOAD(4, pairs + i * 16 * AMX_ROWS, 4 * AMX_ROWS);
+                    TILE_LOAD(5, pairs + ((K / 2) + i * 16) * AMX_ROWS, 4 * AMX_ROWS);
+                }
+                for (int g = 0; g < G; g++) {
+                    a4_tile(a4_next(a4->data, g0 + g, i, groups, blocks), control, buf[g & 1]);
+                    switch (g) {  /* one row tile (pairs in tmm5): C = g; two (tmm4, tmm5): C = g, 2 + g */
+                        case 0: TILE_LOAD(6, buf[0], 64); if (RT == 2) { TILE_DP(0, 6, 4); TILE_DP(2, 6, 5); } else TILE_DP(0, 6, 5); break;
+                        case 1: TILE_LOAD(7, buf[1], 64); if (RT == 2) { TILE_DP(1, 7, 4); TILE_DP(3, 7, 5); } else TILE_DP(1, 7, 5); break;
+                        case 2: TILE_LOAD(6, buf[0], 64); TILE_DP(2, 6, 5); break;
+                        default: TILE_LOAD(7, buf[1], 64); TILE_DP(3, 7, 5); break;
+                    }
+                }
+            }
+        for (int rt = 0; rt < RT; rt++)
             for (int g = 0; g < G; g++) {
-                int rows = rt ? r1 : r0;
+                int rows = rt == RT - 1 ? tail : AMX_ROWS;
                 int64_t stride = rows == 1 ? 4 : sizeof out[0];  /* one row: its 16 columns side by side */
                 switch (rt * GP + g) {  /* tile numbers are immediates */
                     case 0: TILE_STORE(0, out, stride); break;
@@ -414,7 +447,7 @@ static int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight
     else if (!is_quantized(format))
         return 0;
 #ifdef AMX_A4
-    else if (M <= AMX_GROUPED_ROWS && w->grouped.data && w->grouped.format == D3D_A4)
+    else if (M <= AMX_A4_ROWS && w->grouped.data && w->grouped.format == D3D_A4)
         amx_a4_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K, scratch);
 #endif
     else if (M <= AMX_GROUPED_ROWS && w->grouped.data)  /* a third of the bytes of the bf16 values */
