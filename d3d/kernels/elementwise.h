@@ -199,17 +199,20 @@ static void rope_store_body_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, cons
                                      int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head,    \
                                      int64_t v_row, int64_t v_part) {                                \
     int64_t width = (H + 2 * Hkv) * D;                                                               \
-    for (int64_t m = 0; m < B * T; m++) {                                                            \
+    _Pragma("omp for schedule(static)")  /* threads split (row, head) items: each item's own arithmetic */ \
+    for (int64_t item = 0; item < B * T * (H + Hkv); item++) {                                       \
+        int64_t m = item / (H + Hkv), h = item % (H + Hkv);                                          \
         int64_t b = m / T, slot = start + m % T, row_at = (positions ? positions[m] : m) * D;        \
         const T_ELEM *row = qkv + m * width, *c = cos_ + row_at, *s = sin_ + row_at;                 \
-        for (int64_t h = 0; h < H; h++) rotate_##SUFFIX(row + h * D, c, s, q_out + (m * H + h) * D, D); \
-        for (int64_t g = 0; g < Hkv; g++) {                                                          \
-            int64_t at = b * kv_batch + g * kv_head;                                                 \
-            rotate_##SUFFIX(row + (H + g) * D, c, s, k_cache + at + slot * D, D);                    \
-            for (int64_t d0 = 0; d0 < D; d0 += V_PART)                                               \
-                memcpy(v_cache + at + d0 / V_PART * v_part + slot * v_row, row + (H + Hkv + g) * D + d0, \
-                       (D - d0 < V_PART ? D - d0 : V_PART) * sizeof(T_ELEM));                        \
+        if (h < H) {                                                                                 \
+            rotate_##SUFFIX(row + h * D, c, s, q_out + (m * H + h) * D, D);                          \
+            continue;                                                                                \
         }                                                                                            \
+        int64_t g = h - H, at = b * kv_batch + g * kv_head;                                          \
+        rotate_##SUFFIX(row + (H + g) * D, c, s, k_cache + at + slot * D, D);                        \
+        for (int64_t d0 = 0; d0 < D; d0 += V_PART)                                                   \
+            memcpy(v_cache + at + d0 / V_PART * v_part + slot * v_row, row + (H + Hkv + g) * D + d0, \
+                   (D - d0 < V_PART ? D - d0 : V_PART) * sizeof(T_ELEM));                            \
     }                                                                                                \
 }                                                                                                    \
 void d3d_rope_store_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *q_out, \

@@ -232,8 +232,7 @@ void d3d_forward_##SUFFIX(const d3d_forward_args *a) {                          
                 rms_norm_row_##SUFFIX(head, j < H ? w->q_norm : w->k_norm, head, D, a->eps);         \
             }                                                                                        \
         }                                                                                            \
-        _Pragma("omp single")                                                                        \
-        for (int64_t i = 0, m = 0; i < a->num_segments; m += a->segments[i++].rows) {                \
+        for (int64_t i = 0, m = 0; i < a->num_segments; m += a->segments[i++].rows) {  /* every thread */ \
             const d3d_segment *g = a->segments + i;                                                  \
             rope_store_body_##SUFFIX(qkv + m * width, rope, rope + a->rope_positions * D, a->positions + m, \
                                      q + m * H * D, (T_ELEM *)g->k_cache + l * g->kv_layer,          \
