@@ -4,8 +4,9 @@ row count, and every k-row forward checked against k one-token steps on each pat
 Usage: python scripts/amx_check.py [--weights stored|dequantized] [--rows 1,2,4,8,16,17,32,64]
        [--context 256] [--rounds 5] [--report FILE.md]
 Needs a CPU with AMX-BF16 (Intel Xeon from Sapphire Rapids on); elsewhere it says so and exits 2.
-Both paths run the same build: `d3d_amx(0/1)` switches the process between them, so each round times
-the AVX-512 path and the tiles back to back (these machines are shared and noisy: read the ratios).
+Both paths run the same build: `RowExactKernels.set_amx` switches the process between them (each
+reading its own grouped copies), so each round times the AVX-512 path and the tiles back to back
+(these machines are shared and noisy: read the ratios).
 """
 
 from __future__ import annotations
@@ -43,25 +44,24 @@ def main() -> int:
             "this CPU, build or kernel has no AMX tiles (see `d3d doctor`)"
         print(f"amx_check: AMX tiles are not in use: {why}", file=sys.stderr)
         return 2
-    library = kernels.library
     times: dict[str, dict[int, list[float]]] = {"avx512": {r: [] for r in rows}, "amx": {r: [] for r in rows}}
     exact: dict[str, dict[int, bool]] = {}
     logits: dict[str, torch.Tensor] = {}
     probe = torch.randint(0, decoder.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     try:
         for path, on in (("avx512", 0), ("amx", 1)):
-            library.d3d_amx(on)
+            kernels.set_amx(on)
             mismatched = check_row_invariance(decoder, max_rows=min(33, rows[-1])).mismatched_rows
             exact[path] = {r: str(r) not in mismatched for r in rows if r <= 33}
             with torch.no_grad():
                 logits[path] = decoder(probe)[0]
         for _ in range(args.rounds):
             for path, on in (("avx512", 0), ("amx", 1)):
-                library.d3d_amx(on)
+                kernels.set_amx(on)
                 for r in rows:
                     times[path][r].append(time_forward(decoder, r, args.context, repeats=5))
     finally:
-        library.d3d_amx(1)
+        kernels.set_amx(True)
     median = {path: {r: sorted(v)[len(v) // 2] for r, v in by_rows.items()} for path, by_rows in times.items()}
     lines = [f"CPU: {cpu_name()} ({', '.join(cpu_flags())}), {torch.get_num_threads()} threads; "
              f"target {target.weights}, bf16, after {args.context} tokens; medians of {args.rounds} alternated rounds",

@@ -100,6 +100,30 @@ def test_quantized_weights_on_tiles_give_their_bf16_values_bits(tiles, type_name
         tiles.dense_rows = True
 
 
+def test_each_path_reads_its_own_grouped_copy(tiles):
+    """`set_amx` switches the process's path (what scripts/amx_check.py alternates); a Q4_1 weight's
+    grouped copy follows it — the tiles' first-operand form (A4) on, the pair vectors (G4) off — and
+    on each path a call's rows are the rows alone."""
+    if not small(tiles):
+        pytest.skip("switching the process's own kernels off would change every other test's path")
+    raw = random_blocks("Q4_1", 40, 256, seed=8)
+    weight = loader_values("Q4_1", raw)
+    tiles.use_stream(weight, stream_of(tiles, "Q4_1", raw))
+    x = randn(5, 256, seed=9, scale=3.0)
+    on = tiles.linear(x, weight, None)
+    vbmi = " avx512vbmi" in open("/proc/cpuinfo").read()
+    assert tiles._grouped_stream(weight, tiles.stream(weight)).format == ("a4" if vbmi else "g4")
+    try:
+        assert not tiles.set_amx(False) and not tiles.path_name.startswith("amx")
+        assert tiles._grouped_stream(weight, tiles.stream(weight)).format == "g4"
+        off = tiles.linear(x, weight, None)
+        assert torch.equal(off, torch.cat([tiles.linear(x[i:i + 1], weight, None) for i in range(5)]))
+    finally:
+        assert tiles.set_amx(True) and tiles.path_name.startswith("amx (emulated)")
+    assert torch.equal(tiles.linear(x, weight, None), on)
+    assert torch.equal(on, torch.cat([tiles.linear(x[i:i + 1], weight, None) for i in range(5)]))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @torch.no_grad()
 def test_a_k_row_forward_is_k_steps_on_tiles(tiles, family):

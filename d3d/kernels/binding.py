@@ -185,7 +185,7 @@ class RowExactKernels:
         # build takes packed pair dot products (formats.h's G4, G8): the same bits, a third of the
         # bytes of the bf16 values. False leaves them to the bf16 values (for tests and measurements).
         self.grouped_rows = bool(library.d3d_grouped_linear())
-        self._grouped: dict[int, tuple[weakref.ref, int, WeightStream | None]] = {}
+        self._grouped: dict[tuple[int, bool], tuple[weakref.ref, int, WeightStream | None]] = {}  # (id, amx)
         self.arena = HugePageArena()
         library.d3d_amx.argtypes = [i32]
         library.d3d_amx.restype = i32
@@ -200,6 +200,15 @@ class RowExactKernels:
                 self.amx = bool(library.d3d_amx(0))
                 print(f"d3d: AMX tiles not used: {self.amx_refused}; the AVX-512 path instead", file=sys.stderr)
         self.path_name = library.d3d_kernel_path().decode()
+
+    def set_amx(self, on: bool) -> bool:
+        """Switch this process between the AMX tiles and the AVX-512 path (measurements: a process
+        keeps to one path, whose bits differ from the other's); returns whether the tiles are on.
+        The layer tables are rebuilt, so each path reads its own grouped copies."""
+        self.amx = bool(self.library.d3d_amx(int(on)))
+        self.path_name = self.library.d3d_kernel_path().decode()
+        self.epoch += 1
+        return self.amx
 
     def _amx_refusal(self) -> str | None:
         """Why the AMX path must not be used here, or None: each row of a 35-row linear (two full row
@@ -308,7 +317,8 @@ class RowExactKernels:
                                  f"than the weight's (rows {first}-{first + part.rows - 1} of {rows} x {width})")
             first += part.rows
         self._remember(weight, stream)
-        self._grouped.pop(id(weight), None)  # grouped from the stream it had
+        for key in [key for key in self._grouped if key[0] == id(weight)]:  # grouped from the stream it had
+            del self._grouped[key]
         self.epoch += 1
 
     def dequantize(self, data: torch.Tensor, format: str, rows: int, width: int, reference: bool = False) -> torch.Tensor:
@@ -329,21 +339,23 @@ class RowExactKernels:
         return Weight.of(stream, dense, grouped), (stream, dense, grouped)
 
     def _grouped_stream(self, weight: torch.Tensor, stream: WeightStream) -> WeightStream | None:
-        """The quantized stream's blocks grouped 16 rows at a time (made once per stream), or None
-        where its formats have no grouped form."""
-        entry = self._grouped.get(id(weight))
+        """The quantized stream's blocks grouped 16 rows at a time in the form this process's path
+        reads (G4/G8, or A4 while the AMX tiles are on; made once per stream and form), or None where
+        its formats have no grouped form."""
+        key = (id(weight), self.amx)  # the form depends on the path (set_amx keeps `amx` the library's)
+        entry = self._grouped.get(key)
         if entry is not None and entry[0]() is weight and entry[1] == weight._version:
             return entry[2]
         rows, width = weight.shape
         descriptor = Weight.of(stream)
+        format = self.library.d3d_group_format(ctypes.byref(descriptor), width)
         size = self.library.d3d_group_pack(ctypes.byref(descriptor), rows, width, None)
         grouped = None
         if size:
             data = self.arena.empty((size,), torch.uint8)
             self.library.d3d_group_pack(ctypes.byref(descriptor), rows, width, data.data_ptr())
-            format = self.library.d3d_group_format(ctypes.byref(descriptor), width)
-            grouped = WeightStream.whole(next(name for name, number in WEIGHT_FORMATS.items() if number == format), data, rows, stream.source)
-        key = id(weight)
+            name = next(name for name, number in WEIGHT_FORMATS.items() if number == format)
+            grouped = WeightStream.whole(name, data, rows, stream.source)
         self._grouped[key] = (weakref.ref(weight, lambda _, key=key: self._grouped.pop(key, None)),
                               weight._version, grouped)
         return grouped
