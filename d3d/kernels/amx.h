@@ -14,7 +14,7 @@
  * process turns AMX on, every bf16 linear of every row count takes it: weights in the packed layout
  * directly, quantized weights decoded into tiles of that layout (grouped blocks by the same vector
  * decoder as the 1-4 row path, one 1 KB tile at a time just before the tiles read it, or a panel
- * once for calls of many rows; other formats by decode_panel), or — 4-bit blocks, calls of up to 32
+ * once for calls of many rows; other formats by decode_panel), or — 4-bit blocks, calls of up to 64
  * rows — looked up per column into tiles of the first operand (A4, below) — the same bf16 values, so
  * the same bits as their bf16 copy's.
  *
