@@ -365,12 +365,9 @@ static void amx_a4_body(const uint16_t *x, int64_t x_stride, const d3d_part *a4,
             }
         else
             for (int64_t i = 0; i < blocks; i++) {  /* the row tiles' pairs stay loaded for every group */
+                if (RT == 2) TILE_LOAD(4, pairs + i * 16 * AMX_ROWS, 4 * AMX_ROWS);
                 if (M == 1) TILE_LOAD(5, pairs + i * 16, 4);
-                else if (RT == 1) TILE_LOAD(5, pairs + i * 16 * AMX_ROWS, 4 * AMX_ROWS);
-                else {
-                    TILE_LOAD(4, pairs + i * 16 * AMX_ROWS, 4 * AMX_ROWS);
-                    TILE_LOAD(5, pairs + ((K / 2) + i * 16) * AMX_ROWS, 4 * AMX_ROWS);
-                }
+                else TILE_LOAD(5, pairs + ((RT - 1) * (K / 2) + i * 16) * AMX_ROWS, 4 * AMX_ROWS);
                 for (int g = 0; g < G; g++) {
                     a4_tile(a4_next(a4->data, g0 + g, i, groups, blocks), control, buf[g & 1]);
                     switch (g) {  /* one row tile (pairs in tmm5): C = g; two (tmm4, tmm5): C = g, 2 + g */

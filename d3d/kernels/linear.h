@@ -609,11 +609,10 @@ static int64_t parts_format(const d3d_weight *w) {
     return format;
 }
 
-/* Bytes of the grouped copy of `w` (N, K) in G4 or G8 — 0 when its parts are not all U4 or all I8 —
- * and, with `out`, the copy itself (columns past N padded with zero scales and codes). */
+/* Bytes of the G4 or G8 copy of `w` (N, K; its parts all U4 or all I8, K whole blocks) and, with
+ * `out`, the copy itself (columns past N padded with zero scales and codes). */
 static int64_t group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     int64_t format = parts_format(w), blocks = K / CHUNK, groups = (N + 15) / 16;
-    if ((format != D3D_U4 && format != D3D_I8) || K % CHUNK) return 0;
     int64_t size = format == D3D_U4 ? (int64_t)sizeof(block_g4) : (int64_t)sizeof(block_g8);
     if (!out) return groups * blocks * size;
     memset(out, 0, groups * blocks * size);
@@ -770,8 +769,10 @@ int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
 
 /* Bytes of that copy (0: none) and, with `out`, the copy. */
 int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
+    int64_t format = d3d_group_format(w, K);
+    if (!format) return 0;
 #ifdef AMX_A4
-    if (d3d_group_format(w, K) == D3D_A4) return a4_pack(w, N, K, out);
+    if (format == D3D_A4) return a4_pack(w, N, K, out);
 #endif
     return group_pack(w, N, K, out);
 }
