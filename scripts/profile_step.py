@@ -1,7 +1,8 @@
 """Where a forward of the target spends its time: each stage of the fused C forward (summed over
 the layers, timed by thread 0 after each stage's barrier), the output projection, and the rest
-(Python, embedding, allocation) by difference. One-token step and 17-token verification, after a
-256-token context (--context).
+(Python, embedding, allocation) by difference — and, where attention runs on AMX tiles, its three
+passes within "attention" (scores, softmax, weighted sums). One-token step and 17-token
+verification, after a 256-token context (--context).
 
 Usage: python scripts/profile_step.py [--dtype bfloat16] [--weights stored|dequantized] [--repeats 20] [--rows 1,17]
        [--context 256]
@@ -56,6 +57,7 @@ def main() -> None:
             decoder(ids, cache=cache)
             cache.commit(0)
         kernels.stage_seconds(reset=True)
+        kernels.attention_pass_seconds(reset=True)
         head_seconds = 0.0
         started = time.perf_counter()
         for _ in range(args.repeats):
@@ -67,6 +69,9 @@ def main() -> None:
         shares["output_projection"] = round(head_seconds / args.repeats * 1000, 2)
         shares["other"] = round(total - sum(shares.values()), 2)
         result[f"rows_{rows}"] = {"total_ms": round(total, 2), **shares}
+        passes = {name: round(seconds / args.repeats * 1000, 2) for name, seconds in kernels.attention_pass_seconds().items()}
+        if any(passes.values()):  # attention ran on AMX tiles: its passes, within "attention"
+            result[f"rows_{rows}"]["attention_passes"] = passes
     print(json.dumps(result))
 
 

@@ -269,6 +269,23 @@ def test_masked_attention_on_tiles_reads_no_key_past_a_querys_last(tiles):
         assert torch.equal(together[:, row:row + 1], alone), f"row {row}"
 
 
+def test_the_profile_build_times_attention_passes_on_tiles(tiles):
+    """Built with `profile`, attention on tiles adds each pass's time (scores, softmax, sums) to
+    `attention_pass_seconds` (what scripts/profile_step.py reports), reset on request, and the
+    bits are the plain build's; a plain build's passes stay at zero."""
+    path = build(profile=True, emulate_amx=small(tiles))
+    profiled = RowExactKernels(ctypes.CDLL(str(path)), path)
+    assert profiled.amx, profiled.amx_refused
+    q, k, v = attention_inputs(3, 40)
+    profiled.attention_pass_seconds(reset=True)
+    out = profiled.attention(q, k, v, None)
+    spent = profiled.attention_pass_seconds(reset=True)
+    assert list(spent) == ["scores", "softmax", "sums"] and all(seconds > 0 for seconds in spent.values()), spent
+    assert not any(profiled.attention_pass_seconds().values())
+    assert torch.equal(out, tiles.attention(q, k, v, None))
+    assert not any(tiles.attention_pass_seconds().values())
+
+
 def test_attention_on_tiles_is_one_choice_at_every_thread_count(tiles):
     """1, 2 and 3 threads split the keys, query heads and value slices differently: the same bits."""
     q, k, v = attention_inputs(17, 120 if small(tiles) else 700)

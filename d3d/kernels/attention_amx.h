@@ -333,12 +333,19 @@ static int64_t amx_pass_items(const amx_plan *p, int pass, int64_t H, int64_t Hk
     return Hkv * ((cols + AMX_ROWS - 1) / AMX_ROWS) * (D / AMX_SUM_DIMS);
 }
 
+/* Built with -DD3D_PROFILE (scripts/profile_step.py), each pass's wall time, taken by thread 0 after
+ * its barrier, adds to d3d_attention_pass_seconds: the scores, the softmax, the weighted sums. */
+double d3d_attention_pass_seconds[3];
+
 /* The three passes over n plans, run by every thread of the parallel region: each pass's items,
  * numbered across the plans, in one contiguous share per thread (a thread streams its own run of
  * keys), then a barrier. */
 static void amx_attention_run(const amx_plan *plans, int64_t n, int64_t H, int64_t Hkv, int64_t D, float scale) {
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     int state = 0;
+#ifdef D3D_PROFILE
+    double clock_ = omp_get_wtime();
+#endif
     amx_queries.q = NULL;
     for (int pass = 0; pass < 3; pass++) {
         int64_t total = 0, base = 0;
@@ -354,6 +361,12 @@ static void amx_attention_run(const amx_plan *plans, int64_t n, int64_t H, int64
             base += count;
         }
         _Pragma("omp barrier")
+#ifdef D3D_PROFILE
+        if (me == 0) {
+            double now_ = omp_get_wtime();
+            d3d_attention_pass_seconds[pass] += now_ - clock_, clock_ = now_;
+        }
+#endif
     }
     if (state) amx_release();
 }

@@ -136,6 +136,8 @@ class RowExactKernels:
 
     # Stage names of the fused forward's profile (the STAGE_ enum in rowexact.c).
     STAGES = ("norm", "qkv", "rope_store", "attention", "o", "gate_up", "silu_mul", "down")
+    # The passes of attention on AMX tiles (attention_amx.h), timed within the "attention" stage.
+    ATTENTION_PASSES = ("scores", "softmax", "sums")
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.library, self.path = library, path
@@ -234,6 +236,18 @@ class RowExactKernels:
         """Seconds the fused forward spent per stage so far (zeros unless built with `profile`)."""
         table = (ctypes.c_double * len(self.STAGES)).in_dll(self.library, "d3d_stage_seconds")
         spent = dict(zip(self.STAGES, table))
+        if reset:
+            ctypes.memset(table, 0, ctypes.sizeof(table))
+        return spent
+
+    def attention_pass_seconds(self, reset: bool = False) -> dict[str, float]:
+        """Seconds attention on AMX tiles spent per pass so far, within `stage_seconds`' "attention"
+        (zeros unless built with `profile` and run on tiles; empty where the build has no tiles)."""
+        try:
+            table = (ctypes.c_double * len(self.ATTENTION_PASSES)).in_dll(self.library, "d3d_attention_pass_seconds")
+        except ValueError:
+            return {}
+        spent = dict(zip(self.ATTENTION_PASSES, table))
         if reset:
             ctypes.memset(table, 0, ctypes.sizeof(table))
         return spent
