@@ -326,28 +326,46 @@ static void amx_sum_item(const amx_plan *p, int64_t item, int64_t H, int64_t Hkv
     }
 }
 
+/* Passes 2 and 3 together, item (KV head g, 16 query heads): their softmax items, then their sum
+ * items — so that the p rows the sums read were written just before, by the same thread, and are
+ * still in its L2 (a long context's p rows for every query head do not fit). */
+static void amx_exp_sum_item(const amx_plan *p, int64_t item, int64_t H, int64_t Hkv, int64_t D, float scale, int *state) {
+    int64_t cols = p->nt * (H / Hkv), tiles = (cols + AMX_ROWS - 1) / AMX_ROWS, slices = D / AMX_SUM_DIMS;
+    int64_t g = item / tiles, c0 = item % tiles * AMX_ROWS, c1 = c0 + AMX_ROWS < cols ? c0 + AMX_ROWS : cols;
+    for (int64_t col = c0; col < c1; col++) amx_exp_item(p, g * cols + col, H, Hkv, scale);
+    for (int64_t slice = 0; slice < slices; slice++) amx_sum_item(p, item * slices + slice, H, Hkv, D, state);
+}
+
+/* Items of pass 0 (scores), 1 (softmax), 2 (sums) or 3 (softmax and sums together) of a plan. */
 static int64_t amx_pass_items(const amx_plan *p, int pass, int64_t H, int64_t Hkv, int64_t D) {
-    int64_t cols = p->nt * (H / Hkv);
+    int64_t cols = p->nt * (H / Hkv), tiles = (cols + AMX_ROWS - 1) / AMX_ROWS;
     if (pass == 0) return Hkv * ((p->keys + AMX_KEYS - 1) / AMX_KEYS);
     if (pass == 1) return Hkv * cols;
-    return Hkv * ((cols + AMX_ROWS - 1) / AMX_ROWS) * (D / AMX_SUM_DIMS);
+    return Hkv * tiles * (pass == 2 ? D / AMX_SUM_DIMS : 1);
 }
 
 /* Built with -DD3D_PROFILE (scripts/profile_step.py), each pass's wall time, taken by thread 0 after
- * its barrier, adds to d3d_attention_pass_seconds: the scores, the softmax, the weighted sums. */
-double d3d_attention_pass_seconds[3];
+ * its barrier, adds to d3d_attention_pass_seconds: the scores, the softmax, the weighted sums, the
+ * softmax and sums together. */
+double d3d_attention_pass_seconds[4];
 
-/* The three passes over n plans, run by every thread of the parallel region: each pass's items,
- * numbered across the plans, in one contiguous share per thread (a thread streams its own run of
- * keys), then a barrier. */
+/* The passes over n plans, run by every thread of the parallel region: each pass's items, numbered
+ * across the plans, in one contiguous share per thread (a thread streams its own run of keys), then
+ * a barrier. The scores, then the softmax and the sums as two passes, or as one where there are
+ * enough groups of 16 query heads to share (AMX_FUSED_ITEMS a thread): the same items either way,
+ * so the same bits. */
+#define AMX_FUSED_ITEMS 4
 static void amx_attention_run(const amx_plan *plans, int64_t n, int64_t H, int64_t Hkv, int64_t D, float scale) {
-    int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    int64_t threads = omp_get_num_threads(), me = omp_get_thread_num(), fused_items = 0;
     int state = 0;
 #ifdef D3D_PROFILE
     double clock_ = omp_get_wtime();
 #endif
     amx_queries.q = NULL;
-    for (int pass = 0; pass < 3; pass++) {
+    for (int64_t i = 0; i < n; i++) fused_items += amx_pass_items(plans + i, 3, H, Hkv, D);
+    int fused = fused_items >= AMX_FUSED_ITEMS * threads;
+    for (int step = 0; step < (fused ? 2 : 3); step++) {
+        int pass = fused && step == 1 ? 3 : step;
         int64_t total = 0, base = 0;
         for (int64_t i = 0; i < n; i++) total += amx_pass_items(plans + i, pass, H, Hkv, D);
         int64_t first = total * me / threads, last = total * (me + 1) / threads;
@@ -356,7 +374,8 @@ static void amx_attention_run(const amx_plan *plans, int64_t n, int64_t H, int64
             for (int64_t j = first > base ? first - base : 0; j < count && base + j < last; j++) {
                 if (pass == 0) amx_score_job(plans + i, j, H, Hkv, D, &state);
                 else if (pass == 1) amx_exp_item(plans + i, j, H, Hkv, scale);
-                else amx_sum_item(plans + i, j, H, Hkv, D, &state);
+                else if (pass == 2) amx_sum_item(plans + i, j, H, Hkv, D, &state);
+                else amx_exp_sum_item(plans + i, j, H, Hkv, D, scale, &state);
             }
             base += count;
         }

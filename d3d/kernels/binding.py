@@ -137,7 +137,7 @@ class RowExactKernels:
     # Stage names of the fused forward's profile (the STAGE_ enum in rowexact.c).
     STAGES = ("norm", "qkv", "rope_store", "attention", "o", "gate_up", "silu_mul", "down")
     # The passes of attention on AMX tiles (attention_amx.h), timed within the "attention" stage.
-    ATTENTION_PASSES = ("scores", "softmax", "sums")
+    ATTENTION_PASSES = ("scores", "softmax", "sums", "softmax_and_sums")
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.library, self.path = library, path
