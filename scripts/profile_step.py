@@ -1,8 +1,9 @@
 """Where a forward of the target spends its time: each stage of the fused C forward (summed over
 the layers, timed by thread 0 after each stage's barrier), the output projection, and the rest
-(Python, embedding, allocation) by difference — and, where attention runs on AMX tiles, its three
-passes within "attention" (scores, softmax, weighted sums). One-token step and 17-token
-verification, after a 256-token context (--context).
+(Python, embedding, allocation) by difference — and, where attention runs on AMX tiles, its passes
+within "attention" (scores, then softmax and weighted sums as two passes, or for many query heads as
+one, "softmax_and_sums"). One-token step and 17-token verification, after a 256-token context
+(--context).
 
 Usage: python scripts/profile_step.py [--dtype bfloat16] [--weights stored|dequantized] [--repeats 20] [--rows 1,17]
        [--context 256]

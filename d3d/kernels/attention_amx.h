@@ -347,7 +347,9 @@ static int64_t amx_pass_items(const amx_plan *p, int pass, int64_t H, int64_t Hk
 /* Built with -DD3D_PROFILE (scripts/profile_step.py), each pass's wall time, taken by thread 0 after
  * its barrier, adds to d3d_attention_pass_seconds: the scores, the softmax, the weighted sums, the
  * softmax and sums together. */
-double d3d_attention_pass_seconds[4];
+#define AMX_PASSES 4
+double d3d_attention_pass_seconds[AMX_PASSES];
+const int64_t d3d_attention_passes = AMX_PASSES;  /* the array's length, checked by binding.py */
 
 /* The passes over n plans, run by every thread of the parallel region: each pass's items, numbered
  * across the plans, in one contiguous share per thread (a thread streams its own run of keys), then

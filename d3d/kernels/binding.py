@@ -244,9 +244,11 @@ class RowExactKernels:
         """Seconds attention on AMX tiles spent per pass so far, within `stage_seconds`' "attention"
         (zeros unless built with `profile` and run on tiles; empty where the build has no tiles)."""
         try:
-            table = (ctypes.c_double * len(self.ATTENTION_PASSES)).in_dll(self.library, "d3d_attention_pass_seconds")
+            count = ctypes.c_int64.in_dll(self.library, "d3d_attention_passes").value
         except ValueError:
             return {}
+        assert count == len(self.ATTENTION_PASSES), f"the kernels time {count} attention passes"
+        table = (ctypes.c_double * count).in_dll(self.library, "d3d_attention_pass_seconds")
         spent = dict(zip(self.ATTENTION_PASSES, table))
         if reset:
             ctypes.memset(table, 0, ctypes.sizeof(table))
