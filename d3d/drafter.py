@@ -40,6 +40,7 @@ from d3d.files import save_tensors
 from d3d.loading import LoadError, check_finite, check_state, read_safetensors
 from d3d.masks import causal_mask, draft_mask, packed_mask
 from d3d.models import PREFILL_CHUNK, Decoder, SequenceRows
+from d3d.quantized import StreamReport, quantize_weights
 
 FORMAT = "d3d-drafter"
 FORMAT_VERSION = 1
@@ -130,6 +131,22 @@ class Drafter(nn.Module):
             return torch.nn.functional.linear(hidden, self._gather_head())
         # the decoder's kernels: packed and ~3x faster than F.linear for a few rows on CPU
         return self.decoder.kernels_for(hidden).linear(hidden, self.draft_head, None)
+
+    def quantize(self, type_name: str) -> StreamReport:
+        """Have the kernels stream this drafter's own linear weights and its draft head as GGUF
+        `type_name` blocks (`d3d.quantized.quantize_weights`; the weights become their dequantized
+        values). Fewer bytes a pass and somewhat other drafts: a different drafter, never a different
+        output, since every draft is verified. The embedding and head it shares with the target are
+        left as they are. For inference only: a weight changed afterwards goes back to bf16 streams."""
+        kernels = self.decoder.row_exact
+        if kernels is None or self.decoder.device.type != "cpu" or self.decoder.dtype != torch.bfloat16:
+            raise ConfigError("quantized drafter weights need the row-exact kernels: a bf16 drafter on the CPU")
+        weights = self.decoder.linear_weights()
+        if self.config.shared_embeddings:
+            weights.pop("lm_head.weight")  # the target's
+            if self.config.draft_vocab_size:
+                weights["draft_head"] = self.draft_head  # the drafter's own copy of the rows it drafts among
+        return quantize_weights(kernels, weights, type_name)
 
     def to_draft_ids(self, tokens: torch.Tensor, missing: int = -100) -> torch.Tensor:
         """Vocabulary ids → indices into the draft vocabulary (`missing` where outside it)."""

@@ -26,6 +26,7 @@ from d3d.export import exported_from
 from d3d.loading import Target, load_target
 from d3d.lookup import LookupConfig
 from d3d.prefix_cache import PrefixCache
+from d3d.quantized import QUANTIZE_TO
 from d3d.sequence import Step
 from d3d.sources import ARDrafterSource, DraftSource, default_sources
 
@@ -72,7 +73,7 @@ class Pipeline:
     def load(cls, target: str | None = None, drafter: str | Path | None = "default",
              dtype: torch.dtype = torch.bfloat16, drafter_layers: list[int] | str | None = None,
              ar_drafter: str | Path | None = None, async_config: AsyncConfig | None = None,
-             weights: str = "stored") -> "Pipeline":
+             weights: str = "stored", drafter_weights: str = "stored") -> "Pipeline":
         """Load a target and a drafter.
 
         `drafter`: a checkpoint folder; "default" for the shipped drafter when the target is the
@@ -81,10 +82,11 @@ class Pipeline:
         None); None for no drafter.
         `ar_drafter`: an AR drafter checkpoint folder, for method "ar_drafter" (None: none).
         `async_config`: how method "async" drafts ahead (None: the defaults).
-        `weights`: how the kernels read the target's weights (`d3d.loading.load_target`).
+        `weights`: how the kernels read the target's weights (`d3d.loading.load_target`);
+        `drafter_weights`: the drafter's (`resolve_drafter`).
         """
         loaded = load_target(target, dtype, weights)
-        return cls(loaded, *resolve_drafter(loaded, drafter, target, drafter_layers),
+        return cls(loaded, *resolve_drafter(loaded, drafter, target, drafter_layers, drafter_weights),
                    ar_drafter=load_ar_drafter(loaded, ar_drafter), async_config=async_config)
 
     def encode(self, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
@@ -266,9 +268,22 @@ def load_ar_drafter(target: Target, folder: str | Path | None) -> Drafter | None
 
 
 def resolve_drafter(target: Target, drafter: str | Path | None, target_source: str | None,
-                    drafter_layers: list[int] | str | None) -> tuple[Drafter | None, str]:
+                    drafter_layers: list[int] | str | None, weights: str = "stored") -> tuple[Drafter | None, str]:
     """The drafter and a description of where it came from; an untrained one copies `drafter_layers`
-    (indices, or their command-line form: `d3d.drafter.layer_selection`; None: every layer)."""
+    (indices, or their command-line form: `d3d.drafter.layer_selection`; None: every layer).
+    `weights`: "stored" (as its file holds them) or a GGUF type to quantize its own weights to at
+    load (`QUANTIZE_TO`: fewer bytes a draft, other drafts, the same output)."""
+    if weights != "stored" and weights not in QUANTIZE_TO:
+        raise ConfigError(f"drafter weights are 'stored' or one of {', '.join(QUANTIZE_TO)}, not {weights!r}")
+    loaded, where = _load_drafter(target, drafter, target_source, drafter_layers)
+    if loaded is not None and weights != "stored":
+        report = loaded.quantize(QUANTIZE_TO[weights])
+        where += f"; {report.summary().removeprefix('GGUF ')} weights quantized at load"
+    return loaded, where
+
+
+def _load_drafter(target: Target, drafter: str | Path | None, target_source: str | None,
+                  drafter_layers: list[int] | str | None) -> tuple[Drafter | None, str]:
     if drafter is None:
         return None, "none"
     fingerprint = target.fingerprint

@@ -268,6 +268,8 @@ def use_gguf_streams(kernels: RowExactKernels, weights: dict[str, torch.Tensor],
 # --weights: how a target's linear weights are stored for the kernels
 WEIGHTS = ("stored", "dequantized", "q8_0", "q4_1", "q4_0")
 QUANTIZE_TO = {"q8_0": "Q8_0", "q4_1": "Q4_1", "q4_0": "Q4_0"}  # the GGUF types gguf-py can quantize to
+# --drafter-weights: how a drafter's own weights are streamed (its drafts change, never the output)
+DRAFTER_WEIGHTS = ("stored", *QUANTIZE_TO)
 
 
 def quantize_weights(kernels: RowExactKernels, weights: dict[str, torch.Tensor], type_name: str) -> StreamReport:

@@ -328,6 +328,9 @@ def test_cli_bench_compare_drafter(capsys, tiny_default, tmp_path):
     assert set(summary["speedup"]) == {"ar", "speculative", "speculative@b"} and summary["identical"] is True
     assert main(argv + ["--compare-drafter", "no-label-here"]) == 2
     assert "LABEL=PATH" in capsys.readouterr().err
+    # @WEIGHTS quantizes one challenger at load: on this fp32 tiny target there is nothing to stream, said so
+    assert main(argv + ["--compare-drafter", f"b={tmp_path / 'other'}@q8_0"]) == 2
+    assert "bf16 drafter" in capsys.readouterr().err
 
 
 # -- the transformers baselines --------------------------------------------------------------------

@@ -172,6 +172,29 @@ def test_saved_drafter_generates(capsys, tiny_default, drafter_folder):
     assert code == 0 and out.strip()
 
 
+def test_drafter_weights_quantized_at_load(capsys, monkeypatch, tmp_path):
+    """--drafter-weights q8_0 on a bf16 target: the load line says so and the output is AR's; on an
+    fp32 one (no quantized streams there) it is a usage error."""
+    from conftest import make_decoder, tiny_config
+
+    def load(source=None, dtype=torch.bfloat16, weights="stored"):
+        return tiny_target(make_decoder(tiny_config("llama", tie_word_embeddings=False), seed=1, dtype=dtype),
+                           eos_token_ids=[])
+
+    monkeypatch.setattr(d3d.generation, "load_target", load)
+    folder = tmp_path / "drafter"
+    target = load()
+    Drafter.from_target(target.decoder, [0], block_size=4, tokenizer_fingerprint=target.fingerprint,
+                        draft_vocab=torch.arange(10, 42)).save_pretrained(folder)
+    argv = ["generate", "hello", "--drafter", str(folder), "--drafter-weights", "q8_0", "--max-new-tokens", "12",
+            "--compare-ar", "--json"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0 and "Q8_0 weights quantized at load" in err
+    assert json.loads(out.strip().splitlines()[-1])["identical_to_ar"] is True
+    code, _, err = run_cli(capsys, *argv, "--dtype", "float32")
+    assert_usage_error(code, err, "bf16 drafter")
+
+
 @pytest.mark.parametrize("damage, fragments", [
     (dict(config=lambda d: d.pop("model")), ["config.json", "missing fields ['model']"]),
     (dict(config=lambda d: d["model"].update(hiden_size=32)), ["config.json", "unknown fields ['hiden_size']"]),

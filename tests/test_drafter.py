@@ -398,3 +398,41 @@ def test_reduced_draft_vocabulary_round_trip_and_never_drafts_outside(tmp_path):
     assert torch.equal(loaded.draft(loaded.new_cache(32), tokens).argmax(-1), b.argmax(-1))
     labels = torch.tensor([[9, 4, -100, 17]])
     assert reduced.to_draft_ids(labels).tolist() == [[2, -100, -100, 5]]
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1"])
+def test_a_drafter_quantized_at_load_streams_its_own_weights_and_leaves_the_output(type_name):
+    """`Drafter.quantize`: the drafter's own linears and its draft head stream GGUF blocks (their
+    values become the blocks' dequantized ones), the head it shares with the target is untouched,
+    and greedy speculative decoding with it is still the target's own greedy output."""
+    from d3d.config import GenerationConfig
+    from d3d.engine import reference_generate, speculative_generate
+
+    target = make_decoder(tiny_config("llama", tie_word_embeddings=False), seed=1, dtype=torch.bfloat16)
+    target.requires_grad_(False)
+    drafter = Drafter.from_target(target, [0, 1], block_size=4, block_attention="causal",
+                                  draft_vocab=torch.arange(8, 48)).eval()
+    perturb_drafter(drafter, 0.3, seed=5)  # drafts that are sometimes wrong, so verification rejects some
+    head, own = target.lm_head.weight.clone(), drafter.decoder.layers[0].mlp.down_proj.weight.clone()
+    report = drafter.quantize(type_name)
+    own_linears = {name for name in drafter.decoder.linear_weights() if name.startswith("layers.")}
+    assert set(report.streamed) == own_linears | {"draft_head"} and set(report.streamed.values()) == {type_name}
+    assert torch.equal(target.lm_head.weight, head)  # the shared head is the target's, as it was
+    assert not torch.equal(drafter.decoder.layers[0].mlp.down_proj.weight, own)  # now its blocks' values
+    streams = {drafter.decoder.row_exact.stream(w).source for w in drafter.decoder.linear_weights().values()}
+    assert type_name in streams
+    config = GenerationConfig(max_new_tokens=24, eos_token_ids=[])
+    prompt = TOKENS[:6]
+    expected = [t for step in reference_generate(target, prompt, config) for t in step.tokens]
+    steps = list(speculative_generate(target, drafter, prompt, config))
+    assert [t for step in steps for t in step.tokens] == expected
+    assert len(steps) < len(expected)  # some drafts were accepted: the quantized drafter drafted
+
+
+def test_only_a_bf16_drafter_on_the_kernels_is_quantized(target):
+    """An fp32 drafter has no quantized streams: a clear ConfigError, nothing changed."""
+    drafter = Drafter.from_target(target, [0], block_size=4)
+    before = drafter.decoder.layers[0].mlp.down_proj.weight.clone()
+    with pytest.raises(ConfigError, match="bf16 drafter"):
+        drafter.quantize("Q8_0")
+    assert torch.equal(drafter.decoder.layers[0].mlp.down_proj.weight, before)

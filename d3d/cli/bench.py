@@ -14,6 +14,7 @@ from d3d.cli.common import DTYPES, add_model_arguments, argv_is_cli, load_pipeli
 from d3d.config import ConfigError
 from d3d.generation import Pipeline, resolve_drafter
 from d3d.prompts import load_dataset, load_prompt_file, sample_prompts
+from d3d.quantized import DRAFTER_WEIGHTS
 
 DEFAULT_BENCH_DATASETS = "humaneval,mtbench,math500"
 DEFAULT_BENCH_PROMPTS = 16  # per named dataset
@@ -56,9 +57,11 @@ def bench(args: argparse.Namespace) -> int:
     challengers = {}
     for spec in args.compare_drafter:
         label, _, folder = spec.partition("=")
+        path, at, weights = folder.rpartition("@")
+        folder, weights = (path, weights) if at and weights in DRAFTER_WEIGHTS else (folder, args.drafter_weights)
         if not label or not folder or not label.isidentifier() or label in challengers:
-            raise ConfigError(f"--compare-drafter takes a unique LABEL=PATH (LABEL a plain word), got {spec!r}")
-        challengers[label] = Pipeline(pipeline.target, *resolve_drafter(pipeline.target, folder, args.target, None),
+            raise ConfigError(f"--compare-drafter takes a unique LABEL=PATH[@WEIGHTS] (LABEL a plain word), got {spec!r}")
+        challengers[label] = Pipeline(pipeline.target, *resolve_drafter(pipeline.target, folder, args.target, None, weights),
                                       async_config=pipeline.async_config)
     result = run_benchmark(pipeline, config, challengers=challengers)
     path = save_result(result, args.out)
@@ -156,8 +159,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare-drafter", action="append", default=[], metavar="LABEL=PATH",
-                   help="also run each drafting method with this drafter, as METHOD@LABEL, interleaved (repeatable)")
+    p.add_argument("--compare-drafter", action="append", default=[], metavar="LABEL=PATH[@WEIGHTS]",
+                   help="also run each drafting method with this drafter, as METHOD@LABEL, interleaved (repeatable); "
+                        "@q8_0 (or another --drafter-weights choice) quantizes it at load")
     p.add_argument("--simulate-tau", default="", metavar="TAUS",
                    help="instead of --methods: sync and async speedup at these τ values (e.g. 1.5,2,3,4,6,8) with "
                         "the simulated drafter (d3d.simulate), charged the drafter's own cost; greedy only")

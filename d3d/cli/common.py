@@ -16,7 +16,7 @@ from d3d.devices import resolve_device
 from d3d.exactness import kernel_name
 from d3d.drafter import LAYERS_HELP, layer_selection
 from d3d.generation import Pipeline, load_ar_drafter, resolve_drafter
-from d3d.quantized import WEIGHTS
+from d3d.quantized import DRAFTER_WEIGHTS, WEIGHTS
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -31,11 +31,11 @@ def load_pipeline(args: argparse.Namespace) -> Pipeline:
     async_config = AsyncConfig(max_branches=args.branches)
     if device.type == "cpu":
         pipeline = Pipeline.load(args.target, drafter, DTYPES[args.dtype], layers, args.ar_drafter, async_config,
-                                 weights=args.weights)
+                                 weights=args.weights, drafter_weights=args.drafter_weights)
     else:  # weights are read on the CPU; the drafters are built on the target's device
         target = Pipeline.load(args.target, None, DTYPES[args.dtype], weights="dequantized").target
         target.decoder.to(device)
-        pipeline = Pipeline(target, *resolve_drafter(target, drafter, args.target, layers),
+        pipeline = Pipeline(target, *resolve_drafter(target, drafter, args.target, layers, args.drafter_weights),
                             ar_drafter=load_ar_drafter(target, args.ar_drafter), async_config=async_config)
     d = pipeline.drafter
     where = pipeline.drafter_source if d is None else (
@@ -62,6 +62,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an AR drafter checkpoint (`d3d train --drafter-kind ar`) for --method ar_drafter")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     add_weights_argument(parser)
+    parser.add_argument("--drafter-weights", default="stored", choices=DRAFTER_WEIGHTS,
+                        help="how the kernels read the drafter's own weights: 'stored' (default) as its file holds "
+                             "them; q8_0/q4_1/q4_0: quantized at load — fewer bytes a draft, other drafts, the same "
+                             "output (every draft is verified)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     parser.add_argument("--branches", type=int, default=AsyncConfig.max_branches,
                         help="method async: outcomes (accepted count, bonus guess) whose next block is drafted "
