@@ -4,6 +4,7 @@ the AR reference, resumable atomic shards, and the ShareGPT / stdlib prompt sour
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 import d3d.train.data as data
 from conftest import make_decoder, tiny_config
-from d3d.config import ConfigError, GenerationConfig
+from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.engine import reference_generate
 from d3d.loading import Target
 from d3d.prompts import DatasetError, load_dataset, text_fingerprint
@@ -340,6 +341,66 @@ def test_other_config_or_target_in_the_same_folder_is_refused(target, config, tm
         generate_data(renamed, out, config, progress=False)
     # The same config and target is a no-op resume.
     assert generate_data(target, out, config, progress=False)["shards_done"] == 3
+
+
+def solo(decoder, prompt_ids: list[int], sampling: SamplingConfig, max_new_tokens: int, eos: list[int]) -> list[int]:
+    """The AR reference's response under `sampling` (its own seed), decoded alone."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos, sampling=sampling)
+    return [t for s in reference_generate(decoder, prompt_ids, config) for t in s.tokens]
+
+
+def test_sampled_responses_are_the_targets_own_samples_beside_the_greedy_one(target, source_file, tmp_path):
+    """--samples 2: each prompt gets its greedy response (written as always) and two sampled ones,
+    each the target's own sampling of the prompt with the seed drawn from (seed, prompt id, sample)
+    — the batch replays the solo draws; different samples of a prompt differ from each other and
+    from the greedy response somewhere (negative control: a sampler ignoring its seed would repeat)."""
+    config = DataConfig(sources=[source_file], shard_size=4, batch_size=3, max_new_tokens=8, samples=2,
+                        temperature=1.0)
+    out = tmp_path / "run"
+    manifest = generate_data(target, out, config, progress=False)
+    records = list(read_shards(out))
+    prompts = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * len(prompts) == 36 and manifest["num_prompts"] == 12
+    by_prompt: dict[str, list[dict]] = {}
+    for record in records:
+        by_prompt.setdefault(record["id"], []).append(record)
+    eos = target.eos_token_ids
+    for prompt_id, mine in by_prompt.items():
+        assert [r.get("sample", 0) for r in mine] == [0, 1, 2]  # greedy first, then its samples, together
+        assert "temperature" not in mine[0] and {r["temperature"] for r in mine[1:]} == {1.0}
+        plans = config.responses(prompt_id)
+        assert plans[0].greedy and len({p.seed for p in plans[1:]}) == 2
+        for record, plan in zip(mine, plans):
+            assert record["response_ids"] == solo(target.decoder, record["prompt_ids"], plan, 8, eos)
+    samples = [tuple(r["response_ids"]) for r in records if r.get("sample")]
+    greedy_ones = {r["id"]: tuple(r["response_ids"]) for r in records if not r.get("sample")}
+    assert len(set(samples)) > len(samples) // 2
+    assert any(tuple(r["response_ids"]) != greedy_ones[r["id"]] for r in records if r.get("sample"))
+    # the same command resumes to the same bytes; another temperature is another folder's config
+    files = {p.name: p.read_bytes() for p in shard_files(out)}
+    shard_files(out)[-1].unlink()
+    generate_data(target, out, config, progress=False)
+    assert {p.name: p.read_bytes() for p in shard_files(out)} == files
+    with pytest.raises(ConfigError, match="--temperature 1.0 there, 0.7 now"):
+        generate_data(target, out, dataclasses.replace(config, temperature=0.7), progress=False)
+
+
+def test_a_folder_made_before_samples_existed_resumes(target, config, tmp_path):
+    """A manifest without the sampling options (written before they existed) is the greedy config."""
+    out = tmp_path / "run"
+    generate_data(target, out, config, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for key in ("samples", "temperature"):
+        del manifest["config"][key]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert generate_data(target, out, config, progress=False)["shards_done"] == 3
+
+
+@pytest.mark.parametrize("kwargs, why", [(dict(samples=-1), "samples"), (dict(temperature=0.0), "temperature"),
+                                         (dict(temperature=float("nan")), "temperature")])
+def test_sampling_options_are_checked(kwargs, why):
+    with pytest.raises(ConfigError, match=why):
+        DataConfig(**kwargs)
 
 
 def test_config_change_after_a_kill_during_the_first_shard(target, config, tmp_path, monkeypatch):

@@ -99,6 +99,45 @@ def test_held_out_split_is_disjoint(data_dir, tmp_path):
     assert not {tuple(t) for t, _ in trainer.held_out} & {tuple(t) for t, _ in trainer.train_set}
 
 
+def test_held_out_prompts_are_greedy_and_their_samples_never_train(tmp_path):
+    """With sampled responses in the data (`d3d data --samples`), the held-out sequences are greedy
+    ones (τ at T = 0 is read on them) and no response to a held-out prompt, sampled or not, trains;
+    greedy-only data keeps the split it always had (the first of the shuffled order)."""
+    folder = tmp_path / "data"
+    (folder / "shards").mkdir(parents=True)
+    rng = random.Random(1)
+    lines = []
+    for i in range(40):
+        prompt = [rng.randrange(4, 64) for _ in range(8)]
+        for sample in range(3):
+            record = {"id": f"p{i}", "prompt_ids": prompt, "response_ids": [rng.randrange(4, 64) for _ in range(12)]}
+            if sample:
+                record.update(sample=sample, temperature=1.0)
+            lines.append(json.dumps(record) + "\n")
+    (folder / "shards" / "shard-00000.jsonl").write_text("".join(lines))
+    trainer = Trainer(tiny_train_target(), folder, tmp_path / "run", config(held_out=4))
+    origins: list = []
+    every = load_sequences(folder, 64, origins=origins)
+    origin_of = {tuple(tokens): origin for (tokens, _), origin in zip(every, origins)}
+    held = [origin_of[tuple(tokens)] for tokens, _ in trainer.held_out]
+    trained = [origin_of[tuple(tokens)] for tokens, _ in trainer.train_set]
+    assert len(held) == 4 and all(sample == 0 for _, sample in held)
+    assert not {pid for pid, _ in held} & {pid for pid, _ in trained}
+    assert len(trained) == 3 * 40 - 3 * 4  # every response of every other prompt trains
+    greedy_only = Trainer(tiny_train_target(), data_dir_of(tmp_path, lines[::3]), tmp_path / "run2", config(held_out=4))
+    order = list(range(40))
+    random.Random(3).shuffle(order)  # config()'s seed: the split greedy-only data always had
+    firsts = [json.loads(lines[3 * i])["response_ids"] for i in order[:4]]
+    assert [tokens[-12:] for tokens, _ in greedy_only.held_out] == firsts
+
+
+def data_dir_of(tmp_path, lines: list[str]):
+    folder = tmp_path / "greedy-data"
+    (folder / "shards").mkdir(parents=True)
+    (folder / "shards" / "shard-00000.jsonl").write_text("".join(lines))
+    return folder
+
+
 def test_resume_reproduces_the_uninterrupted_run(data_dir, tmp_path):
     """3 steps, save, a new Trainer resuming, 3 more steps: weights bit-identical to a 6-step run, and the next loss equal."""
     # grad_accum and random masks make the run consume more RNG and wrap an epoch after the resume.

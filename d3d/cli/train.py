@@ -13,8 +13,9 @@ from d3d.drafter import LAYERS_HELP, layer_selection
 
 
 def data(args: argparse.Namespace) -> int:
-    """Generate the target's own greedy responses to training prompts (resumable): with the target
-    loaded here, or fetched from an OpenAI-compatible server serving it (--server)."""
+    """Generate the target's own responses to training prompts (resumable): greedy, and with
+    --samples also sampled ones; with the target loaded here, or fetched from an OpenAI-compatible
+    server serving it (--server, greedy only)."""
     import os
     from pathlib import Path
 
@@ -24,7 +25,8 @@ def data(args: argparse.Namespace) -> int:
 
     config = DataConfig(sources=args.sources.split(","), max_prompts=args.max_prompts,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                        shard_size=args.shard_size, batch_size=args.batch_size, seed=args.seed)
+                        shard_size=args.shard_size, batch_size=args.batch_size, seed=args.seed,
+                        samples=args.samples, temperature=args.temperature)
     if args.distill_top_k < 0:
         raise ConfigError("--distill-top-k must be >= 0")
     server = None
@@ -146,6 +148,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--samples", type=int, default=0,
+                   help="also this many sampled responses per prompt beside the greedy one (seeded per prompt "
+                        "and sample: the same on every rerun), so a drafter also learns where sampling goes; "
+                        "local target only")
+    p.add_argument("--temperature", type=float, default=1.0, help="the sampled responses' temperature (default 1)")
     p.add_argument("--distill-top-k", type=int, default=0,
                    help="also record the target's top-K next-token distributions for `d3d train --distill` "
                         "(shards made without them get them by one teacher-forced pass); 0 = off")

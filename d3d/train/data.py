@@ -26,8 +26,11 @@ the same command continues where it stopped.
 from __future__ import annotations
 
 import ast
+import dataclasses
+import hashlib
 import importlib.util
 import json
+import math
 import random
 import sys
 import sysconfig
@@ -41,7 +44,7 @@ import torch
 from tqdm import tqdm
 
 from d3d.batch import Batch
-from d3d.config import ConfigError, GenerationConfig, _JsonMixin
+from d3d.config import ConfigError, GenerationConfig, SamplingConfig, _JsonMixin
 from d3d.run import Run
 from d3d.loading import Target, TargetTokenizer
 from d3d.masks import causal_mask
@@ -65,7 +68,9 @@ class DataConfig(_JsonMixin):
     max_new_tokens: int = 256  # response length cap
     shard_size: int = 64  # prompts per shard (what a kill loses, with the shards the batch spans)
     batch_size: int = 32  # rows generated together
-    seed: int = 0  # order of the prompt list
+    seed: int = 0  # order of the prompt list, and the sampled responses' seeds
+    samples: int = 0  # sampled responses per prompt, beside the greedy one
+    temperature: float = 1.0  # the sampled responses' temperature
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -73,6 +78,20 @@ class DataConfig(_JsonMixin):
         for name in ("max_prompt_tokens", "max_new_tokens", "shard_size", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        if self.samples < 0:
+            raise ConfigError(f"samples must be >= 0, got {self.samples}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ConfigError(f"temperature must be a finite number > 0, got {self.temperature}")
+
+    def responses(self, prompt_id: str) -> list[SamplingConfig]:
+        """How each response to a prompt is decoded: greedily, then `samples` times at `temperature`,
+        each with its own seed drawn from (seed, prompt id, sample): the same on every machine and rerun."""
+        def seed_of(sample: int) -> int:
+            digest = hashlib.sha256(f"{self.seed}:{prompt_id}:{sample}".encode()).digest()
+            return int.from_bytes(digest[:8], "little") >> 1
+
+        return [SamplingConfig()] + [SamplingConfig(temperature=self.temperature, seed=seed_of(j))
+                                     for j in range(1, self.samples + 1)]
 
 
 Messages = list[dict[str, str]]  # a chat: [{"role": "user" | "assistant", "content": …}, …] ending with a user turn
@@ -219,23 +238,27 @@ def collect_prompts(config: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
 
 @torch.no_grad()
 def generate_continuous(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int,
-                        eos_token_ids: list[int], top_k: int = 0, width: int = 16) -> list[Generated]:
-    """Greedy responses, `width` prompts at a time in one continuous batch (`d3d.batch`): the place
-    of a finished response goes to the next prompt at once, and each response is the target's own
-    greedy decoding of its prompt (the same tokens as alone, by construction)."""
+                        eos_token_ids: list[int], top_k: int = 0, width: int = 16,
+                        sampling: list[SamplingConfig] | None = None) -> list[Generated]:
+    """Greedy responses (or each prompt's own `sampling`), `width` prompts at a time in one continuous
+    batch (`d3d.batch`): the place of a finished response goes to the next prompt at once, and each
+    response is the target's own decoding of its prompt (the same tokens as alone, by construction;
+    a sampled one with its seed's draws)."""
     responses: list[Generated | None] = [None] * len(prompts)
-    for index, generated in stream_continuous(decoder, prompts, max_new_tokens, eos_token_ids, top_k, width):
+    requests = zip(prompts, sampling) if sampling is not None else prompts
+    for index, generated in stream_continuous(decoder, requests, max_new_tokens, eos_token_ids, top_k, width):
         responses[index] = generated
     return responses  # type: ignore[return-value]
 
 
 @torch.no_grad()
-def stream_continuous(decoder: Decoder, prompts: Iterable[list[int]], max_new_tokens: int,
-                      eos_token_ids: list[int], top_k: int = 0, width: int = 16) -> Iterator[tuple[int, Generated]]:
+def stream_continuous(decoder: Decoder, prompts: Iterable[list[int] | tuple[list[int], SamplingConfig]],
+                      max_new_tokens: int, eos_token_ids: list[int], top_k: int = 0,
+                      width: int = 16) -> Iterator[tuple[int, Generated]]:
     """`generate_continuous` as each response finishes: (the prompt's index, its response), prompts
-    read from `prompts` only as places free up."""
+    read from `prompts` (token ids, or (token ids, how to sample)) only as places free up."""
     batch = Batch(decoder)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=list(eos_token_ids))
+    greedy = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=list(eos_token_ids))
     responses: dict[int, list[int]] = {}
     chosen_from: dict[int, list[TopK]] = {}
     waiting, owner = enumerate(prompts), {}
@@ -244,6 +267,10 @@ def stream_continuous(decoder: Decoder, prompts: Iterable[list[int]], max_new_to
         index, prompt = next(waiting, (None, None))
         if index is None:
             return
+        config = greedy
+        if isinstance(prompt, tuple):
+            prompt, sampling = prompt
+            config = dataclasses.replace(greedy, sampling=sampling)
         responses[index], chosen_from[index] = [], []
         keep = (lambda logits, tokens: chosen_from[index].append(keep_top(logits, top_k))) if top_k else None
         owner[batch.add(Run(decoder, [], prompt, config, on_commit=keep))] = index
@@ -267,7 +294,8 @@ def stream_continuous(decoder: Decoder, prompts: Iterable[list[int]], max_new_to
 
 def shards_in_order(decoder: Decoder, shards: dict[int, list[dict[str, Any]]], config: DataConfig,
                     eos_token_ids: list[int], top_k: int = 0) -> Iterator[tuple[int, list[Generated]]]:
-    """Each shard's responses (shard index, responses in its prompts' order), shards in index order,
+    """Each shard's responses (shard index, responses in its records' order; each record's "sampling"
+    says how it is decoded), shards in index order,
     from one continuous batch over all their prompts: the places that one shard's last responses
     leave go to the next shard's prompts at once, instead of idling until the shard is done."""
     order = sorted(shards)
@@ -275,8 +303,9 @@ def shards_in_order(decoder: Decoder, shards: dict[int, list[dict[str, Any]]], c
     answers = {index: [None] * len(shards[index]) for index in order}
     missing = {index: len(shards[index]) for index in order}
     ready = 0
-    for at, generated in stream_continuous(decoder, (shards[i][j]["prompt_ids"] for i, j in slots),
-                                           config.max_new_tokens, eos_token_ids, top_k, config.batch_size):
+    requests = ((shards[i][j]["prompt_ids"], shards[i][j]["sampling"]) for i, j in slots)
+    for at, generated in stream_continuous(decoder, requests, config.max_new_tokens, eos_token_ids, top_k,
+                                           config.batch_size):
         index, j = slots[at]
         answers[index][j] = generated
         missing[index] -= 1
@@ -356,8 +385,9 @@ def identity_differences(previous: dict[str, Any], identity: dict[str, Any]) -> 
     answered (the local target, or which served model: its URL may change), the target."""
     found = []
     before, now = previous.get("config") or {}, identity["config"]
+    defaults = DataConfig().to_dict()  # options added since a folder was made had their defaults there
     for key in sorted(set(before) | set(now)):
-        if before.get(key) != now.get(key):
+        if before.get(key, defaults.get(key)) != now.get(key, defaults.get(key)):
             found.append(f"--{key.replace('_', '-')} {show(before.get(key))} there, {show(now.get(key))} now")
     server_before, server_now = previous.get("server"), identity.get("server")
     if (server_before is None) != (server_now is None):
@@ -407,6 +437,8 @@ def generate_data(target: Target | TargetTokenizer, out_dir: str | Path, config:
     (`d3d.train.distill`): recorded while generating, and computed for shards made without them.
     """
     out = Path(out_dir)
+    if server is not None and config.samples:
+        raise ConfigError("sampled responses (--samples) are decoded by the local target; a server's are greedy only")
     remote = RemoteTarget(server, target) if server is not None else None
     identity = {"config": config.to_dict(), "target": target.name, "tokenizer_fingerprint": target.fingerprint}
     if remote is not None:
@@ -447,8 +479,11 @@ def generate_data(target: Target | TargetTokenizer, out_dir: str | Path, config:
         manifest["left_out_count"] = len(manifest["left_out"])
     bar = tqdm(total=num_shards, initial=len(done), desc="target responses", unit="shard", disable=not progress)
     started, new_tokens, checked = time.perf_counter(), 0, False
-    pending = {index: sorted(prompts[index * config.shard_size:(index + 1) * config.shard_size],
-                             key=lambda p: len(p["prompt_ids"]))  # the order shards have always had
+    # a shard's records: its prompts in the order shards have always had, each greedy, then sampled
+    pending = {index: [{**p, "sample": j, "sampling": sampling}
+                       for p in sorted(prompts[index * config.shard_size:(index + 1) * config.shard_size],
+                                       key=lambda p: len(p["prompt_ids"]))
+                       for j, sampling in enumerate(config.responses(p["id"]))]
                for index in range(num_shards) if f"shard-{index:05d}.jsonl" not in done}
     local = (shards_in_order(target.decoder, pending, config, target.eos_token_ids, distill_top_k)
              if remote is None else None)
@@ -473,8 +508,10 @@ def generate_data(target: Target | TargetTokenizer, out_dir: str | Path, config:
         for prompt, answer in zip(shard, generated):
             if isinstance(answer, LeftOut):
                 continue
-            lines.append(json.dumps({"id": prompt["id"], "prompt_ids": prompt["prompt_ids"],
-                                     "response_ids": answer.response_ids}) + "\n")
+            record = {"id": prompt["id"], "prompt_ids": prompt["prompt_ids"], "response_ids": answer.response_ids}
+            if prompt["sample"]:  # a sampled response: which, and at what temperature (greedy ones as always)
+                record.update(sample=prompt["sample"], temperature=prompt["sampling"].temperature)
+            lines.append(json.dumps(record) + "\n")
             distributions.append(answer.distributions)
             new_tokens += len(answer.response_ids)
         if distill_top_k:  # before the shard: a finished shard never lacks the file

@@ -102,13 +102,15 @@ class TrainConfig(_JsonMixin):
                               f"a {self.drafter_kind} drafter")
 
 
-def load_sequences(data_dir: str | Path, max_length: int,
-                   teachers: list[TopK] | None = None) -> list[tuple[list[int], int]]:
+def load_sequences(data_dir: str | Path, max_length: int, teachers: list[TopK] | None = None,
+                   origins: list[tuple[str, int]] | None = None) -> list[tuple[list[int], int]]:
     """(tokens, response_start) per record, the prompt cut from the left to fit `max_length`. Given a
-    list as `teachers`, fills it with each kept record's distributions (`d3d.train.distill`), cut alike."""
+    list as `teachers`, fills it with each kept record's distributions (`d3d.train.distill`), cut alike;
+    as `origins`, with each kept record's (prompt id, sample): 0 for the greedy response, j for the
+    j-th sampled one (`d3d data --samples`)."""
     sequences = []
     distributions = distill.read_all(data_dir) if teachers is not None else None
-    for record in read_shards(data_dir):
+    for number, record in enumerate(read_shards(data_dir)):
         teacher = next(distributions) if distributions is not None else None
         prompt, response = record["prompt_ids"], record["response_ids"]
         if len(response) < 2:
@@ -116,6 +118,8 @@ def load_sequences(data_dir: str | Path, max_length: int,
         response = response[:max_length - 1]
         prompt = prompt[-(max_length - len(response)):]
         sequences.append((prompt + response, len(prompt)))
+        if origins is not None:
+            origins.append((str(record.get("id", f"record {number}")), int(record.get("sample", 0))))
         if teachers is not None:
             teachers.append(teacher[:len(response)])
     if not sequences:
@@ -260,18 +264,23 @@ class Trainer:
         # the target's distributions: for the loss with `distill`, and for τ at T = 1 whenever the data has them
         has_teachers = config.distill > 0 or distill.available(data_dir)
         teachers: list[TopK] | None = [] if has_teachers else None
-        sequences = load_sequences(data_dir, config.max_length, teachers)
+        origins: list[tuple[str, int]] = []
+        sequences = load_sequences(data_dir, config.max_length, teachers, origins)
         if config.max_sequences:
             sequences = sequences[:config.max_sequences]
         self.num_sequences = len(sequences)
         order = list(range(len(sequences)))
         random.Random(config.seed).shuffle(order)  # the same order as shuffling the list itself
-        sequences = [sequences[i] for i in order]
-        held = min(config.held_out, len(sequences) // 10)
-        self.held_out, self.train_set = sequences[:held], sequences[held:]
-        shuffled = [teachers[i] for i in order] if teachers is not None else None
-        self.held_teachers = shuffled[:held] if shuffled is not None else None
-        self.train_teachers = shuffled[held:] if shuffled is not None and config.distill > 0 else None
+        # held out: greedy responses only (τ at T = 0 is read on them), and none of their prompts'
+        # sampled responses trains; with greedy data alone, the first `held` of the shuffled order
+        greedy = [i for i in order if origins[i][1] == 0]
+        held_ids = {origins[i][0] for i in greedy[:min(config.held_out, len(greedy) // 10)]}
+        held_order = [i for i in greedy if origins[i][0] in held_ids]
+        train_order = [i for i in order if origins[i][0] not in held_ids]
+        self.held_out = [sequences[i] for i in held_order]
+        self.train_set = [sequences[i] for i in train_order]
+        self.held_teachers = [teachers[i] for i in held_order] if teachers is not None else None
+        self.train_teachers = [teachers[i] for i in train_order] if teachers is not None and config.distill > 0 else None
         torch.manual_seed(config.seed)
         if config.init_from:
             self.drafter = Drafter.from_pretrained(config.init_from, target.decoder, target.fingerprint)
