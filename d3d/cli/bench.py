@@ -161,7 +161,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-drafter", action="append", default=[], metavar="LABEL=PATH[@WEIGHTS]",
                    help="also run each drafting method with this drafter, as METHOD@LABEL, interleaved (repeatable); "
-                        "@q8_0 (or another --drafter-weights choice) quantizes it at load")
+                        "@WEIGHTS: how its weights are read, a --drafter-weights choice (default: --drafter-weights)")
     p.add_argument("--simulate-tau", default="", metavar="TAUS",
                    help="instead of --methods: sync and async speedup at these τ values (e.g. 1.5,2,3,4,6,8) with "
                         "the simulated drafter (d3d.simulate), charged the drafter's own cost; greedy only")
