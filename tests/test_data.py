@@ -498,3 +498,13 @@ def test_prompts_with_unicode_line_separators_survive_resume(target, tmp_path):
     stored = [json.loads(line) for line in (out / "prompts.jsonl").read_text(encoding="utf-8").split("\n") if line]
     assert sorted(p["messages"][0]["content"] for p in stored) == sorted(texts)
     assert len(list(read_shards(out))) == 3
+
+
+def test_sampled_responses_from_a_server_are_refused_before_connecting(target, source_file, tmp_path):
+    """--samples with --server: a ConfigError naming the local target, and no folder made."""
+    from d3d.train.remote import ServerConfig
+
+    config = DataConfig(sources=[source_file], samples=1)
+    with pytest.raises(ConfigError, match="local target"):
+        generate_data(target, tmp_path / "run", config, server=ServerConfig(url="http://127.0.0.1:9/v1"))
+    assert not (tmp_path / "run").exists()

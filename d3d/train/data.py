@@ -238,15 +238,12 @@ def collect_prompts(config: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
 
 @torch.no_grad()
 def generate_continuous(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int,
-                        eos_token_ids: list[int], top_k: int = 0, width: int = 16,
-                        sampling: list[SamplingConfig] | None = None) -> list[Generated]:
-    """Greedy responses (or each prompt's own `sampling`), `width` prompts at a time in one continuous
-    batch (`d3d.batch`): the place of a finished response goes to the next prompt at once, and each
-    response is the target's own decoding of its prompt (the same tokens as alone, by construction;
-    a sampled one with its seed's draws)."""
+                        eos_token_ids: list[int], top_k: int = 0, width: int = 16) -> list[Generated]:
+    """Greedy responses, `width` prompts at a time in one continuous batch (`d3d.batch`): the place
+    of a finished response goes to the next prompt at once, and each response is the target's own
+    greedy decoding of its prompt (the same tokens as alone, by construction)."""
     responses: list[Generated | None] = [None] * len(prompts)
-    requests = zip(prompts, sampling) if sampling is not None else prompts
-    for index, generated in stream_continuous(decoder, requests, max_new_tokens, eos_token_ids, top_k, width):
+    for index, generated in stream_continuous(decoder, prompts, max_new_tokens, eos_token_ids, top_k, width):
         responses[index] = generated
     return responses  # type: ignore[return-value]
 
