@@ -29,12 +29,11 @@ class Weight(ctypes.Structure):
         calls of several rows and `grouped` (its blocks 16 rows at a time) for calls of a few, when
         the stream is quantized."""
         weight = cls()
-        for slot, part in zip(weight.parts, stream.parts):
+        filled = [*zip(weight.parts, stream.parts)]
+        filled += [(slot, extra.parts[0]) for slot, extra in ((weight.dense, dense), (weight.grouped, grouped))
+                   if extra is not None]
+        for slot, part in filled:
             slot.data, slot.format, slot.rows = part.data.data_ptr(), WEIGHT_FORMATS[part.format], part.rows
-        for slot, extra in ((weight.dense, dense), (weight.grouped, grouped)):
-            if extra is not None:
-                part = extra.parts[0]
-                slot.data, slot.format, slot.rows = part.data.data_ptr(), WEIGHT_FORMATS[part.format], part.rows
         return weight
 
 
