@@ -176,6 +176,31 @@ def test_resume_with_another_config_is_refused(data_dir, tmp_path):
     assert Trainer(tiny_train_target(), data_dir, tmp_path, config()).step == 1  # the same config resumes
 
 
+def test_more_steps_on_resume_extends_the_run(data_dir, tmp_path):
+    """Resuming with a larger --steps continues from the checkpoint to the new length, the steps done
+    unchanged and the rest on the stretched schedule; fewer steps than done, or any other change, are refused."""
+    trainer = Trainer(tiny_train_target(), data_dir, tmp_path, config(steps=3))
+    trainer.run(progress=False)
+    done = own_params(trainer)
+    lr_at_3 = learning_rate(config(steps=3), 3)
+    with pytest.raises(ConfigError, match="before where it stands"):
+        Trainer(tiny_train_target(), data_dir, tmp_path, config(steps=2))
+    with pytest.raises(ConfigError, match="another config"):
+        Trainer(tiny_train_target(), data_dir, tmp_path, config(steps=5, lr=2e-2))
+    extended = Trainer(tiny_train_target(), data_dir, tmp_path, config(steps=5))
+    assert (extended.step, extended.extended_from) == (3, 3)
+    for name, value in own_params(extended).items():
+        assert torch.equal(value, done[name]), name
+    extended.run(progress=False)
+    assert extended.step == 5
+    assert learning_rate(config(steps=5), 3) > lr_at_3  # the decay restarted over the longer run
+    steps = [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4, 5]
+    assert any(not torch.equal(value, done[name]) for name, value in own_params(extended).items())
+    again = Trainer(tiny_train_target(), data_dir, tmp_path, config(steps=5))  # the new length is the run's now
+    assert (again.step, again.extended_from) == (5, None)
+
+
 def test_shared_target_weights_stay_frozen_and_unsaved(data_dir, tmp_path):
     """Training changes the drafter's own weights but no target weight; embedding and head are in no saved file."""
     target = tiny_train_target()

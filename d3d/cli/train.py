@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -92,6 +93,9 @@ def train(args: argparse.Namespace) -> int:
         target.decoder.to(device)
         config = config_for(target.decoder.config.num_layers)
         trainer = Trainer(target, args.data, args.out, config, world, fsdp=args.fsdp, release_target=True)
+        if trainer.extended_from is not None and world.is_main:
+            print(f"extending {args.out} from {trainer.extended_from} to {config.steps} steps at step "
+                  f"{trainer.step}: the learning rate's decay now spans {config.steps}", file=sys.stderr)
         return trainer.run(progress=world.is_main)
 
     try:
@@ -186,7 +190,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--block-attention", default="anchor_causal", choices=["anchor_causal", "bidirectional", "causal"])
     p.add_argument("--labels", default="shifted", choices=["shifted", "unshifted"],
                    help="block row i predicts x_{a+i+1} (shifted) or its own token x_{a+i} (unshifted)")
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=2000,
+                   help="resuming with more steps than the run began with extends it")
     p.add_argument("--batch-size", type=int, default=8,
                    help="sequences per micro-batch, all processes together (each of N takes 1/N of them)")
     p.add_argument("--grad-accum", type=int, default=1)

@@ -305,6 +305,7 @@ class Trainer:
         for p in target.decoder.parameters():
             p.requires_grad_(False)
         self.step, self.epoch, self.index = 0, 0, 0
+        self.extended_from: int | None = None  # the run's former --steps, where resuming changed them
         self.tokens_seen = 0  # response tokens of the sequences trained on so far (the τ scaling axis)
         self.order = self._order()
         resumed = (self.out / "checkpoint" / "state.json").is_file()
@@ -400,8 +401,15 @@ class Trainer:
         folder = self.out / "checkpoint"
         state = json.loads((folder / "state.json").read_text())
         defaults = TrainConfig(layers=self.config.layers, init_from=self.config.init_from).to_dict()
-        if {**defaults, **state["config"]} != self.config.to_dict():  # fields added since: their defaults
+        saved, wanted = {**defaults, **state["config"]}, self.config.to_dict()  # fields added since: their defaults
+        if {**saved, "steps": wanted["steps"]} != wanted:
             raise ConfigError(f"{self.out} holds a run with another config; use a new --out or the same options")
+        if wanted["steps"] < state["step"]:
+            raise ConfigError(f"{self.out} is already at step {state['step']}: --steps {wanted['steps']} would "
+                              "end it before where it stands; give at least that many")
+        # more --steps than the run was started with extends it: the cosine decay stretches over the
+        # new length from here on (the learning rate rises again), the steps done stay as they were
+        self.extended_from = saved["steps"] if saved["steps"] != wanted["steps"] else None
         if state.get("num_sequences", self.num_sequences) != self.num_sequences:
             raise ConfigError(f"the data changed since this run started ({state['num_sequences']} → "
                               f"{self.num_sequences} sequences): resume needs the same data — pass "
