@@ -41,12 +41,17 @@ class PruneConfig:
     seed: int = 0  # calibration anchors
     heal_steps: int = 0  # fine-tune steps after each removal (needs training data; 0 = off)
     heal_sequences: int = 0  # healing trains on the data's first N sequences (0 = all; keep calibration out)
+    heal_lr: float = 5e-4  # healing's peak learning rate (cosine over its steps)
+    heal_distill: float = 0.0  # healing's KL weight to the target's distributions (needs `d3d data --distill-top-k`)
+    heal_ce_weight: float = 1.0  # healing's cross-entropy weight (PARD-2's recipe: --heal-distill 1, 0.1)
 
     def __post_init__(self) -> None:
         if self.min_layers < 1:
             raise ConfigError("min_layers must be at least 1")
         if not 0 <= self.min_retention <= 1:
             raise ConfigError("min_retention must be in [0, 1]")
+        if self.heal_lr <= 0 or self.heal_distill < 0 or self.heal_ce_weight < 0:
+            raise ConfigError("heal_lr must be > 0, heal_distill and heal_ce_weight >= 0")
 
 
 @dataclass
@@ -127,9 +132,10 @@ def ar_speed(target: Decoder, prompts: list[list[int]], max_new_tokens: int) -> 
     return decode_rate(lambda p: reference_generate(target, p, config), prompts)[0]
 
 
-def heal(drafter: Drafter, target: Target, data_dir: str, steps: int, seed: int, max_sequences: int = 0) -> Drafter:
-    """A short fine-tune of `drafter` through the trainer (train/ stays independent of pruning), on
-    the data's first `max_sequences` sequences (0 = all: keep calibration sequences out)."""
+def heal(drafter: Drafter, target: Target, data_dir: str, config: PruneConfig) -> Drafter:
+    """A short fine-tune of `drafter` through the trainer (train/ stays independent of pruning):
+    `config.heal_steps` steps at `heal_lr` (with `heal_distill` / `heal_ce_weight`) on the data's
+    first `heal_sequences` sequences (0 = all: keep calibration sequences out)."""
     from d3d.train.trainer import TrainConfig, Trainer
 
     # The trainer keeps fp32 master weights, and the drafter shares the target's embedding and
@@ -137,12 +143,14 @@ def heal(drafter: Drafter, target: Target, data_dir: str, steps: int, seed: int,
     master = dataclasses.replace(target, decoder=copy.deepcopy(target.decoder).float())
     with tempfile.TemporaryDirectory() as folder:
         drafter.save_pretrained(Path(folder) / "input")
-        config = TrainConfig(layers=[], init_from=str(Path(folder) / "input"), steps=steps,
+        steps = config.heal_steps
+        recipe = TrainConfig(layers=[], init_from=str(Path(folder) / "input"), steps=steps,
                              drafter_kind=drafter.config.kind, block_size=drafter.block_size,
-                             block_attention=drafter.config.block_attention,
-                             warmup=max(1, steps // 10), eval_every=0, save_every=steps, seed=seed,
-                             draft_vocab_size=drafter.config.draft_vocab_size, max_sequences=max_sequences)
-        trainer = Trainer(master, data_dir, Path(folder) / "run", config)
+                             block_attention=drafter.config.block_attention, lr=config.heal_lr,
+                             distill=config.heal_distill, ce_weight=config.heal_ce_weight,
+                             warmup=max(1, steps // 10), eval_every=0, save_every=steps, seed=config.seed,
+                             draft_vocab_size=drafter.config.draft_vocab_size, max_sequences=config.heal_sequences)
+        trainer = Trainer(master, data_dir, Path(folder) / "run", recipe)
         trainer.run(progress=False)
         return Drafter.from_pretrained(Path(folder) / "run" / "drafter", target.decoder, target.fingerprint)
 
@@ -184,7 +192,7 @@ def prune(drafter: Drafter, target: Target, sequences: list[tuple[list[int], int
         pruned = remove_layer(current, position, decoder)
         if config.heal_steps and data_dir:
             with torch.enable_grad():
-                pruned = heal(pruned, target, data_dir, config.heal_steps, config.seed, config.heal_sequences)
+                pruned = heal(pruned, target, data_dir, config)
         value = tau(pruned)
         if config.min_retention and value / base < config.min_retention:
             break

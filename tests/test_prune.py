@@ -88,7 +88,8 @@ def test_pruned_drafter_is_lossless(data_dir):  # noqa: F811
 def test_healing_fine_tunes_each_round_on_the_training_share_and_never_touches_the_target(
         data_dir, monkeypatch):  # noqa: F811
     """--heal-steps: each kept round is fine-tuned through the trainer (its weights move off the bare
-    removal) on the data's first `heal_sequences` only, in fp32 master weights, while the bf16
+    removal) on the data's first `heal_sequences` only, with the recipe asked (--heal-lr,
+    --heal-ce-weight), in fp32 master weights, while the bf16
     target that decodes keeps its dtype and every bit; the healed drafter stays lossless."""
     import d3d.train.trainer as trainer_module
 
@@ -96,7 +97,7 @@ def test_healing_fine_tunes_each_round_on_the_training_share_and_never_touches_t
 
     class Spy(trainer_module.Trainer):
         def __init__(self, target, data, out, config):
-            seen.append((config.max_sequences, config.steps, target.decoder.dtype))
+            seen.append((config.max_sequences, config.steps, target.decoder.dtype, config.lr, config.ce_weight))
             super().__init__(target, data, out, config)
 
     monkeypatch.setattr(trainer_module, "Trainer", Spy)
@@ -105,9 +106,9 @@ def test_healing_fine_tunes_each_round_on_the_training_share_and_never_touches_t
     before = {n: p.clone() for n, p in target.decoder.state_dict().items()}
     every = load_sequences(data_dir, 64)
     drafter = four_layer_drafter(target)
-    config = PruneConfig(min_layers=2, heal_steps=2, heal_sequences=len(every) - 8)
+    config = PruneConfig(min_layers=2, heal_steps=2, heal_sequences=len(every) - 8, heal_lr=1e-3, heal_ce_weight=0.5)
     rounds, drafters = prune(drafter, target, every[-8:], config, str(data_dir), progress=False)
-    assert seen == [(len(every) - 8, 2, torch.float32)] * 2
+    assert seen == [(len(every) - 8, 2, torch.float32, 1e-3, 0.5)] * 2
     after = target.decoder.state_dict()
     assert all(after[n].dtype == torch.bfloat16 and torch.equal(after[n], p) for n, p in before.items())
     bare = remove_layer(drafter, rounds[1].removed, target.decoder).own_state()
@@ -119,6 +120,16 @@ def test_healing_fine_tunes_each_round_on_the_training_share_and_never_touches_t
     reference = [t for s in reference_generate(target.decoder, prompt, generation) for t in s.tokens]
     assert [t for s in speculative_generate(target.decoder, drafters[-1], prompt, generation)
             for t in s.tokens] == reference
+
+
+def test_cli_prune_refuses_a_bad_healing_recipe_before_loading(capsys, data_dir, tmp_path):  # noqa: F811
+    """--heal-lr 0 or a negative --heal-distill: exit 2 with the reason, nothing loaded or written."""
+    for option in (["--heal-lr", "0"], ["--heal-distill", "-1"]):
+        code = main(["prune", "--drafter", str(tmp_path / "missing"), "--data", str(data_dir),
+                     "--out", str(tmp_path / "out"), "--heal-steps", "2", *option])
+        assert code == 2
+        assert "heal_lr must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_prune_writes_a_smaller_checkpoint_and_never_touches_the_input(

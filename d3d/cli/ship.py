@@ -21,7 +21,8 @@ def prune_command(args: argparse.Namespace) -> int:
     from d3d.train.trainer import load_sequences
 
     config = PruneConfig(min_layers=args.min_layers, min_retention=args.min_retention,
-                         anchors=args.anchors, seed=args.seed, heal_steps=args.heal_steps)
+                         anchors=args.anchors, seed=args.seed, heal_steps=args.heal_steps, heal_lr=args.heal_lr,
+                         heal_distill=args.heal_distill, heal_ce_weight=args.heal_ce_weight)
     target = load_target(args.target, DTYPES[args.dtype])
     drafter = Drafter.from_pretrained(args.drafter, target.decoder, target.fingerprint)
     if args.speed_async and drafter.config.kind != "d3d":
@@ -111,6 +112,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration", type=int, default=64, help="calibration sequences (the data's last ones)")
     p.add_argument("--anchors", type=int, default=8)
     p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal")
+    p.add_argument("--heal-lr", type=float, default=5e-4, help="healing's peak learning rate")
+    p.add_argument("--heal-distill", type=float, default=0.0,
+                   help="healing's KL weight to the target's distributions (data made with --distill-top-k)")
+    p.add_argument("--heal-ce-weight", type=float, default=1.0,
+                   help="healing's cross-entropy weight (0.1 beside --heal-distill 1: the recipe of `d3d train`'s KD)")
     p.add_argument("--speed-prompts", type=int, default=0,
                    help="decode this many calibration prompts per depth: tokens/s and decoded τ")
     p.add_argument("--keep-all", action="store_true", help="also write every depth's drafter to OUT/layers-N")
