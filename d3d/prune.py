@@ -91,45 +91,37 @@ def remove_layer(drafter: Drafter, position: int, target: Decoder) -> Drafter:
     return pruned.eval()
 
 
-@dataclass
-class Speed:
-    """End-to-end greedy decoding of the speed prompts with one drafter."""
-
-    tokens_per_second: float  # synchronous, drafter only
-    decoded_tau: float  # τ of that decoding, bonus included
-    async_tokens_per_second: float | None = None
-
-
-def decode_rate(generate, prompts: list[list[int]]) -> tuple[float, SpecStats]:
-    """Tokens/s of `generate(prompt)` (a step iterator) over `prompts`, and the merged stats."""
-    stats, started = SpecStats(), time.perf_counter()
-    for prompt in prompts:
-        for step in generate(prompt):
+def time_rounds(target: Decoder, rounds: list[PruneRound], drafters: list[Drafter], prompts: list[list[int]],
+                max_new_tokens: int, with_async: bool = False) -> float:
+    """Decode `prompts` greedily with AR and with every round's drafter alone (sync, and async with
+    `with_async`), prompt by prompt in rotating order — so that a slow minute on a shared machine
+    falls on every depth alike, not on the one measured then —, after one short warm-up decode of
+    each. Fills each round's tokens/s and decoded τ; returns AR's tokens/s."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    runs: list[tuple[str, Any]] = [("ar", lambda prompt, c: reference_generate(target, prompt, c))]
+    for i, drafter in enumerate(drafters):
+        runs.append((f"sync{i}", lambda prompt, c, d=drafter: speculative_generate(target, d, prompt, c)))
+        if with_async:
+            runs.append((f"async{i}", lambda prompt, c, d=drafter: async_generate(target, d, prompt, c)))
+    warm = GenerationConfig(max_new_tokens=4)
+    for _, generate in runs:
+        for _ in generate(prompts[0], warm):
             pass
-        stats = stats.merge(step.stats)
-    return stats.new_tokens / (time.perf_counter() - started), stats
-
-
-def measure_speed(target: Decoder, drafter: Drafter, prompts: list[list[int]], max_new_tokens: int,
-                  with_async: bool = False) -> Speed:
-    """Sync (and optionally async) drafter-only decoding speed and the decoded τ, greedy."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
-    rate, stats = decode_rate(lambda p: speculative_generate(target, drafter, p, config), prompts)
-    async_rate = None
-    if with_async:
-        async_rate, _ = decode_rate(lambda p: async_generate(target, drafter, p, config), prompts)
-    return Speed(rate, stats.tau, async_rate)
-
-
-def warm_up(target: Decoder, drafter: Drafter, prompts: list[list[int]]) -> None:
-    """One short decode of each kind, so that first-call costs stay out of the timings."""
-    measure_speed(target, drafter, prompts[:1], 4, with_async=drafter.config.kind == "d3d")
-    ar_speed(target, prompts[:1], 4)
-
-
-def ar_speed(target: Decoder, prompts: list[list[int]], max_new_tokens: int) -> float:
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
-    return decode_rate(lambda p: reference_generate(target, p, config), prompts)[0]
+    seconds = {name: 0.0 for name, _ in runs}
+    stats = {name: SpecStats() for name, _ in runs}
+    for index, prompt in enumerate(prompts):
+        order = runs[index % len(runs):] + runs[:index % len(runs)]
+        for name, generate in order:
+            started = time.perf_counter()
+            for step in generate(prompt, config):
+                pass
+            seconds[name] += time.perf_counter() - started
+            stats[name] = stats[name].merge(step.stats)
+    rate = {name: stats[name].new_tokens / seconds[name] for name in seconds}
+    for i, r in enumerate(rounds):
+        r.tokens_per_second, r.decoded_tau = rate[f"sync{i}"], stats[f"sync{i}"].tau
+        r.async_tokens_per_second = rate.get(f"async{i}")
+    return rate["ar"]
 
 
 def heal(drafter: Drafter, target: Target, data_dir: str, config: PruneConfig) -> Drafter:
@@ -157,29 +149,16 @@ def heal(drafter: Drafter, target: Target, data_dir: str, config: PruneConfig) -
 
 @torch.no_grad()
 def prune(drafter: Drafter, target: Target, sequences: list[tuple[list[int], int]], config: PruneConfig,
-          data_dir: str | None = None, speed_prompts: list[list[int]] | None = None,
-          max_new_tokens: int = 64, progress: bool = True,
-          with_async: bool = False) -> tuple[list[PruneRound], list[Drafter]]:
+          data_dir: str | None = None, progress: bool = True) -> tuple[list[PruneRound], list[Drafter]]:
     """Greedy progressive pruning; returns every round and the drafter after each (round 0 = input).
-
-    With `speed_prompts`, every kept depth is also decoded end to end (sync, and async with
-    `with_async`), which gives its tokens/s and its decoded τ beside the teacher-forced one."""
+    `time_rounds` then decodes every kept depth end to end, for its tokens/s and decoded τ."""
     decoder = target.decoder
 
     def tau(candidate: Drafter) -> float:
         return teacher_forced_tau(candidate, sequences, config.anchors, config.seed, target=decoder).tau
 
-    def measured(layers: list[int], removed: int | None, value: float, candidates: dict[int, float],
-                 candidate: Drafter) -> PruneRound:
-        r = PruneRound(layers, removed, value, value / base, candidates)
-        if speed_prompts:
-            speed = measure_speed(decoder, candidate, speed_prompts, max_new_tokens, with_async)
-            r.tokens_per_second, r.decoded_tau = speed.tokens_per_second, speed.decoded_tau
-            r.async_tokens_per_second = speed.async_tokens_per_second
-        return r
-
     base = tau(drafter)
-    rounds = [measured(list(drafter.config.target_layers), None, base, {}, drafter)]
+    rounds = [PruneRound(list(drafter.config.target_layers), None, base, 1.0)]
     drafters = [drafter]
     depth = len(drafter.decoder.layers)
     bar = tqdm(total=max(0, depth - config.min_layers), desc="prune", unit="layer", disable=not progress)
@@ -196,7 +175,7 @@ def prune(drafter: Drafter, target: Target, sequences: list[tuple[list[int], int
         value = tau(pruned)
         if config.min_retention and value / base < config.min_retention:
             break
-        rounds.append(measured(list(pruned.config.target_layers), position, value, candidates, pruned))
+        rounds.append(PruneRound(list(pruned.config.target_layers), position, value, value / base, candidates))
         drafters.append(pruned)
         current = pruned
         bar.update(1)

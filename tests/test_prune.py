@@ -14,7 +14,8 @@ from d3d.config import ConfigError, GenerationConfig
 from d3d.drafter import Drafter
 from d3d.engine import reference_generate, speculative_generate
 from d3d.estimate import teacher_forced_tau
-from d3d.prune import PruneConfig, best_round, prune, remove_layer
+import d3d.prune as prune_module
+from d3d.prune import PruneConfig, best_round, prune, remove_layer, time_rounds
 from d3d.train.trainer import load_sequences
 from test_trainer import data_dir, patched_load_target, tiny_train_target  # noqa: F401 (fixtures)
 
@@ -120,6 +121,33 @@ def test_healing_fine_tunes_each_round_on_the_training_share_and_never_touches_t
     reference = [t for s in reference_generate(target.decoder, prompt, generation) for t in s.tokens]
     assert [t for s in speculative_generate(target.decoder, drafters[-1], prompt, generation)
             for t in s.tokens] == reference
+
+
+def test_time_rounds_interleaves_ar_and_every_depth_prompt_by_prompt(data_dir, monkeypatch):  # noqa: F811
+    """Every prompt is decoded by AR and by each round's drafter in an order that rotates by one per
+    prompt (after one warm-up decode each), so no depth is timed alone in a slow minute; each round
+    gets its tokens/s and the decoded τ of its own runs."""
+    target = tiny_train_target()
+    sequences = load_sequences(data_dir, 64)[-4:]
+    rounds, drafters = prune(four_layer_drafter(target), target, sequences, PruneConfig(min_layers=3), progress=False)
+    calls = []
+    real_ar, real_spec = prune_module.reference_generate, prune_module.speculative_generate
+
+    def ar(decoder, prompt, config):
+        calls.append("ar")
+        return real_ar(decoder, prompt, config)
+
+    def spec(decoder, drafter, prompt, config):
+        calls.append(f"d{len(drafter.decoder.layers)}")
+        return real_spec(decoder, drafter, prompt, config)
+
+    monkeypatch.setattr(prune_module, "reference_generate", ar)
+    monkeypatch.setattr(prune_module, "speculative_generate", spec)
+    prompts = [[5, 9, 13, 7], [3, 8, 2], [11, 4, 6, 1, 9]]
+    rate = time_rounds(target.decoder, rounds, drafters, prompts, 6)
+    assert calls[:3] == ["ar", "d4", "d3"]  # warm-up
+    assert calls[3:] == ["ar", "d4", "d3", "d4", "d3", "ar", "d3", "ar", "d4"]
+    assert rate > 0 and all(r.tokens_per_second > 0 and r.decoded_tau >= 1 for r in rounds)
 
 
 def test_cli_prune_refuses_a_bad_healing_recipe_before_loading(capsys, data_dir, tmp_path):  # noqa: F811

@@ -17,7 +17,7 @@ def prune_command(args: argparse.Namespace) -> int:
     """Progressively remove the drafter layers whose removal costs least τ; write the chosen depth."""
     from d3d.drafter import Drafter
     from d3d.loading import load_target
-    from d3d.prune import PruneConfig, ar_speed, best_round, prune, save_report, warm_up
+    from d3d.prune import PruneConfig, best_round, prune, save_report, time_rounds
     from d3d.train.trainer import load_sequences
 
     config = PruneConfig(min_layers=args.min_layers, min_retention=args.min_retention,
@@ -33,14 +33,11 @@ def prune_command(args: argparse.Namespace) -> int:
     config.heal_sequences = len(every) - len(sequences)  # healing never sees the calibration sequences
     if args.heal_steps and config.heal_sequences < 1:
         raise ConfigError(f"healing needs data beyond the {len(sequences)} calibration sequences")
+    rounds, drafters = prune(drafter, target, sequences, config, args.data if args.heal_steps else None)
     # Decode the calibration prompts themselves, so decoded τ checks the teacher-forced estimate.
     speed_prompts = [tokens[:start] for tokens, start in sequences[:args.speed_prompts]]
-    ar = None
-    if speed_prompts:
-        warm_up(target.decoder, drafter, speed_prompts)
-        ar = ar_speed(target.decoder, speed_prompts, args.max_new_tokens)
-    rounds, drafters = prune(drafter, target, sequences, config, args.data if args.heal_steps else None,
-                             speed_prompts, args.max_new_tokens, with_async=args.speed_async)
+    ar = (time_rounds(target.decoder, rounds, drafters, speed_prompts, args.max_new_tokens, args.speed_async)
+          if speed_prompts else None)
     chosen = best_round(rounds)
     drafters[chosen].save_pretrained(args.out, dtype=torch.bfloat16)
     if args.keep_all:  # every depth, to benchmark or ship another one (`d3d bench --compare-drafter`)
@@ -118,7 +115,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--heal-ce-weight", type=float, default=1.0,
                    help="healing's cross-entropy weight (0.1 beside --heal-distill 1: the recipe of `d3d train`'s KD)")
     p.add_argument("--speed-prompts", type=int, default=0,
-                   help="decode this many calibration prompts per depth: tokens/s and decoded τ")
+                   help="decode this many calibration prompts with AR and every depth, interleaved prompt by "
+                        "prompt: tokens/s and decoded τ")
     p.add_argument("--keep-all", action="store_true", help="also write every depth's drafter to OUT/layers-N")
     p.add_argument("--speed-async", action="store_true", help="with --speed-prompts, time async decoding too")
     p.add_argument("--max-new-tokens", type=int, default=64)
