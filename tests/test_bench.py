@@ -24,6 +24,7 @@ import d3d.generation
 import d3d.loading
 from conftest import make_decoder, tiny_config
 from d3d.cli import main
+from d3d.cli.bench import challenger_specs
 from d3d.config import ConfigError
 from d3d.drafter import Drafter
 from d3d.generation import Pipeline
@@ -328,6 +329,12 @@ def test_cli_bench_compare_drafter(capsys, tiny_default, tmp_path):
     assert set(summary["speedup"]) == {"ar", "speculative", "speculative@b"} and summary["identical"] is True
     assert main(argv + ["--compare-drafter", "no-label-here"]) == 2
     assert "LABEL=PATH" in capsys.readouterr().err
+    # several in one value, joined by commas: the same as the flag repeated; a label twice is refused
+    assert challenger_specs([f"b={tmp_path}/x@q8_0,c={tmp_path}/y"], "stored") == \
+        challenger_specs([f"b={tmp_path}/x@q8_0", f"c={tmp_path}/y"], "stored") == \
+        {"b": (f"{tmp_path}/x", "q8_0"), "c": (f"{tmp_path}/y", "stored")}
+    assert main(argv + ["--compare-drafter", f"b={tmp_path / 'other'},b={tmp_path / 'other'}"]) == 2
+    assert "got 'b=" in capsys.readouterr().err
     # @WEIGHTS quantizes one challenger at load: on this fp32 tiny target there is nothing to stream, said so
     assert main(argv + ["--compare-drafter", f"b={tmp_path / 'other'}@q8_0"]) == 2
     assert "bf16 drafter" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,16 +54,11 @@ def bench(args: argparse.Namespace) -> int:
     if args.simulate_tau:
         return simulate_tau(args, config)
     check_methods(config.methods)  # unknown names, llama.cpp not built: say so before loading anything
+    specs = challenger_specs(args.compare_drafter, args.drafter_weights)
     pipeline = load_pipeline(args)
-    challengers = {}
-    for spec in args.compare_drafter:
-        label, _, folder = spec.partition("=")
-        path, at, weights = folder.rpartition("@")
-        folder, weights = (path, weights) if at and weights in DRAFTER_WEIGHTS else (folder, args.drafter_weights)
-        if not label or not folder or not label.isidentifier() or label in challengers:
-            raise ConfigError(f"--compare-drafter takes a unique LABEL=PATH[@WEIGHTS] (LABEL a plain word), got {spec!r}")
-        challengers[label] = Pipeline(pipeline.target, *resolve_drafter(pipeline.target, folder, args.target, None, weights),
-                                      async_config=pipeline.async_config)
+    challengers = {label: Pipeline(pipeline.target, *resolve_drafter(pipeline.target, folder, args.target, None, weights),
+                                   async_config=pipeline.async_config)
+                   for label, (folder, weights) in specs.items()}
     result = run_benchmark(pipeline, config, challengers=challengers)
     path = save_result(result, args.out)
     command = "d3d " + " ".join(sys.argv[1:]) if argv_is_cli() else "d3d bench ..."
@@ -139,6 +135,20 @@ def doctor_command(args: argparse.Namespace) -> int:
     return 0 if all(p.invariant for paths in results.values() for p in paths if p.used) else 1
 
 
+def challenger_specs(values: list[str], default_weights: str) -> dict[str, tuple[str, str]]:
+    """label → (drafter folder, weights) from --compare-drafter values: LABEL=PATH[@WEIGHTS], the flag
+    repeated or several joined by commas; a malformed or repeated label is a usage error."""
+    specs: dict[str, tuple[str, str]] = {}
+    for spec in (part for value in values for part in re.split(r",(?=\w+=)", value)):
+        label, _, folder = spec.partition("=")
+        path, at, weights = folder.rpartition("@")
+        folder, weights = (path, weights) if at and weights in DRAFTER_WEIGHTS else (folder, default_weights)
+        if not label or not folder or not label.isidentifier() or label in specs:
+            raise ConfigError(f"--compare-drafter takes a unique LABEL=PATH[@WEIGHTS] (LABEL a plain word), got {spec!r}")
+        specs[label] = (folder, weights)
+    return specs
+
+
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """bench, doctor"""
     p = commands.add_parser("bench", help="benchmark methods on the same prompts, interleaved, identity-checked")
@@ -160,7 +170,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-drafter", action="append", default=[], metavar="LABEL=PATH[@WEIGHTS]",
-                   help="also run each drafting method with this drafter, as METHOD@LABEL, interleaved (repeatable); "
+                   help="also run each drafting method with this drafter, as METHOD@LABEL, interleaved (repeatable, "
+                        "or several joined by commas); "
                         "@WEIGHTS: how its weights are read, a --drafter-weights choice (default: --drafter-weights)")
     p.add_argument("--simulate-tau", default="", metavar="TAUS",
                    help="instead of --methods: sync and async speedup at these τ values (e.g. 1.5,2,3,4,6,8) with "
