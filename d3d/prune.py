@@ -41,16 +41,18 @@ class PruneConfig:
     seed: int = 0  # calibration anchors
     heal_steps: int = 0  # fine-tune steps after each removal (needs training data; 0 = off)
     heal_sequences: int = 0  # healing trains on the data's first N sequences (0 = all; keep calibration out)
-    heal_lr: float = 5e-4  # healing's peak learning rate (cosine over its steps)
-    heal_distill: float = 0.0  # healing's KL weight to the target's distributions (needs `d3d data --distill-top-k`)
-    heal_ce_weight: float = 1.0  # healing's cross-entropy weight (PARD-2's recipe: --heal-distill 1, 0.1)
+    # healing's recipe where it departs from `d3d train`'s defaults (None: the trainer's own)
+    heal_lr: float | None = None  # peak learning rate (cosine over the heal steps)
+    heal_distill: float | None = None  # KL weight to the target's distributions (needs `d3d data --distill-top-k`)
+    heal_ce_weight: float | None = None  # cross-entropy weight (PARD-2's recipe: distill 1, CE 0.1)
 
     def __post_init__(self) -> None:
         if self.min_layers < 1:
             raise ConfigError("min_layers must be at least 1")
         if not 0 <= self.min_retention <= 1:
             raise ConfigError("min_retention must be in [0, 1]")
-        if self.heal_lr <= 0 or self.heal_distill < 0 or self.heal_ce_weight < 0:
+        if any(v is not None and v < 0 for v in (self.heal_distill, self.heal_ce_weight)) or (
+                self.heal_lr is not None and self.heal_lr <= 0):
             raise ConfigError("heal_lr must be > 0, heal_distill and heal_ce_weight >= 0")
 
 
@@ -136,10 +138,11 @@ def heal(drafter: Drafter, target: Target, data_dir: str, config: PruneConfig) -
     with tempfile.TemporaryDirectory() as folder:
         drafter.save_pretrained(Path(folder) / "input")
         steps = config.heal_steps
+        asked = {name: value for name, value in (("lr", config.heal_lr), ("distill", config.heal_distill),
+                                                 ("ce_weight", config.heal_ce_weight)) if value is not None}
         recipe = TrainConfig(layers=[], init_from=str(Path(folder) / "input"), steps=steps,
                              drafter_kind=drafter.config.kind, block_size=drafter.block_size,
-                             block_attention=drafter.config.block_attention, lr=config.heal_lr,
-                             distill=config.heal_distill, ce_weight=config.heal_ce_weight,
+                             block_attention=drafter.config.block_attention, **asked,
                              warmup=max(1, steps // 10), eval_every=0, save_every=steps, seed=config.seed,
                              draft_vocab_size=drafter.config.draft_vocab_size, max_sequences=config.heal_sequences)
         trainer = Trainer(master, data_dir, Path(folder) / "run", recipe)

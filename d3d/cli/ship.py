@@ -109,11 +109,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration", type=int, default=64, help="calibration sequences (the data's last ones)")
     p.add_argument("--anchors", type=int, default=8)
     p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal")
-    p.add_argument("--heal-lr", type=float, default=5e-4, help="healing's peak learning rate")
-    p.add_argument("--heal-distill", type=float, default=0.0,
-                   help="healing's KL weight to the target's distributions (data made with --distill-top-k)")
-    p.add_argument("--heal-ce-weight", type=float, default=1.0,
-                   help="healing's cross-entropy weight (0.1 beside --heal-distill 1: the recipe of `d3d train`'s KD)")
+    p.add_argument("--heal-lr", type=float, default=None, help="healing's peak learning rate (default: d3d train's)")
+    p.add_argument("--heal-distill", type=float, default=None,
+                   help="healing's KL weight to the target's distributions (data made with --distill-top-k; "
+                        "default: d3d train's)")
+    p.add_argument("--heal-ce-weight", type=float, default=None,
+                   help="healing's cross-entropy weight (0.1 beside --heal-distill 1: the recipe of `d3d train`'s KD; "
+                        "default: d3d train's)")
     p.add_argument("--speed-prompts", type=int, default=0,
                    help="decode this many calibration prompts with AR and every depth, interleaved prompt by "
                         "prompt: tokens/s and decoded τ")
