@@ -101,7 +101,8 @@ def shard_files(out: Path) -> list[Path]:
 # -- configuration and prompt collection -------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs", [dict(sources=[]), dict(shard_size=0), dict(batch_size=0),
-                                    dict(max_new_tokens=0), dict(max_prompt_tokens=0)])
+                                    dict(max_new_tokens=0), dict(max_prompt_tokens=0), dict(max_prompts=-1),
+                                    dict(skip_prompts=-1)])
 def test_data_config_validation(kwargs):
     """No sources, or a size below 1: ConfigError."""
     with pytest.raises(ConfigError):
@@ -120,7 +121,8 @@ def test_collect_prompts_dedups_and_excludes_benchmarks(source_file):
 
 
 def test_collect_prompts_seed_limits_and_lengths(source_file):
-    """The seed fixes the order; max_prompts caps the count; prompts over max_prompt_tokens are skipped."""
+    """The seed fixes the order; max_prompts caps the count; skip_prompts leaves out the first ones; prompts
+    over max_prompt_tokens are skipped."""
     tokenizer = CharTokenizer()
     base = collect_prompts(DataConfig(sources=[source_file], seed=0), tokenizer)
     assert [p["id"] for p in collect_prompts(DataConfig(sources=[source_file], seed=0), tokenizer)] == \
@@ -129,8 +131,14 @@ def test_collect_prompts_seed_limits_and_lengths(source_file):
     assert [p["id"] for p in other] != [p["id"] for p in base] and {p["id"] for p in other} == {p["id"] for p in base}
     assert [p["id"] for p in collect_prompts(DataConfig(sources=[source_file], max_prompts=5), tokenizer)] == \
         [p["id"] for p in base[:5]]
+    # skip_prompts continues the list where a folder with max_prompts left it, the length cap applied first
+    rest = collect_prompts(DataConfig(sources=[source_file], skip_prompts=5, max_prompts=4), tokenizer)
+    assert [p["id"] for p in rest] == [p["id"] for p in base[5:9]]
+    assert collect_prompts(DataConfig(sources=[source_file], skip_prompts=len(base)), tokenizer) == []
     limit = sorted(len(p["prompt_ids"]) for p in base)[6]
     short = collect_prompts(DataConfig(sources=[source_file], max_prompt_tokens=limit), tokenizer)
+    tail = collect_prompts(DataConfig(sources=[source_file], max_prompt_tokens=limit, skip_prompts=2), tokenizer)
+    assert [p["id"] for p in tail] == [p["id"] for p in short[2:]]
     assert short and all(len(p["prompt_ids"]) <= limit for p in short)
     assert len(short) == sum(len(p["prompt_ids"]) <= limit for p in base)
 

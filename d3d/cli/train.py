@@ -25,6 +25,7 @@ def data(args: argparse.Namespace) -> int:
     from d3d.train.remote import ServerConfig
 
     config = DataConfig(sources=args.sources.split(","), max_prompts=args.max_prompts,
+                        skip_prompts=args.skip_prompts,
                         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                         shard_size=args.shard_size, batch_size=args.batch_size, seed=args.seed,
                         samples=args.samples, temperature=args.temperature)
@@ -146,6 +147,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                    help="comma-separated: sharegpt, sharegpt-turn2 (second turns), stdlib, math (templated word "
                         "problems), JSONL paths")
     p.add_argument("--max-prompts", type=int, default=0, help="0 = all")
+    p.add_argument("--skip-prompts", type=int, default=0,
+                   help="leave out the first N prompts of the ordered list: those a folder made with the same "
+                        "--sources and --seed holds (its --max-prompts), so a second folder grows the data")
     p.add_argument("--max-prompt-tokens", type=int, default=384)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--shard-size", type=int, default=64)

@@ -64,6 +64,7 @@ class DataConfig(_JsonMixin):
 
     sources: list[str] = field(default_factory=lambda: ["sharegpt", "stdlib"])  # SOURCES names or JSONL paths
     max_prompts: int = 0  # 0 = every prompt the sources give
+    skip_prompts: int = 0  # the first this many of the ordered list are left out (another folder holds them)
     max_prompt_tokens: int = 384  # longer prompts are skipped
     max_new_tokens: int = 256  # response length cap
     shard_size: int = 64  # prompts per shard (what a kill loses, with the shards the batch spans)
@@ -75,6 +76,8 @@ class DataConfig(_JsonMixin):
     def __post_init__(self) -> None:
         if not self.sources:
             raise ConfigError("give at least one prompt source")
+        if self.max_prompts < 0 or self.skip_prompts < 0:
+            raise ConfigError("max_prompts and skip_prompts must be >= 0")
         for name in ("max_prompt_tokens", "max_new_tokens", "shard_size", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
@@ -202,7 +205,9 @@ SOURCES = {"sharegpt": sharegpt_prompts, "sharegpt-turn2": sharegpt_second_turns
 
 
 def collect_prompts(config: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
-    """The ordered, deduplicated prompt list with benchmark prompts removed, as chat messages."""
+    """The ordered, deduplicated prompt list with benchmark prompts removed, as chat messages: after
+    the first `skip_prompts` of that order (those a folder made with the same sources and seed holds),
+    at most `max_prompts`."""
     excluded = benchmark_fingerprints()
     seen: set[str] = set()
     prompts = []
@@ -225,12 +230,16 @@ def collect_prompts(config: DataConfig, tokenizer: Any) -> list[dict[str, Any]]:
             seen.add(fingerprint)
             prompts.append({"id": prompt_id, "messages": messages})
     random.Random(config.seed).shuffle(prompts)
-    kept = []
+    kept, skipped = [], 0
     for prompt in prompts:
         ids = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=True)
         ids = list(ids if isinstance(ids, list) else ids["input_ids"])
-        if len(ids) <= config.max_prompt_tokens:
-            kept.append({**prompt, "prompt_ids": ids})
+        if len(ids) > config.max_prompt_tokens:
+            continue
+        if skipped < config.skip_prompts:
+            skipped += 1
+            continue
+        kept.append({**prompt, "prompt_ids": ids})
         if config.max_prompts and len(kept) >= config.max_prompts:
             break
     return kept
