@@ -82,6 +82,7 @@ class TrainConfig(_JsonMixin):
     max_sequences: int = 0  # use the first N sequences of the data (0 = all; fix it while `d3d data` still runs)
     seed: int = 0  # data order, anchors, masks
     autocast: bool = True  # bf16 autocast (CPU and CUDA)
+    compile: bool = False  # each drafter layer through torch.compile (one graph serves them all): faster, other roundings
 
     def __post_init__(self) -> None:
         if self.held_out < 0 or self.eval_every < 0:
@@ -295,6 +296,9 @@ class Trainer:
                                                labels=config.labels, kind=config.drafter_kind,
                                                feature_layers=config.feature_layers or None)
         self.drafter.float().train()
+        if config.compile:  # regional: the layers share one compiled graph, so compiling costs one layer's time
+            for layer in self.drafter.decoder.layers:
+                layer.compile()
         # DFlash-style: the target's hidden states as decoding computes them (bf16 under autocast)
         self.feature_target = None
         if self.drafter.feature_projection is not None:
