@@ -475,7 +475,9 @@ class Trainer:
         self.drafter.eval()
 
         def held_out_tau():
-            with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=self.config.autocast):
+            # eager: τ is read with the kernels decoding uses (the row-exact ones call C, which a compiled layer cannot trace)
+            with torch.autocast(self.drafter.decoder.device.type, dtype=torch.bfloat16, enabled=self.config.autocast), \
+                    torch.compiler.set_stance("force_eager"):
                 return teacher_forced_tau(self.drafter, self.held_out, seed=12345, teachers=self.held_teachers,
                                           target=self.feature_target)
 
