@@ -338,6 +338,11 @@ def test_cli_train_runs_resumes_and_refuses_another_config(capsys, data_dir, tmp
     err = capsys.readouterr().err
     assert "d3d: error:" in err and "another config" in err and "Traceback" not in err
 
+    longer = [*argv]
+    longer[longer.index("--steps") + 1] = "3"
+    assert main(longer) == 0  # more steps: the run goes on, and says so
+    assert f"extending {out} from 2 to 3 steps at step 2" in capsys.readouterr().err
+
 
 def test_cli_train_copies_every_layer_or_every_kth(capsys, data_dir, tmp_path, patched_load_target):
     """`--layers all` starts from a copy of the whole target, `every:K` from layers 0, K, 2K, …; a

@@ -96,7 +96,8 @@ def train(args: argparse.Namespace) -> int:
         config = config_for(target.decoder.config.num_layers)
         trainer = Trainer(target, args.data, args.out, config, world, fsdp=args.fsdp, release_target=True)
         if trainer.extended_from is not None and world.is_main:
-            print(f"extending {args.out} from {trainer.extended_from} to {config.steps} steps at step "
+            change = "extending" if config.steps > trainer.extended_from else "shortening"
+            print(f"{change} {args.out} from {trainer.extended_from} to {config.steps} steps at step "
                   f"{trainer.step}: the learning rate's decay now spans {config.steps}", file=sys.stderr)
         return trainer.run(progress=world.is_main)
 
