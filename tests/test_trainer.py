@@ -8,6 +8,7 @@ response_ids): 24 random prompts answered greedily by the tiny target itself.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -433,3 +434,18 @@ def test_compiled_layers_train_like_eager_and_save_the_same_drafter(data_dir, tm
     assert resumed.step == 2 and resumed.train_step() == following
     with pytest.raises(ConfigError, match="another config"):
         Trainer(tiny_train_target(), data_dir, tmp_path / "compiled", c)
+
+
+def test_decoding_after_a_step_reads_the_new_weights(data_dir, tmp_path):
+    """The optimizer writes the weights in place; a draft pass through the row-exact kernels after a
+    step reads the stepped weights (their packed copies are refreshed), not the ones packed before it."""
+    trainer = Trainer(tiny_train_target(), data_dir, tmp_path / "run", config(steps=2))
+    drafter = trainer.drafter.eval()
+    tokens = [5, 6, 7, 8, 9]
+    before = drafter.draft(drafter.new_cache(64), tokens)  # packs the weights as they are
+    trainer.train_step()
+    drafter.eval()
+    after = drafter.draft(drafter.new_cache(64), tokens)
+    fresh = copy.deepcopy(drafter)  # a copy packs its own weights anew
+    assert not torch.equal(after, before)
+    assert torch.equal(after, fresh.draft(fresh.new_cache(64), tokens))

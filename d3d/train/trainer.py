@@ -464,6 +464,9 @@ class Trainer:
         if c.clip > 0:
             torch.nn.utils.clip_grad_norm_(list(self.parameters.values()), c.clip)
         self.optimizer.step()
+        # the fused step writes the weights in place without counting a new version, and the row-exact
+        # kernels' packed copies (the held-out τ, `d3d prune`'s decoding) are keyed on it
+        torch.autograd.graph.increment_version(list(self.parameters.values()))
         self.step += 1
         return {**totals, "lr": learning_rate(c, self.step - 1)}
 
