@@ -222,7 +222,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--compile", action="store_true",
                    help="run the drafter's layers through torch.compile (needs a C++ compiler on the CPU): faster "
-                        "steps (~1.7x for a 30-layer drafter on 2 CPU cores, docs/training.md), rounded differently, so a run keeps "
+                        "steps (~1.8x for a 30-layer drafter on 2 CPU cores, docs/training.md), rounded differently, so a run keeps "
                         "the setting it started with")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the drafter's weights, gradients and Adam moments over the processes "
