@@ -89,6 +89,13 @@ def test_d3d_data_writes_and_completes_distribution_files(target, source_file, t
     with pytest.raises(ConfigError, match="top-8"):
         generate_data(target, plain, config, progress=False, distill_top_k=4)
 
+    # several folders train as one only with distributions of one width
+    narrow = tmp_path / "narrow"
+    generate_data(target, narrow, config, progress=False, distill_top_k=4)
+    assert len(load_sequences(f"{with_top},{plain}", 64, teachers := [])) == 20 and len(teachers) == 20
+    with pytest.raises(ConfigError, match="different widths"):
+        load_sequences(f"{with_top},{narrow}", 64, [])
+
 
 def test_a_corrupt_distribution_file_is_a_clear_error(tmp_path):
     path = tmp_path / "distill" / "shard-00000.safetensors"

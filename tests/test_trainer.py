@@ -449,3 +449,33 @@ def test_decoding_after_a_step_reads_the_new_weights(data_dir, tmp_path):
     fresh = copy.deepcopy(drafter)  # a copy packs its own weights anew
     assert not torch.equal(after, before)
     assert torch.equal(after, fresh.draft(fresh.new_cache(64), tokens))
+
+
+def test_several_data_folders_are_one_data_set(data_dir, tmp_path):
+    """`--data A,B`: the records of A then B, their distributions alike, and a run trains over both;
+    folders made by different targets, or with distributions of different widths, are refused."""
+    import shutil
+
+    from d3d.train.shards import data_folders
+
+    other = tmp_path / "other"
+    shutil.copytree(data_dir, other)
+    for path in (other / "shards").glob("*.jsonl"):  # other prompts' ids, the same tokens
+        path.write_text(path.read_text().replace('"id": "r', '"id": "o'))
+    one, origins = load_sequences(data_dir, 64), []
+    both = load_sequences(f"{data_dir},{other}", 64, origins=origins)
+    assert both == one + one and [o[0][0] for o in origins] == ["r"] * len(one) + ["o"] * len(one)
+    assert load_sequences([data_dir, other], 64) == both
+    trainer = Trainer(tiny_train_target(), f"{data_dir},{other}", tmp_path / "run", config(steps=1))
+    assert trainer.num_sequences == 2 * len(one)
+    assert trainer.train_step()["loss"] > 0
+
+    for folder, target in ((data_dir, "tiny"), (other, "another")):
+        (folder / "manifest.json").write_text(json.dumps({"target": target, "tokenizer_fingerprint": "f"}))
+    try:
+        with pytest.raises(ConfigError, match="different targets"):
+            data_folders(f"{data_dir},{other}")
+    finally:
+        (data_dir / "manifest.json").unlink()  # the shared fixture as it was
+    with pytest.raises(ConfigError, match="no data folder"):
+        data_folders(",")

@@ -180,7 +180,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("train", help="train a D3D (or AR baseline) drafter on the target's responses "
                                           "(resumable; data-parallel under torchrun: `torchrun --nproc-per-node N "
                                           "-m d3d.cli train …`, --batch-size is then the global micro-batch)")
-    p.add_argument("--data", required=True, help="a `d3d data` output folder")
+    p.add_argument("--data", required=True,
+                   help="a `d3d data` output folder, or several joined by commas: one data set, read in that order "
+                        "(made by the same target)")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, drafter/, log.jsonl, curves.png")
     p.add_argument("--target", default="default")
     p.add_argument("--layers", default="0,1,2,3", help=f"the target layers to start from: {LAYERS_HELP}")

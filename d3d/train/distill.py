@@ -33,7 +33,7 @@ from tqdm import tqdm
 from d3d.config import ConfigError
 from d3d.files import save_tensors
 from d3d.models import Decoder
-from d3d.train.shards import jsonl_lines
+from d3d.train.shards import DataFolders, jsonl_lines, shard_paths
 
 
 @dataclass
@@ -125,17 +125,17 @@ def check_top_k(data_dir: str | Path, k: int) -> None:
             raise ConfigError(f"{path.parent} holds top-{width} distributions; rerun with --distill-top-k {width}")
 
 
-def available(data_dir: str | Path) -> bool:
-    """Whether every finished shard of `data_dir` has its distributions."""
-    shards = list((Path(data_dir) / "shards").glob("shard-*.jsonl"))
+def available(data_dir: DataFolders) -> bool:
+    """Whether every finished shard of the data folder(s) has its distributions."""
+    shards = shard_paths(data_dir)
     return bool(shards) and all(path_for(shard).is_file() for shard in shards)
 
 
-def read_all(data_dir: str | Path) -> Iterator[TopK]:
+def read_all(data_dir: DataFolders) -> Iterator[TopK]:
     """Every finished shard's distributions, record by record, in the order of `read_shards`."""
-    for shard in sorted((Path(data_dir) / "shards").glob("shard-*.jsonl")):
+    for shard in shard_paths(data_dir):
         path = path_for(shard)
         if not path.is_file():
-            raise ConfigError(f"{shard.name} has no distributions: run `d3d data --out {Path(data_dir)} "
+            raise ConfigError(f"{shard.name} has no distributions: run `d3d data --out {shard.parent.parent} "
                               "--distill-top-k 32` (it adds them to the finished shards), then train again")
         yield from read(path)

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from d3d.config import ConfigError
+
+DataFolders = str | Path | Sequence[str | Path]  # one `d3d data` folder, or several ("A,B" or a list)
 
 
 def jsonl_lines(path: Path) -> list[str]:
@@ -26,8 +30,34 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(staging, path)
 
 
-def read_shards(data_dir: str | Path) -> Iterator[dict[str, Any]]:
-    """Every finished (prompt_ids, response_ids) record, in shard order."""
-    for path in sorted((Path(data_dir) / "shards").glob("shard-*.jsonl")):
+def data_folders(data: DataFolders) -> list[Path]:
+    """The folders `data` names: one, or several joined by commas (or listed), read in that order as
+    one data set. Several must come from the same target (their manifests say which), since one
+    drafter trains on them all."""
+    items = str(data).split(",") if isinstance(data, (str, Path)) else [str(item) for item in data]
+    folders = [Path(item) for item in items if item]
+    if not folders:
+        raise ConfigError("no data folder given")
+    targets = {}
+    for folder in folders if len(folders) > 1 else []:
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue  # a folder made without a manifest (or by hand) is taken as it is
+        targets[folder] = (manifest.get("target"), manifest.get("tokenizer_fingerprint"))
+    if len(set(targets.values())) > 1:
+        made = "; ".join(f"{folder}: {target} (tokenizer {fingerprint})" for folder, (target, fingerprint) in targets.items())
+        raise ConfigError(f"these data folders were made by different targets, so one drafter cannot train on them: {made}")
+    return folders
+
+
+def shard_paths(data: DataFolders) -> list[Path]:
+    """Every finished shard file of the folders, folder by folder, each in shard order."""
+    return [path for folder in data_folders(data) for path in sorted((folder / "shards").glob("shard-*.jsonl"))]
+
+
+def read_shards(data: DataFolders) -> Iterator[dict[str, Any]]:
+    """Every finished (prompt_ids, response_ids) record, in shard order (folder by folder)."""
+    for path in shard_paths(data):
         for line in jsonl_lines(path):
             yield json.loads(line)

@@ -41,7 +41,7 @@ from d3d.train.batch import IGNORE, MaskRatio, collate, pack_example, sample_anc
 from d3d.train.distributed import World, gradient_sync, is_sharded, laid_out_like, whole, wrap
 from d3d.train import distill
 from d3d.train.distill import TopK
-from d3d.train.shards import read_shards
+from d3d.train.shards import DataFolders, read_shards
 
 
 @dataclass
@@ -103,9 +103,10 @@ class TrainConfig(_JsonMixin):
                               f"a {self.drafter_kind} drafter")
 
 
-def load_sequences(data_dir: str | Path, max_length: int, teachers: list[TopK] | None = None,
+def load_sequences(data_dir: DataFolders, max_length: int, teachers: list[TopK] | None = None,
                    origins: list[tuple[str, int]] | None = None) -> list[tuple[list[int], int]]:
-    """(tokens, response_start) per record, the prompt cut from the left to fit `max_length`. Given a
+    """(tokens, response_start) per record of the data folder(s) (`d3d.train.shards.data_folders`:
+    several are read in turn), the prompt cut from the left to fit `max_length`. Given a
     list as `teachers`, fills it with each kept record's distributions (`d3d.train.distill`), cut alike;
     as `origins`, with each kept record's (prompt id, sample): 0 for the greedy response, j for the
     j-th sampled one (`d3d data --samples`)."""
@@ -125,6 +126,9 @@ def load_sequences(data_dir: str | Path, max_length: int, teachers: list[TopK] |
             teachers.append(teacher[:len(response)])
     if not sequences:
         raise ConfigError(f"{data_dir} holds no finished shards: run `d3d data` first")
+    if teachers and len({teacher.ids.shape[-1] for teacher in teachers}) > 1:
+        raise ConfigError(f"the data folders {data_dir} hold distributions of different widths "
+                          "(`d3d data --distill-top-k`): give them all the same")
     return sequences
 
 
@@ -249,7 +253,7 @@ class Trainer:
     """One training run, in this process or as one rank of a data-parallel world (`world`): every
     rank keeps the same counters over the same global order, and rank 0 alone evaluates and writes."""
 
-    def __init__(self, target: Target, data_dir: str | Path, out_dir: str | Path, config: TrainConfig,
+    def __init__(self, target: Target, data_dir: DataFolders, out_dir: str | Path, config: TrainConfig,
                  world: World = World(), fsdp: bool = False, release_target: bool = False) -> None:
         """`release_target`: the caller hands the target over, and the layers the training does not
         read are freed once the drafter is built (a D3D or AR drafter reads only the target's
