@@ -100,7 +100,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     """prune, export, export-hf"""
     p = commands.add_parser("prune", help="acceptance-driven progressive layer pruning of a drafter")
     p.add_argument("--drafter", required=True, help="the drafter checkpoint to prune (never modified)")
-    p.add_argument("--data", required=True, help="a `d3d data` folder: calibration sequences (and healing data)")
+    p.add_argument("--data", required=True,
+                   help="a `d3d data` folder, or several joined by commas: calibration sequences (and healing data)")
     p.add_argument("--out", required=True, help="folder for the chosen drafter, prune.json and prune.png")
     p.add_argument("--target", default="default")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
