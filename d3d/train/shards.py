@@ -39,7 +39,7 @@ def data_folders(data: DataFolders) -> list[Path]:
     if not folders:
         raise ConfigError("no data folder given")
     targets = {}
-    for folder in folders if len(folders) > 1 else []:
+    for folder in folders:
         try:
             manifest = json.loads((folder / "manifest.json").read_text())
         except (OSError, ValueError):
