@@ -26,7 +26,7 @@ from d3d.config import ConfigError
 from d3d.drafter import Drafter
 from d3d.loading import Target
 from d3d.train.data import generate_batch
-from d3d.train.trainer import TrainConfig, Trainer, learning_rate, load_sequences
+from d3d.train.trainer import TrainConfig, Trainer, learning_rate, length_grouped, load_sequences
 from test_generation import EOS, ByteTokenizer
 
 NUM_RECORDS = 24
@@ -177,6 +177,64 @@ def test_resume_with_another_config_is_refused(data_dir, tmp_path):
     assert Trainer(tiny_train_target(), data_dir, tmp_path, config()).step == 1  # the same config resumes
 
 
+def test_a_refused_resume_names_what_differs(data_dir, tmp_path):
+    """The refusal says which options differ and how; a run saved before `length_groups` existed
+    resumes as what it was: ungrouped (0), not today's default."""
+    trainer = Trainer(tiny_train_target(), data_dir, tmp_path, config(length_groups=0))
+    trainer.train_step()
+    trainer.save()
+    with pytest.raises(ConfigError, match=r"lr: 0\.01 there, 0\.02 now") as refused:
+        Trainer(tiny_train_target(), data_dir, tmp_path, config(length_groups=0, lr=2e-2))
+    assert "anchors" not in str(refused.value)
+    state_file = tmp_path / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["config"]["length_groups"]  # as an older d3d saved it
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match="length_groups: 0 there, 64 now"):
+        Trainer(tiny_train_target(), data_dir, tmp_path, config(length_groups=64))
+    assert Trainer(tiny_train_target(), data_dir, tmp_path, config(length_groups=0)).step == 1
+
+
+def test_length_grouped_batches_hold_sequences_of_similar_length():
+    """Each window of micro-batches is sorted by length and cut; the micro-batches are shuffled.
+    Every sequence stays, once; the padding a micro-batch carries shrinks."""
+    rng = random.Random(0)
+    lengths = [rng.randrange(20, 600) for _ in range(1000)]
+    order = list(range(1000))
+    rng.shuffle(order)
+    grouped = length_grouped(order, lengths, 8, 16, random.Random(1))
+    assert sorted(grouped) == list(range(1000))
+    batches = [grouped[i:i + 8] for i in range(0, 1000, 8)]
+    assert all(b == sorted(b, key=lambda i: lengths[i]) for b in batches)
+    windows = [sorted(order[i:i + 128], key=lambda i: lengths[i]) for i in range(0, 1000, 128)]
+    cut = [w[i:i + 8] for w in windows for i in range(0, len(w), 8)]
+    assert sorted(map(tuple, batches)) == sorted(map(tuple, cut))  # the same micro-batches …
+    assert batches != cut  # … in a shuffled order
+
+    def padding(sequence_order):
+        return sum(8 * max(lengths[i] for i in b) - sum(lengths[i] for i in b)
+                   for b in (sequence_order[i:i + 8] for i in range(0, 1000, 8)))
+    assert padding(grouped) < padding(order) / 4
+
+
+def test_the_trainer_draws_micro_batches_of_similar_length(data_dir, tmp_path):
+    """With `length_groups`, an epoch still holds every training sequence once, and its micro-batches
+    are padded less than a plain shuffle's; 0 is the plain shuffle."""
+    grouped = Trainer(tiny_train_target(), data_dir, tmp_path / "g", config(length_groups=4))
+    plain = Trainer(tiny_train_target(), data_dir, tmp_path / "p", config(length_groups=0))
+    assert sorted(grouped.order) == sorted(plain.order) == list(range(len(plain.train_set)))
+    assert grouped.order != plain.order
+
+    def padded_rows(trainer):
+        lengths = [len(trainer.train_set[i][0]) for i in trainer.order]
+        return sum(2 * max(lengths[i:i + 2]) for i in range(0, len(lengths) - 1, 2))
+    assert padded_rows(grouped) < padded_rows(plain)
+    rng = random.Random(3 * 1000)  # seed 3, epoch 0: the plain shuffle is what it always was
+    expected = list(range(len(plain.train_set)))
+    rng.shuffle(expected)
+    assert plain.order == expected
+
+
 def test_more_steps_on_resume_extends_the_run(data_dir, tmp_path):
     """Resuming with a larger --steps continues from the checkpoint to the new length, the steps done
     unchanged and the rest on the stretched schedule; fewer steps than done, or any other change, are refused."""
@@ -295,7 +353,7 @@ def test_learning_rate_schedule():
     ({"steps": 0}, "steps"), ({"batch_size": 0}, "batch_size"), ({"grad_accum": 0}, "grad_accum"),
     ({"anchors": 0}, "anchors"), ({"max_length": 0}, "max_length"), ({"save_every": 0}, "save_every"),
     ({"layers": []}, "layers"), ({"lr": 0.0}, "lr"), ({"min_lr_ratio": 1.5}, "min_lr_ratio"),
-    ({"min_lr_ratio": -0.1}, "min_lr_ratio"),
+    ({"min_lr_ratio": -0.1}, "min_lr_ratio"), ({"length_groups": -1}, "length_groups"),
 ])
 def test_train_config_validation(overrides, fragment):
     """Invalid TrainConfig values raise ConfigError naming the field."""
@@ -343,6 +401,18 @@ def test_cli_train_runs_resumes_and_refuses_another_config(capsys, data_dir, tmp
     longer[longer.index("--steps") + 1] = "3"
     assert main(longer) == 0  # more steps: the run goes on, and says so
     assert f"extending {out} from 2 to 3 steps at step 2" in capsys.readouterr().err
+
+
+def test_cli_train_length_groups(capsys, data_dir, tmp_path, patched_load_target):
+    """`--length-groups N` reaches the run's config (0 turns grouping off); a negative N exits 2 before anything loads."""
+    argv = ["train", "--data", str(data_dir), "--layers", "0", "--block-size", "4", "--steps", "1", "--batch-size", "2",
+            "--anchors", "2", "--max-length", "64", "--warmup", "1", "--eval-every", "0", "--save-every", "1"]
+    assert main(argv + ["--out", str(tmp_path / "bad"), "--length-groups", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "length_groups" in err and "Traceback" not in err and not patched_load_target
+    assert main(argv + ["--out", str(tmp_path / "off"), "--length-groups", "0"]) == 0
+    state = json.loads((tmp_path / "off" / "checkpoint" / "state.json").read_text())
+    assert state["config"]["length_groups"] == 0
 
 
 def test_cli_train_copies_every_layer_or_every_kth(capsys, data_dir, tmp_path, patched_load_target):

@@ -82,7 +82,7 @@ def train(args: argparse.Namespace) -> int:
                            ce_weight=args.ce_weight, mask_ratio=args.mask_ratio, anchors=args.anchors,
                            max_length=args.max_length, eval_every=args.eval_every, save_every=args.save_every,
                            draft_vocab_size=args.draft_vocab_size, max_sequences=args.max_sequences, seed=args.seed,
-                           compile=args.compile)
+                           compile=args.compile, length_groups=args.length_groups)
 
     config_for(None)  # bad options are refused before anything loads
     device = resolve_device(args.device)
@@ -226,6 +226,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                    help="run the drafter's layers through torch.compile (needs a C++ compiler on the CPU): faster "
                         "steps (~1.8x for a 30-layer drafter on 2 CPU cores, docs/training.md), rounded differently, so a run keeps "
                         "the setting it started with")
+    p.add_argument("--length-groups", type=int, default=64, metavar="N",
+                   help="micro-batches of sequences of similar length, sorted within windows of N micro-batches "
+                        "of the shuffled data (0 = plain shuffle): less padding, faster steps (docs/training.md); "
+                        "runs begun before this option resume with --length-groups 0")
     p.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard the drafter's weights, gradients and Adam moments over the processes "
                         "(FSDP2) instead of a whole replica each (DDP); for drafters too large to replicate")

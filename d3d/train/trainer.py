@@ -83,6 +83,11 @@ class TrainConfig(_JsonMixin):
     seed: int = 0  # data order, anchors, masks
     autocast: bool = True  # bf16 autocast (CPU and CUDA)
     compile: bool = False  # each drafter layer through torch.compile (one graph serves them all): faster, other roundings
+    # micro-batches of sequences of similar length: each window of this many micro-batches of the
+    # shuffled order is sorted by length, cut into micro-batches, and those are shuffled (0 = off).
+    # A micro-batch is padded to its longest sequence; at random, 28% of its rows and 45% of its
+    # attention were padding on data/smollm2-* (docs/training.md)
+    length_groups: int = 64
 
     def __post_init__(self) -> None:
         if self.held_out < 0 or self.eval_every < 0:
@@ -90,6 +95,8 @@ class TrainConfig(_JsonMixin):
         for name in ("steps", "batch_size", "grad_accum", "anchors", "max_length", "save_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        if self.length_groups < 0:
+            raise ConfigError("length_groups must be >= 0 (0 = no grouping by length)")
         if not self.layers and not self.init_from:
             raise ConfigError("give the target layers to start from, or init_from")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -101,6 +108,24 @@ class TrainConfig(_JsonMixin):
         if self.feature_layers and self.drafter_kind != "dflash":
             raise ConfigError("feature_layers are the target layers a dflash drafter reads; this run trains "
                               f"a {self.drafter_kind} drafter")
+
+
+# What a field meant in runs saved before it existed, where that differs from today's default.
+BEFORE_FIELD = {"length_groups": 0}
+
+
+def length_grouped(order: list[int], lengths: list[int], batch_size: int, groups: int,
+                   rng: random.Random) -> list[int]:
+    """`order` rearranged so that each run of `batch_size` places holds sequences of similar length:
+    each window of `groups` micro-batches is sorted by length (ties keep their order), cut into
+    micro-batches, and all micro-batches are shuffled by `rng`. The same sequences, once each."""
+    window = batch_size * groups
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start:start + window], key=lambda i: lengths[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return [i for batch in batches for i in batch]
 
 
 def load_sequences(data_dir: DataFolders, max_length: int, teachers: list[TopK] | None = None,
@@ -338,7 +363,11 @@ class Trainer:
 
     def _order(self, epoch: int | None = None) -> list[int]:
         order = list(range(len(self.train_set)))
-        random.Random(self.config.seed * 1000 + (self.epoch if epoch is None else epoch)).shuffle(order)
+        rng = random.Random(self.config.seed * 1000 + (self.epoch if epoch is None else epoch))
+        rng.shuffle(order)
+        if self.config.length_groups:
+            lengths = [len(tokens) for tokens, _ in self.train_set]
+            order = length_grouped(order, lengths, self.config.batch_size, self.config.length_groups, rng)
         return order
 
     def _next_batch(self) -> dict[str, torch.Tensor]:
@@ -410,9 +439,13 @@ class Trainer:
         folder = self.out / "checkpoint"
         state = json.loads((folder / "state.json").read_text())
         defaults = TrainConfig(layers=self.config.layers, init_from=self.config.init_from).to_dict()
-        saved, wanted = {**defaults, **state["config"]}, self.config.to_dict()  # fields added since: their defaults
-        if {**saved, "steps": wanted["steps"]} != wanted:
-            raise ConfigError(f"{self.out} holds a run with another config; use a new --out or the same options")
+        # fields added since: what they meant before they existed, else their defaults
+        saved, wanted = {**defaults, **BEFORE_FIELD, **state["config"]}, self.config.to_dict()
+        differing = [name for name in wanted if name != "steps" and saved.get(name) != wanted[name]]
+        if differing:
+            raise ConfigError(f"{self.out} holds a run with another config ("
+                              + ", ".join(f"{name}: {saved.get(name)!r} there, {wanted[name]!r} now" for name in differing)
+                              + "); use a new --out or the run's options")
         if wanted["steps"] < state["step"]:
             raise ConfigError(f"{self.out} is already at step {state['step']}: --steps {wanted['steps']} would "
                               "end it before where it stands; give at least that many")
