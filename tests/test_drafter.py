@@ -429,6 +429,27 @@ def test_a_drafter_quantized_at_load_streams_its_own_weights_and_leaves_the_outp
     assert len(steps) < len(expected)  # some drafts were accepted: the quantized drafter drafted
 
 
+def test_a_packed_drafter_makes_nothing_on_its_first_draft():
+    """`Drafter.pack_weights` (what loading a drafter ends with) makes every copy its passes read —
+    the layers' table, and a quantized stream's dense and grouped copies, its draft head's too — so
+    a first draft, timed by a user, makes none; without it the first draft made them."""
+    def copies_made_by_first_draft(pack: bool) -> int:
+        target = make_decoder(tiny_config("llama", tie_word_embeddings=False), seed=1, dtype=torch.bfloat16)
+        target.requires_grad_(False)
+        drafter = Drafter.from_target(target, [0, 1], block_size=4, block_attention="causal",
+                                      draft_vocab=torch.arange(8, 48)).eval()
+        drafter.quantize("Q8_0")
+        if pack:
+            assert drafter.pack_weights() > 0
+        kernels = drafter.decoder.row_exact
+        before = set(kernels._dense) | set(kernels._grouped)
+        drafter.draft(drafter.new_cache(32), TOKENS[:6])
+        return len((set(kernels._dense) | set(kernels._grouped)) - before)
+
+    assert copies_made_by_first_draft(pack=False) > 0  # the lazy path it replaces
+    assert copies_made_by_first_draft(pack=True) == 0
+
+
 def test_only_a_bf16_drafter_on_the_kernels_is_quantized(target):
     """An fp32 drafter has no quantized streams: a clear ConfigError, nothing changed."""
     drafter = Drafter.from_target(target, [0], block_size=4)

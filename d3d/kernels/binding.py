@@ -286,6 +286,11 @@ class RowExactKernels:
         function(data.data_ptr(), WEIGHT_FORMATS[format], out.data_ptr(), rows, width)
         return out
 
+    def prepare(self, weight: torch.Tensor) -> None:
+        """Make now every copy a linear over `weight` may read (its stream, and for a quantized one
+        the dense and grouped copies multi-row calls read), rather than on the first such call."""
+        self._weight(weight)
+
     def _weight(self, weight: torch.Tensor) -> tuple[Weight, tuple[WeightStream | None, ...]]:
         """The C descriptor of the weight, and the streams it points into (keep them alive)."""
         stream = self.stream(weight)
