@@ -3,16 +3,15 @@
 A deep drafter starts as a copy of the target's layers, and training moves its weights little: on
 the 30-layer SmolLM2 drafter, the difference is ~1.7% of each matrix's norm (docs/training.md). So
 little that rounding the drafter's own weights to 4-bit blocks puts them back on the target's grid
-(Q4_1: held-out τ 1.73, the untrained copy's 1.75, against 2.40), while the *difference* in 4-bit
-GGUF Q4_0 blocks keeps the drafter (2.41): a 212 MB bf16 drafter becomes ~60 MB.
+(Q4_1: teacher-forced τ 1.73, the untrained copy's 1.75, against 2.40), while the *difference* in
+4-bit GGUF Q4_0 blocks keeps the drafter (2.41): a 212 MB bf16 drafter becomes ~60 MB.
 
 `encode` turns each such matrix of a drafter's state into Q4_0 blocks of (weight − base), stored under
 `<name>@delta_q4_0`; `decode` adds them back. The base is the target's matrix rounded to bf16 —
 the same values whether the target was loaded in bf16 or fp32 — and the sum is computed in fp32 and
 rounded once, from the blocks' exact values (gguf-py's reference decoding): the same weights on
-every machine. A decoded drafter
-is a slightly different drafter (each weight within a block step of the difference); every
-draft is still verified, so the output is the target's as always. The bases' fingerprint
+every machine. A decoded drafter is a slightly different drafter (each weight within a block step
+of the difference); every draft is still verified, so the output is the target's as always. The bases' fingerprint
 (`base_fingerprint`) is stored beside the blocks, so a drafter is never rebuilt on another
 target's weights (a fine-tune sharing the tokenizer would pass every other check).
 
@@ -29,7 +28,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 SUFFIX = "@delta_q4_0"
-BLOCK = 32  # weights per Q4_0 block
+BLOCK, BLOCK_BYTES = 32, 18  # weights per Q4_0 block, and its bytes (an fp16 scale, 16 bytes of nibbles)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -75,7 +74,7 @@ def decode(state: dict[str, torch.Tensor], target_state: dict[str, torch.Tensor]
             out[name] = value
             continue
         name = name.removesuffix(SUFFIX)
-        width = value.shape[1] // 18 * BLOCK
+        width = value.shape[1] // BLOCK_BYTES * BLOCK
         base = _base(target_state, name, target_layers, torch.Size((value.shape[0], width)))
         if base is None:
             raise ValueError(f"{name} is stored as its difference from the target's "
@@ -89,7 +88,7 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     product exact in fp32 (an fp16 scale times a 4-bit integer) — gguf-py's reference values, at
     torch's speed."""
     rows = blocks.shape[0]
-    grouped = blocks.reshape(rows, -1, 18)
+    grouped = blocks.reshape(rows, -1, BLOCK_BYTES)
     scale = grouped[..., :2].contiguous().view(torch.float16).float()  # (rows, n, 1)
     nibbles = grouped[..., 2:]
     low, high = (nibbles & 0x0F).to(torch.int8) - 8, (nibbles >> 4).to(torch.int8) - 8
