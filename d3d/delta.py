@@ -49,6 +49,14 @@ def _base(target_state: dict[str, torch.Tensor], name: str, target_layers: list[
     return base.detach().to(torch.bfloat16).float().cpu()
 
 
+def _base_of_blocks(target_state: dict[str, torch.Tensor], stored_name: str, blocks: torch.Tensor,
+                    target_layers: list[int]) -> tuple[str, torch.Tensor | None]:
+    """The matrix name behind `<name>@delta_q4_0` and its bf16 base (None: the target lacks it)."""
+    name = stored_name.removesuffix(SUFFIX)
+    shape = torch.Size((blocks.shape[0], blocks.shape[1] // BLOCK_BYTES * BLOCK))
+    return name, _base(target_state, name, target_layers, shape)
+
+
 def encode(state: dict[str, torch.Tensor], target_state: dict[str, torch.Tensor],
            target_layers: list[int]) -> dict[str, torch.Tensor]:
     """`state` with every matrix copied from a target layer replaced by its difference's Q4_0 blocks
@@ -73,9 +81,7 @@ def decode(state: dict[str, torch.Tensor], target_state: dict[str, torch.Tensor]
         if not name.endswith(SUFFIX):
             out[name] = value
             continue
-        name = name.removesuffix(SUFFIX)
-        width = value.shape[1] // BLOCK_BYTES * BLOCK
-        base = _base(target_state, name, target_layers, torch.Size((value.shape[0], width)))
+        name, base = _base_of_blocks(target_state, name, value, target_layers)
         if base is None:
             raise ValueError(f"{name} is stored as its difference from the target's "
                              f"{base_name(name, target_layers)}, which this target lacks or shapes otherwise")
@@ -98,16 +104,14 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
 def base_fingerprint(state: dict[str, torch.Tensor], target_state: dict[str, torch.Tensor],
                      target_layers: list[int]) -> str:
     """A hash of the bf16 bases the differences in `state` (`encode`'s output) are taken from; a
-    base the target lacks hashes as missing."""
+    base the target lacks (or shapes otherwise) hashes as missing."""
     digest = hashlib.sha256()
-    for name in sorted(name for name in state if name.endswith(SUFFIX)):
-        name = name.removesuffix(SUFFIX)
-        source = base_name(name, target_layers)
-        base = target_state.get(source) if source is not None else None
+    for stored_name in sorted(name for name in state if name.endswith(SUFFIX)):
+        name, base = _base_of_blocks(target_state, stored_name, state[stored_name], target_layers)
         digest.update(name.encode())
         if base is None:
             digest.update(b"missing")
         else:
             digest.update(str(tuple(base.shape)).encode())
-            digest.update(base.detach().to(torch.bfloat16).cpu().contiguous().view(torch.int16).numpy().tobytes())
+            digest.update(base.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:20]
