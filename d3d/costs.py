@@ -3,7 +3,7 @@
 The gate (`d3d.gate`) weighs the tokens a draft is expected to commit against what it costs: a
 verification of k drafts is one (k + 1)-row target forward, a drafter proposal one block pass.
 Both are measured here in one-token target steps, for every k, by timing the real forwards the
-engines run (`target_step.score_block`, `Drafter.draft` over the rows k drafts need, or for an AR
+engines run (`target_step.score_rows`, `Drafter.draft` over the rows k drafts need, or for an AR
 drafter k sequential `Drafter.next_logits` passes, as `sources.ARDrafterSource` runs them) after a
 context of a typical mid-generation length (`CONTEXT`; at 128 tokens a 6-row verification
 measured 1.30 steps, at 300 1.40, on the project's AMD EPYC): each round times every row count back
@@ -56,12 +56,12 @@ from d3d.drafter import Drafter
 from d3d.exactness import machine_key
 from d3d.gate import ByContext
 from d3d.loading import cache_root
-from d3d.models import Decoder
-from d3d.target_step import score_block
+from d3d.models import Decoder, SequenceRows
+from d3d.target_step import score_rows
 
 CONTEXT = 256  # tokens before the timed forwards: about a benchmark generation's middle
 CONTEXTS = (CONTEXT, 1024, 4096)  # … and longer ones, for long prompts
-MEASUREMENT = 4  # bump when what is timed changes (e.g. the drafter's head kernel), to measure afresh
+MEASUREMENT = 5  # bump when what is timed changes (e.g. the drafter's head kernel), to measure afresh
 ROUNDS, REPEATS = 7, 3  # rounds over every row count; forwards per timing (their mean)
 LONG_ROUNDS = 3  # rounds after the longer contexts …
 LONG_DRAFTS = (1, 2, 3, 4, 6, 8, 11, 15)  # … over these draft counts (others interpolated)
@@ -201,9 +201,11 @@ def _after_context(target: Decoder, context: int, extra: int, seed: int) -> tupl
 
 
 def _verification(target: Decoder, cache: KVCache, block: torch.Tensor) -> Callable[[], None]:
-    """A verification of `block` (1, rows) after the cache, leaving the cache as it was."""
+    """A verification of `block` (1, rows) after the cache, leaving the cache as it was: the forward
+    and the head over the rows it computes at once (`target_step.HEAD_ROWS`; a verification reads
+    more only past accepted drafts)."""
     def run():
-        score_block(target, cache, block)
+        score_rows(target, [SequenceRows(block[0], cache)])
         cache.commit(0)
     return run
 

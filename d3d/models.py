@@ -29,6 +29,7 @@ from d3d.cache import V_PART, KVCache
 from d3d.config import ConfigError, ModelConfig
 from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKernels, Segment, TorchKernels,
                          row_exact_kernels)
+from d3d.lazy_rows import LazyRows
 
 # "auto": row-exact kernels where they build (CPU inference), else PyTorch's; "row-exact": required
 # (fails loudly where they cannot build); "torch": PyTorch's ops everywhere.
@@ -392,12 +393,15 @@ class Decoder(nn.Module):
         return self.norm(x, kernels), torch.cat(features, -1) if features else None
 
     def forward_rows(self, parts: Sequence[SequenceRows], feature_layers: Sequence[int] = (),
-                     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                     head_rows: int | None = None) -> list[tuple[torch.Tensor | LazyRows, torch.Tensor | None]]:
         """Several sequences' new rows, each after its own cache, in one forward: per part, its
         logits (T, V) — (1, V) with `last_only` — and its residual stream after `feature_layers`
         (T, len · hidden; None without). With the row-exact kernels every linear layer runs once over
         all parts' rows and attention per part, and each row's bits are those of its sequence's
-        forward alone; elsewhere the parts run one after another — the same bits by definition."""
+        forward alone; elsewhere the parts run one after another — the same bits by definition.
+        With `head_rows` (row-exact kernels), a part's logits past its first `head_rows` rows are
+        computed when read (`LazyRows`; one head call over every part's first rows now): the
+        same bits, the head being row-exact."""
         if not parts:
             return []
         table = self._fused_table()
@@ -408,12 +412,16 @@ class Decoder(nn.Module):
         ends = torch.tensor([len(part.ids) for part in parts]).cumsum(0).tolist()
         wanted = [range(end - 1, end) if part.last_only else range(end - len(part.ids), end)
                   for part, end in zip(parts, ends)]
-        logits = self.logits(hidden[[row for rows in wanted for row in rows]])
+        now = [rows if head_rows is None else rows[:head_rows] for rows in wanted]
+        logits = self.logits(hidden[[row for rows in now for row in rows]])
         out, begin = [], 0
-        for part, rows, end in zip(parts, wanted, ends):
-            out.append((logits[begin:begin + len(rows)],
-                        None if features is None else features[end - len(part.ids):end]))
-            begin += len(rows)
+        for part, rows, first, end in zip(parts, wanted, now, ends):
+            computed = logits[begin:begin + len(first)]
+            if len(first) < len(rows):
+                computed = LazyRows(len(rows), lambda b, e, rows=rows: self.logits(hidden[rows[b]:rows[b] + e - b]),
+                                    computed)
+            out.append((computed, None if features is None else features[end - len(part.ids):end]))
+            begin += len(first)
         return out
 
     def _fused_table(self) -> LayerTable | None:

@@ -24,10 +24,16 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import SamplingConfig
 from d3d.exactness import verify_mode
+from d3d.lazy_rows import LazyRows, each_row
 from d3d.models import Decoder, SequenceRows
 from d3d.sampling import greedy_ids, probabilities, sample
 from d3d.sequence import Sequence, Step
 from d3d.verify import Verdict, verify_greedy, verify_sampling
+
+
+# Rows of a verification whose logits the head computes with the forward; later rows are computed
+# when verification reads them (`d3d.lazy_rows`): see docs/performance.md, "The head over the rows read".
+HEAD_ROWS = 4
 
 
 def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
@@ -117,8 +123,8 @@ def verify_block(target: Decoder, cache: KVCache, anchor: int, draft_tokens: tor
                  generator: torch.Generator, states: TargetStates | None = None) -> Verdict:
     """One target forward over [anchor, drafts]; keeps the KV of the anchor and accepted drafts (and
     hands their hidden states to `states`)."""
-    ids = torch.cat([torch.tensor([anchor], device=draft_tokens.device), draft_tokens])[None]
-    target_logits, features = score_block_features(target, cache, ids, states.layers if states else [])  # (K+1, V)
+    ids = torch.cat([torch.tensor([anchor], device=draft_tokens.device), draft_tokens])
+    (target_logits, features), = score_rows(target, [SequenceRows(ids, cache)], states.layers if states else [])  # (K+1, V)
     verdict = judge(target_logits, draft_tokens, draft_probs, sampling, generator)
     cache.commit(verdict.num_accepted + 1)
     if states is not None:
@@ -126,24 +132,28 @@ def verify_block(target: Decoder, cache: KVCache, anchor: int, draft_tokens: tor
     return verdict
 
 
-def judge(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+def judge(target_logits: torch.Tensor | LazyRows, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
           sampling: SamplingConfig, generator: torch.Generator) -> Verdict:
     """The verdict on K drafts from the target's logits (K+1, V) over [anchor, drafts]: greedy
-    matching, or rejection sampling with the drafts' q (a point mass for deterministic drafts)."""
+    matching, or rejection sampling with the drafts' q (a point mass for deterministic drafts);
+    rows are read in order, none past the first rejection (computed as read where `LazyRows`)."""
     if sampling.greedy:
-        return verify_greedy(draft_tokens, greedy_ids(target_logits))
+        return verify_greedy(draft_tokens, each_row(target_logits, greedy_ids))
     if draft_probs is None:  # deterministic drafts (none: a plain sampling step): q is a point mass
-        draft_probs = one_hot(draft_tokens, target_logits.shape[-1])
-    return verify_sampling(draft_tokens, draft_probs, probabilities(target_logits, sampling), generator)
+        draft_probs = one_hot(draft_tokens, target_logits[0].shape[-1])
+    return verify_sampling(draft_tokens, draft_probs, each_row(target_logits, lambda rows: probabilities(rows, sampling)),
+                           generator)
 
 
 def score_rows(target: Decoder, parts: list[SequenceRows], feature_layers: Sequence[int] = (),
-               ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+               ) -> list[tuple[torch.Tensor | LazyRows, torch.Tensor | None]]:
     """`score_block_features` for several sequences, each after its own cache (`SequenceRows`):
     one forward over all their rows where the target is row-count invariant on this machine
-    (`Decoder.forward_rows`), else each block row by row — the same bits as each decoded alone."""
+    (`Decoder.forward_rows`), else each block row by row — the same bits as each decoded alone.
+    With the row-exact kernels, logits past a block's first `HEAD_ROWS` rows are computed as
+    `judge` reads them (`LazyRows`)."""
     if verify_mode(target) == "batched" or all(len(part.ids) == 1 for part in parts):
-        return target.forward_rows(parts, feature_layers)
+        return target.forward_rows(parts, feature_layers, head_rows=HEAD_ROWS)
     scored = []
     for part in parts:
         if part.last_only:  # a prompt's prefill: the same forward plain decoding starts with

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from d3d.lazy_rows import LazyRows
 from d3d.sampling import sample
 
 
@@ -30,37 +31,41 @@ class Verdict:
     bonus_token: int  # the target's own token after them (recovered or bonus)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
-    """draft_tokens (K,), target_tokens (K+1,) = target argmax at the anchor and each draft."""
-    assert target_tokens.shape == (draft_tokens.shape[0] + 1,), \
-        f"target_tokens {tuple(target_tokens.shape)} must be one longer than draft_tokens {tuple(draft_tokens.shape)}"
-    mismatch = (draft_tokens != target_tokens[:-1]).nonzero()
-    num_accepted = int(mismatch[0, 0]) if mismatch.numel() else draft_tokens.shape[0]
-    return Verdict(num_accepted, int(target_tokens[num_accepted]))
+def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor | LazyRows) -> Verdict:
+    """draft_tokens (K,), target_tokens (K+1,) = target argmax at the anchor and each draft, read in
+    order: row i only once drafts 0 … i-1 are accepted (rows computed as read, `d3d.lazy_rows`)."""
+    assert len(target_tokens) == draft_tokens.shape[0] + 1, \
+        f"target_tokens ({len(target_tokens)},) must be one longer than draft_tokens {tuple(draft_tokens.shape)}"
+    if isinstance(target_tokens, torch.Tensor):
+        target_tokens = target_tokens.tolist()
+    for i, draft in enumerate(draft_tokens.tolist()):
+        target = int(target_tokens[i])
+        if target != draft:
+            return Verdict(i, target)
+    return Verdict(len(draft_tokens), int(target_tokens[len(draft_tokens)]))
 
 
-def verify_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+def verify_sampling(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor | LazyRows,
                     generator: torch.Generator | None = None) -> Verdict:
-    """Speculative rejection sampling; draft_probs (K, V), target_probs (K+1, V), draft_tokens (K,)."""
+    """Speculative rejection sampling; draft_probs (K, V), target_probs (K+1, V), draft_tokens (K,).
+    The target's rows are read in order, none after the first rejection (`d3d.lazy_rows`); the K
+    uniforms are drawn first, whatever is read."""
     num_drafts = draft_tokens.shape[0]
-    assert draft_probs.shape[0] == num_drafts and target_probs.shape[0] == num_drafts + 1, \
+    assert draft_probs.shape[0] == num_drafts and len(target_probs) == num_drafts + 1, \
         f"shapes: draft_tokens {tuple(draft_tokens.shape)}, draft_probs {tuple(draft_probs.shape)}, " \
-        f"target_probs {tuple(target_probs.shape)}"
+        f"target_probs ({len(target_probs)}, V)"
     if num_drafts == 0:  # a plain step: the target's own draw, exactly as plain decoding draws it
         return Verdict(0, int(sample(target_probs[0], generator)))
     rows = torch.arange(num_drafts, device=draft_tokens.device)
-    p_draft = target_probs[rows, draft_tokens]
     q_draft = draft_probs[rows, draft_tokens]
     uniform = torch.rand(num_drafts, generator=generator, device=draft_probs.device)  # on the generator's device
     # Accept when u < p/q, written as u*q < p so that q = 0 never divides (such a draft is never drawn).
-    rejected = (uniform * q_draft >= p_draft).nonzero()
-    if not rejected.numel():
-        bonus = sample(target_probs[num_drafts], generator)
-        return Verdict(num_drafts, int(bonus))
-    k = int(rejected[0, 0])
-    residual = (target_probs[k] - draft_probs[k]).clamp_min(0)
-    total = residual.sum()
-    # p == q up to rounding leaves no residual mass; p itself is then the exact recovery distribution.
-    residual = residual / total if total > 1e-12 else target_probs[k]
-    recovered = sample(residual, generator)
-    return Verdict(k, int(recovered))
+    threshold = uniform * q_draft
+    for k in range(num_drafts):
+        if threshold[k] >= target_probs[k][draft_tokens[k]]:
+            residual = (target_probs[k] - draft_probs[k]).clamp_min(0)
+            total = residual.sum()
+            # p == q up to rounding leaves no residual mass; p itself is then the exact recovery distribution.
+            residual = residual / total if total > 1e-12 else target_probs[k]
+            return Verdict(k, int(sample(residual, generator)))
+    return Verdict(num_drafts, int(sample(target_probs[num_drafts], generator)))

@@ -278,8 +278,9 @@ def test_every_lanes_kernel_gives_the_reference_lanes_bits(kernels, dtype):
     if kernels.packs[dtype]:
         pytest.skip(f"this build column-packs {dtype} weights: another reduction, tested above")
     weight = randn(100, 576, seed=1, dtype=dtype)
-    x = cancelling_rows(17, 576, dtype)
-    for rows in (1, 2, 3, 4, 17):
+    x = cancelling_rows(25, 576, dtype)
+    # AVX2: the fused tiles of 1, 2 and 4 rows, groups of 4 with each remainder (up to 24 rows), the strip
+    for rows in (1, 2, 3, 4, 5, 6, 7, 9, 17, 24, 25):
         assert torch.equal(kernels.linear(x[:rows], weight, None), kernels.linear_reference(x[:rows], weight)), rows
 
 

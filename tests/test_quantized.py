@@ -82,10 +82,10 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
     plain = weight.clone()  # the same values, without a stream of its own
     kernels.use_stream(weight, stream_of(kernels, type_name, raw))
     assert kernels.stream(weight).quantized and not kernels.stream(plain).quantized
-    x = (torch.randn(17, width, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
+    x = (torch.randn(25, width, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
     bias = torch.randn(outputs, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    residual = torch.randn(17, outputs, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(17)])
+    residual = torch.randn(25, outputs, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(25)])
     grouped = kernels.grouped_rows
     if grouped and kernels.stream(weight).format in ("u4", "i8"):  # one row reads the grouped blocks here
         assert kernels._grouped_stream(weight, kernels.stream(weight)).format in ("g4", "g8", "a4")
@@ -93,7 +93,7 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
         # several rows from the bf16 values, one from the grouped blocks (AVX-512 BF16), or decoding the blocks
         for dense_rows, kernels.grouped_rows in ((True, grouped), (True, False), (False, False)):
             kernels.dense_rows = dense_rows
-            for rows in (1, 2, 3, 5, 16, 17):
+            for rows in (1, 2, 3, 5, 6, 16, 17, 24, 25):  # AVX2: fused tiles to 24 rows, the strip beyond
                 assert torch.equal(kernels.linear(x[:rows], weight, bias), kernels.linear(x[:rows], plain, bias)), rows
                 assert torch.equal(kernels.linear(x[:rows], weight, bias), alone[:rows]), rows
                 assert torch.equal(kernels.linear(x[:rows], weight, None, residual[:rows]),

@@ -286,9 +286,9 @@ int d3d_packed_linear(int bf16) {
 /* ---------------------------------------------------------------------------------------------
  * lanes linear (AVX2): the reference lanes' arithmetic — per (row, column) 16 fp32 FMA chains, lane
  * l taking k = l, l + 16, l + 32, … in order, folded by fold_lanes — over any non-packed format,
- * 8 lanes to a register. The weights of a block of 4 columns are decoded once per call: at one row
- * straight into the FMAs, at more rows into a per-thread strip of fp32 values (4 x K, L1/L2) that
- * every row tile reads. Tiles of 2 rows x 4 columns, each 16-lane chain run as two independent
+ * 8 lanes to a register. The weights of a block of 4 columns are decoded straight into the FMAs of
+ * up to 4 rows at a time (up to FUSED_MAX rows), or beyond that once per call into a per-thread strip
+ * of fp32 values (4 x K, L1/L2) that every row tile reads: tiles of 2 rows x 4 columns, each 16-lane chain run as two independent
  * 8-lane halves (8 accumulators, all in registers). Rows are converted to fp32 once per call.
  * Needs K a multiple of 32 (every block format is; plain weights of other widths take the
  * reference lanes, which give the same bits).
@@ -378,6 +378,12 @@ static void lanes_tile(const float *xf, int R, int64_t K, const float *strip, fl
 
 
 
+/* Calls of up to FUSED_MAX rows run the fused tiles 4 rows at a time (the weights streamed once per 4
+ * rows), calls of more decode each block into the strip once. AMD EPYC Zen 3 (AVX2), whole forwards
+ * over the bf16 values after 256 tokens, two builds interleaved, in one-token steps: 5 rows 1.57
+ * (strip 2.88), 8 rows 2.12 (3.43), 9 rows 2.47 (3.79), 13 rows 3.37 (4.47), 17 rows 4.31 (4.71);
+ * from 20 rows to 32 the two were even. */
+#define FUSED_MAX 24
 #define LANES_AHEAD 4  /* column blocks ahead that the one-row path prefetches (2: 15.1, 4: 13.7, 8: 15.4 ms a step) */
 /* A few rows straight from the decoded registers: for each group of C columns, each block's
  * weights are decoded once and feed R rows (R·C·2 ≤ 8 accumulators); rows past M repeat row 0 and
@@ -412,16 +418,23 @@ static inline __attribute__((always_inline)) void NAME(const float *xf, int64_t 
 }
 
 /* res[m * 4 + c] = x_m · w_c for the 4 weight rows at `rows[c]` (byte pointers), every row m:
- * fused for up to 4 rows, over a decoded strip beyond. */
+ * fused 4 rows at a time for up to FUSED_MAX rows, over a decoded strip beyond. */
 #define LANES_COLUMNS(NAME, DECODE)                                                                  \
 LANES_FUSED(NAME##_1, DECODE, 1, 4)                                                                  \
 LANES_FUSED(NAME##_2, DECODE, 2, 2)                                                                  \
 LANES_FUSED(NAME##_4, DECODE, 4, 1)                                                                  \
 static void NAME(const float *xf, int64_t M, int64_t K, const char *const rows[4], int64_t chunk_bytes, \
                  const char *const *ahead, float *strip, float *res) {                               \
-    if (M == 1) { NAME##_1(xf, M, K, rows, chunk_bytes, ahead, res); return; }                       \
-    if (M == 2) { NAME##_2(xf, M, K, rows, chunk_bytes, ahead, res); return; }                       \
-    if (M <= 4) { NAME##_4(xf, M, K, rows, chunk_bytes, ahead, res); return; }                       \
+    if (M <= FUSED_MAX) {  /* 4 rows at a time, the last 1–4 in the tile of their size */            \
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                      \
+            int64_t r = M - m0 < 4 ? M - m0 : 4;                                                     \
+            const char *const *first = m0 ? NULL : ahead;                                            \
+            if (r == 1) NAME##_1(xf + m0 * K, r, K, rows, chunk_bytes, first, res + m0 * 4);         \
+            else if (r == 2) NAME##_2(xf + m0 * K, r, K, rows, chunk_bytes, first, res + m0 * 4);    \
+            else NAME##_4(xf + m0 * K, r, K, rows, chunk_bytes, first, res + m0 * 4);                \
+        }                                                                                            \
+        return;                                                                                      \
+    }                                                                                                \
     int64_t blocks = K / CHUNK;                                                                      \
     for (int c = 0; c < 4; c++)                                                                      \
         for (int64_t b = 0; b < blocks; b++) {                                                       \
@@ -782,7 +795,7 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
  * which is the invariant — and the per-op entry points.
  * ------------------------------------------------------------------------------------------- */
 
-#define DENSE_ROWS 8
+#define DENSE_ROWS 24  /* = FUSED_MAX: calls of 2–24 rows read a quantized weight's bf16 values */
 
 static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w, const uint16_t *bias,
                         const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
@@ -791,9 +804,9 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
 #endif
     int64_t format = w->parts[0].format;
     d3d_weight dense = {{w->dense}, {0}};
-    /* 2–8 rows read the bf16 values (the same bits, formats.h): AMD EPYC (AVX2), whole forwards,
-     * interleaved: 3 rows 16.2 vs 18.5 ms, 8 rows 36.4 vs 42.5 — but 12 rows 55.0 vs 46.8, where
-     * decoding the smaller blocks once into the strip pays again */
+    /* 2–24 rows read the bf16 values (the same bits, formats.h) in the fused tiles: AMD EPYC (AVX2),
+     * whole forwards, interleaved: 3 rows 16.2 vs 18.5 ms over the blocks; past 24 rows each block
+     * is decoded once into the strip (see FUSED_MAX) */
 #ifdef D3D_AVX512_BF16
     if (M <= GROUPED_ROWS && w->grouped.data && w->grouped.format != D3D_A4) { grouped_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K); return; }
     /* with AVX-512 BF16 every other row count reads them: the panel decoder below is scalar (one-
