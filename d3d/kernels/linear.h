@@ -795,7 +795,17 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
  * which is the invariant — and the per-op entry points.
  * ------------------------------------------------------------------------------------------- */
 
-#define DENSE_ROWS 24  /* = FUSED_MAX: calls of 2–24 rows read a quantized weight's bf16 values */
+/* Calls of DENSE_MIN + 1 … DENSE_ROWS rows read a quantized weight's bf16 values (formats.h's
+ * d3d_weight.dense: the same bits). AMD EPYC Zen 3 (AVX2), whole forwards after 256 tokens, builds
+ * interleaved, in one-token steps: 2 rows 1.15–1.21 over the blocks against 1.47 over the bf16
+ * values (the blocks' decode, shared by both rows, costs less than 3.4x the bytes), 3 rows 1.55
+ * against 1.40–1.45; past DENSE_ROWS (= FUSED_MAX) each block is decoded once into the strip. */
+#ifdef D3D_AVX2
+#define DENSE_MIN 2
+#else
+#define DENSE_MIN 1  /* the portable strip decodes in scalar C */
+#endif
+#define DENSE_ROWS 24
 
 static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w, const uint16_t *bias,
                         const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
@@ -804,16 +814,13 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
 #endif
     int64_t format = w->parts[0].format;
     d3d_weight dense = {{w->dense}, {0}};
-    /* 2–24 rows read the bf16 values (the same bits, formats.h) in the fused tiles: AMD EPYC (AVX2),
-     * whole forwards, interleaved: 3 rows 16.2 vs 18.5 ms over the blocks; past 24 rows each block
-     * is decoded once into the strip (see FUSED_MAX) */
 #ifdef D3D_AVX512_BF16
     if (M <= GROUPED_ROWS && w->grouped.data && w->grouped.format != D3D_A4) { grouped_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K); return; }
     /* with AVX-512 BF16 every other row count reads them: the panel decoder below is scalar (one-
      * token step, AMD EPYC Zen 5: 90 ms over Q4_1 blocks against 8.0 ms over the bf16 values) */
     if (is_quantized(format) && w->dense.data) {
 #else
-    if (M > 1 && M <= DENSE_ROWS && is_quantized(format) && w->dense.data) {
+    if (M > DENSE_MIN && M <= DENSE_ROWS && is_quantized(format) && w->dense.data) {
 #endif
         w = &dense;
         format = dense.parts[0].format;
