@@ -9,6 +9,7 @@ import torch
 from conftest import make_decoder, tiny_config
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.engine import generate_from_sources, reference_generate
+from d3d.exactness import verify_mode
 from d3d.lazy_rows import LazyRows, each_row
 from d3d.models import SequenceRows
 from d3d.sampling import greedy_ids, probabilities
@@ -146,6 +147,7 @@ def test_a_rejected_block_pays_the_head_for_its_first_rows_only():
         pytest.skip("the row-exact kernels did not build here")
     prompt, config = [1, 5, 9, 3], GenerationConfig(max_new_tokens=12)
     want = [t for step in reference_generate(target, prompt, config) for t in step.tokens]
+    assert verify_mode(target) == "batched"  # the machine's check (its forwards call the head too) done first
     head_rows = []
     real_logits = target.logits
     target.logits = lambda hidden: head_rows.append(hidden.shape[0]) or real_logits(hidden)
