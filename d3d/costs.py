@@ -202,7 +202,7 @@ def _after_context(target: Decoder, context: int, extra: int, seed: int) -> tupl
 
 def _verification(target: Decoder, cache: KVCache, block: torch.Tensor) -> Callable[[], None]:
     """A verification of `block` (1, rows) after the cache, leaving the cache as it was: the forward
-    and the head over the rows it computes at once (`target_step.HEAD_ROWS`; a verification reads
+    and the head over the rows it computes at once (`target_step.head_rows`; a verification reads
     more only past accepted drafts)."""
     def run():
         score_rows(target, [SequenceRows(block[0], cache)])

@@ -32,8 +32,17 @@ from d3d.verify import Verdict, verify_greedy, verify_sampling
 
 
 # Rows of a verification whose logits the head computes with the forward; later rows are computed
-# when verification reads them (`d3d.lazy_rows`): see docs/performance.md, "The head over the rows read".
+# when verification reads them (`d3d.lazy_rows`). On AMD EPYC Zen 3 (AVX2) the head over 1-4 rows
+# costs 2.5-3.5 ms and over 5 rows 7.9, 17 rows 15.4 (docs/performance.md, "The head over the rows
+# read"); where it runs on AMX tiles, 16 rows cost about what one does.
 HEAD_ROWS = 4
+AMX_HEAD_ROWS = 16
+
+
+def head_rows(target: Decoder) -> int:
+    """How many rows of a verification the head runs over with the forward on this target's kernels."""
+    kernels = target.row_exact
+    return AMX_HEAD_ROWS if kernels is not None and kernels.amx else HEAD_ROWS
 
 
 def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
@@ -150,10 +159,10 @@ def score_rows(target: Decoder, parts: list[SequenceRows], feature_layers: Seque
     """`score_block_features` for several sequences, each after its own cache (`SequenceRows`):
     one forward over all their rows where the target is row-count invariant on this machine
     (`Decoder.forward_rows`), else each block row by row — the same bits as each decoded alone.
-    With the row-exact kernels, logits past a block's first `HEAD_ROWS` rows are computed as
+    With the row-exact kernels, logits past a block's first `head_rows` are computed as
     `judge` reads them (`LazyRows`)."""
     if verify_mode(target) == "batched" or all(len(part.ids) == 1 for part in parts):
-        return target.forward_rows(parts, feature_layers, head_rows=HEAD_ROWS)
+        return target.forward_rows(parts, feature_layers, head_rows=head_rows(target))
     scored = []
     for part in parts:
         if part.last_only:  # a prompt's prefill: the same forward plain decoding starts with

@@ -14,7 +14,7 @@ from d3d.lazy_rows import LazyRows, each_row
 from d3d.models import SequenceRows
 from d3d.sampling import greedy_ids, probabilities
 from d3d.sources import Proposal
-from d3d.target_step import HEAD_ROWS
+from d3d.target_step import HEAD_ROWS, head_rows
 from d3d.verify import verify_greedy, verify_sampling
 
 
@@ -140,7 +140,7 @@ class WrongDrafts:
 
 
 def test_a_rejected_block_pays_the_head_for_its_first_rows_only():
-    """Each 9-row verification of wrong drafts runs the head over its first HEAD_ROWS rows, and the
+    """Each 9-row verification of wrong drafts runs the head over its first `head_rows` rows, and the
     output is plain decoding's."""
     target = make_decoder(tiny_config(), seed=4)
     if target.row_exact is None:
@@ -148,9 +148,9 @@ def test_a_rejected_block_pays_the_head_for_its_first_rows_only():
     prompt, config = [1, 5, 9, 3], GenerationConfig(max_new_tokens=12)
     want = [t for step in reference_generate(target, prompt, config) for t in step.tokens]
     assert verify_mode(target) == "batched"  # the machine's check (its forwards call the head too) done first
-    head_rows = []
+    counted_rows = []
     real_logits = target.logits
-    target.logits = lambda hidden: head_rows.append(hidden.shape[0]) or real_logits(hidden)
+    target.logits = lambda hidden: counted_rows.append(hidden.shape[0]) or real_logits(hidden)
     try:
         steps = list(generate_from_sources(target, [WrongDrafts(prompt, want)], prompt, config))
     finally:
@@ -159,4 +159,4 @@ def test_a_rejected_block_pays_the_head_for_its_first_rows_only():
     drafted = [step.num_drafted for step in steps[1:]]
     assert drafted[0] == 8 and all(step.num_accepted == 0 for step in steps)
     # the prompt's last row, then each verification's first rows
-    assert head_rows == [1] + [min(HEAD_ROWS, k + 1) for k in drafted]
+    assert counted_rows == [1] + [min(head_rows(target), k + 1) for k in drafted]
