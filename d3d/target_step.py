@@ -3,12 +3,14 @@
 `prefill` runs the prompt through the target into a fresh KV cache and picks the first new token;
 `score_block` gives the target's logits for a block after the cache in one forward where the target
 is row-count invariant on this machine (always, with the row-exact kernels), else row by row — the
-same bits as plain decoding either way; `verify_block` scores [anchor, drafts] and judges the drafts
-(`judge`, `d3d.verify`), keeping the KV of what it accepts; `score_rows` scores several sequences'
-blocks, each after its own cache, in one forward (continuous batching, `d3d.batch`). Sources that read the target's hidden states
-(DFlash-style) get each committed token's once, in order, through `TargetStates`.
+same bits as plain decoding either way; `score_rows` scores several sequences' blocks, each after its
+own cache, in one forward (continuous batching, `d3d.batch`), the head running over each block's
+first rows only until verification reads more (`d3d.lazy_rows`); `verify_block` scores [anchor,
+drafts] and judges the drafts (`judge`, `d3d.verify`), keeping the KV of what it accepts. Sources that
+read the target's hidden states (DFlash-style) get each committed token's once, in order, through
+`TargetStates`.
 
-Both engines build their steps from these, and `d3d.costs` times `score_block` itself: the cost
+Both engines build their steps from these, and `d3d.costs` times `score_rows` itself: the cost
 the speculation gate weighs is the cost of this very function. This module runs no loop, drafts
 nothing and knows nothing of text.
 """
