@@ -446,7 +446,10 @@ def test_a_packed_drafter_makes_nothing_on_its_first_draft():
         drafter.draft(drafter.new_cache(32), TOKENS[:6])
         return len((set(kernels._dense) | set(kernels._grouped)) - before)
 
-    assert copies_made_by_first_draft(pack=False) > 0  # the lazy path it replaces
+    kernels = make_decoder(tiny_config(), dtype=torch.bfloat16).row_exact
+    if kernels is not None and (kernels.packs[torch.bfloat16] or kernels.grouped_rows):
+        assert copies_made_by_first_draft(pack=False) > 0  # the lazy path it replaces
+    # (an AVX2 build reads a quantized weight's bf16 values in place: no copy to make either way)
     assert copies_made_by_first_draft(pack=True) == 0
 
 
