@@ -49,12 +49,16 @@ def _base(target_state: dict[str, torch.Tensor], name: str, target_layers: list[
     return base.detach().to(torch.bfloat16).float().cpu()
 
 
-def _base_of_blocks(target_state: dict[str, torch.Tensor], stored_name: str, blocks: torch.Tensor,
-                    target_layers: list[int]) -> tuple[str, torch.Tensor | None]:
-    """The matrix name behind `<name>@delta_q4_0` and its bf16 base (None: the target lacks it)."""
-    name = stored_name.removesuffix(SUFFIX)
-    shape = torch.Size((blocks.shape[0], blocks.shape[1] // BLOCK_BYTES * BLOCK))
-    return name, _base(target_state, name, target_layers, shape)
+def bases(state: dict[str, torch.Tensor], target_state: dict[str, torch.Tensor],
+          target_layers: list[int]) -> dict[str, torch.Tensor | None]:
+    """The bf16 base of each `<name>@delta_q4_0` in `state` (`encode`'s output), by matrix name —
+    None where the target lacks it or shapes it otherwise. Computed once for a load's check and decode."""
+    out = {}
+    for stored_name in sorted(name for name in state if name.endswith(SUFFIX)):
+        blocks, name = state[stored_name], stored_name.removesuffix(SUFFIX)
+        shape = torch.Size((blocks.shape[0], blocks.shape[1] // BLOCK_BYTES * BLOCK))
+        out[name] = _base(target_state, name, target_layers, shape)
+    return out
 
 
 def encode(state: dict[str, torch.Tensor], target_state: dict[str, torch.Tensor],
@@ -72,16 +76,17 @@ def encode(state: dict[str, torch.Tensor], target_state: dict[str, torch.Tensor]
     return out
 
 
-def decode(state: dict[str, torch.Tensor], target_state: dict[str, torch.Tensor], target_layers: list[int],
+def decode(state: dict[str, torch.Tensor], bases: dict[str, torch.Tensor | None], target_layers: list[int],
            dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`encode`'s output back to a state: each `<name>@delta_q4_0` becomes `<name>` = base + the
-    blocks' values, in `dtype`. A difference without its base (another target) raises ValueError."""
+    """`encode`'s output back to a state: each `<name>@delta_q4_0` becomes `<name>` = base (`bases`)
+    + the blocks' values, in `dtype`. A difference without its base (another target) raises ValueError."""
     out = {}
     for name, value in state.items():
         if not name.endswith(SUFFIX):
             out[name] = value
             continue
-        name, base = _base_of_blocks(target_state, name, value, target_layers)
+        name = name.removesuffix(SUFFIX)
+        base = bases[name]
         if base is None:
             raise ValueError(f"{name} is stored as its difference from the target's "
                              f"{base_name(name, target_layers)}, which this target lacks or shapes otherwise")
@@ -101,13 +106,12 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (torch.cat([low, high], dim=-1).float() * scale).reshape(rows, -1)
 
 
-def base_fingerprint(state: dict[str, torch.Tensor], target_state: dict[str, torch.Tensor],
-                     target_layers: list[int]) -> str:
-    """A hash of the bf16 bases the differences in `state` (`encode`'s output) are taken from; a
-    base the target lacks (or shapes otherwise) hashes as missing."""
+def base_fingerprint(bases: dict[str, torch.Tensor | None]) -> str:
+    """A hash of the bf16 bases (`bases`) the differences are taken from; a base the target lacks
+    (or shapes otherwise) hashes as missing."""
     digest = hashlib.sha256()
-    for stored_name in sorted(name for name in state if name.endswith(SUFFIX)):
-        name, base = _base_of_blocks(target_state, stored_name, state[stored_name], target_layers)
+    for name in sorted(bases, key=lambda name: name + SUFFIX):  # stored names' order, as files were hashed
+        base = bases[name]
         digest.update(name.encode())
         if base is None:
             digest.update(b"missing")

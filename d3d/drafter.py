@@ -255,8 +255,8 @@ class Drafter(nn.Module):
         if delta_from is not None:
             target_state = delta_from.state_dict()
             state = delta.encode(state, target_state, self.config.target_layers)
-            document.update(format_version=DELTA_FORMAT_VERSION,
-                            delta_base=delta.base_fingerprint(state, target_state, self.config.target_layers))
+            bases = delta.bases(state, target_state, self.config.target_layers)
+            document.update(format_version=DELTA_FORMAT_VERSION, delta_base=delta.base_fingerprint(bases))
         save_tensors(state, folder / "model.safetensors", metadata={"format": FORMAT})
         document.update(self.config.to_dict())
         (folder / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True))
@@ -287,12 +287,12 @@ class Drafter(nn.Module):
         drafter = cls(config, target)
         state = read_safetensors(weights_file)
         if version == DELTA_FORMAT_VERSION:
-            target_state = target.state_dict()
-            if delta.base_fingerprint(state, target_state, config.target_layers) != delta_base:
+            bases = delta.bases(state, target.state_dict(), config.target_layers)
+            if delta.base_fingerprint(bases) != delta_base:
                 raise LoadError(f"{folder} stores its layers as differences from another target's weights "
                                 "(the same shapes and tokenizer, other values): load it with the target it was made for")
             try:
-                state = delta.decode(state, target_state, config.target_layers, torch.bfloat16)
+                state = delta.decode(state, bases, config.target_layers, torch.bfloat16)
             except ValueError as error:
                 raise LoadError(f"{weights_file}: {error}") from None
         check_state(drafter.own_state(), state, str(weights_file))

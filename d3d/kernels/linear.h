@@ -294,6 +294,13 @@ int d3d_packed_linear(int bf16) {
  * reference lanes, which give the same bits).
  * ------------------------------------------------------------------------------------------- */
 
+/* Calls of up to FUSED_MAX rows run the fused tiles 4 rows at a time (the weights streamed once per 4
+ * rows), calls of more decode each block into the strip once. AMD EPYC Zen 3 (AVX2), whole forwards
+ * over the bf16 values after 256 tokens, two builds interleaved, in one-token steps: 5 rows 1.57
+ * (strip 2.88), 8 rows 2.12 (3.43), 9 rows 2.47 (3.79), 13 rows 3.37 (4.47), 17 rows 4.31 (4.71);
+ * from 20 rows to 32 the two were even. */
+#define FUSED_MAX 24
+
 #ifdef D3D_AVX2
 /* fold_lanes of the 16 lanes lo (0–7) and hi (8–15), in registers: the same additions in the same
  * order — lane i + lane i+8, then i + i+4, then (0 + 2) + (1 + 3). */
@@ -378,12 +385,6 @@ static void lanes_tile(const float *xf, int R, int64_t K, const float *strip, fl
 
 
 
-/* Calls of up to FUSED_MAX rows run the fused tiles 4 rows at a time (the weights streamed once per 4
- * rows), calls of more decode each block into the strip once. AMD EPYC Zen 3 (AVX2), whole forwards
- * over the bf16 values after 256 tokens, two builds interleaved, in one-token steps: 5 rows 1.57
- * (strip 2.88), 8 rows 2.12 (3.43), 9 rows 2.47 (3.79), 13 rows 3.37 (4.47), 17 rows 4.31 (4.71);
- * from 20 rows to 32 the two were even. */
-#define FUSED_MAX 24
 #define LANES_AHEAD 4  /* column blocks ahead that the one-row path prefetches (2: 15.1, 4: 13.7, 8: 15.4 ms a step) */
 /* A few rows straight from the decoded registers: for each group of C columns, each block's
  * weights are decoded once and feed R rows (R·C·2 ≤ 8 accumulators); rows past M repeat row 0 and
@@ -805,7 +806,7 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
 #else
 #define DENSE_MIN 1  /* the portable strip decodes in scalar C */
 #endif
-#define DENSE_ROWS 24
+#define DENSE_ROWS FUSED_MAX
 
 static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w, const uint16_t *bias,
                         const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
