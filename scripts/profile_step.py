@@ -1,8 +1,8 @@
 """Where a forward of the target spends its time: each stage of the fused C forward (summed over
 the layers, timed by thread 0 after each stage's barrier), the output projection, and the rest
-(Python, embedding, allocation) by difference — and, where attention runs on AMX tiles, its passes
-within "attention" (scores, then softmax and weighted sums as two passes, or for many query heads as
-one, "softmax_and_sums"). One-token step and 17-token verification, after a 256-token context
+(Python, embedding, allocation) by difference — and attention's passes within "attention" (scores,
+softmax, weighted sums; on AMX tiles, for many query heads, the last two as one: "softmax_and_sums").
+One-token step and 17-token verification, after a 256-token context
 (--context).
 
 Usage: python scripts/profile_step.py [--dtype bfloat16] [--weights stored|dequantized] [--repeats 20] [--rows 1,17]
@@ -71,7 +71,7 @@ def main() -> None:
         shares["other"] = round(total - sum(shares.values()), 2)
         result[f"rows_{rows}"] = {"total_ms": round(total, 2), **shares}
         passes = {name: round(seconds / args.repeats * 1000, 2) for name, seconds in kernels.attention_pass_seconds().items()}
-        if any(passes.values()):  # attention ran on AMX tiles: its passes, within "attention"
+        if any(passes.values()):  # attention's passes, within "attention"
             result[f"rows_{rows}"]["attention_passes"] = passes
     print(json.dumps(result))
 

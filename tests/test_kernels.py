@@ -307,6 +307,24 @@ def portable():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length,heads,kv_heads,keys", [(1, 9, 3, 600), (2, 9, 3, 300), (17, 9, 3, 530), (3, 8, 2, 300)])
+def test_attention_gives_the_portable_bits_at_decoding_shapes(kernels, portable, dtype, length, heads, kv_heads, keys):
+    """A one-token step (its key tiles read without storing them, where the build does), a few
+    queries and a verification over a context longer than a span of weighted sums (each head's chains
+    carried from span to span, several heads together), and a group of 4 query heads per KV head:
+    the portable C's bits, causal and masked, plain and split values."""
+    if kernels.amx and dtype == torch.bfloat16:
+        pytest.skip("bf16 attention on AMX tiles is a contract of its own: tests/test_amx.py")
+    q = randn(1, length, heads, 64, seed=0, dtype=dtype)
+    k = randn(1, kv_heads, keys, 64, seed=1, dtype=dtype, scale=3.0)
+    v = randn(1, kv_heads, keys, 64, seed=2, dtype=dtype)
+    mask = torch.rand(1, length, keys, generator=torch.Generator().manual_seed(3)) > 0.3
+    for values in (v, split_values(v).contiguous()):
+        for m in (None, mask):
+            assert torch.equal(kernels.attention(q, k, values, m), portable.attention(q, k, values, m))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_vector_paths_give_the_portable_bits(kernels, portable, dtype):
     """Attention, norms, SwiGLU and RoPE give the portable C's bits on this machine's vector path
     (AVX2 or AVX-512), and so does the linear wherever this build reads the weight by the lanes.
@@ -331,3 +349,26 @@ def test_the_vector_paths_give_the_portable_bits(kernels, portable, dtype):
     if not kernels.packs[dtype]:
         w = randn(100, 576, seed=7, dtype=dtype)
         assert torch.equal(kernels.linear(x, w, None), portable.linear(x, w, None))
+
+
+def test_the_profile_build_times_the_attention_passes():
+    """Built with `profile`, the vector attention adds each pass's time to `attention_pass_seconds`
+    (what scripts/profile_step.py reports), reset on request, with the plain build's bits; the plain
+    build's timers stay at zero. (AMX tiles: tests/test_amx.py.)"""
+    import ctypes
+
+    from d3d.kernels import RowExactKernels, build
+
+    kernels = row_exact_kernels()
+    path = build(profile=True)
+    profiled = RowExactKernels(ctypes.CDLL(str(path)), path)
+    q = randn(1, 3, 9, 64, seed=0, dtype=torch.float32)
+    k = randn(1, 3, 300, 64, seed=1, dtype=torch.float32)
+    v = randn(1, 3, 300, 64, seed=2, dtype=torch.float32)
+    profiled.attention_pass_seconds(reset=True)
+    out = profiled.attention(q, k, v, None)
+    spent = profiled.attention_pass_seconds(reset=True)
+    assert all(spent[name] > 0 for name in ("scores", "softmax", "sums")) and not spent["softmax_and_sums"], spent
+    assert not any(profiled.attention_pass_seconds().values())
+    assert torch.equal(out, kernels.attention(q, k, v, None))
+    assert not any(kernels.attention_pass_seconds().values())

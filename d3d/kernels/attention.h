@@ -15,6 +15,21 @@
 
 #define KEY_TILE 16
 
+/* Built with -DD3D_PROFILE (scripts/profile_step.py), each pass's wall time, taken by thread 0 after
+ * its barrier, adds to d3d_attention_pass_seconds: the scores, the softmax, the weighted sums, and
+ * (on AMX tiles, attention_amx.h) the softmax and sums together. */
+enum { PASS_SCORES, PASS_SOFTMAX, PASS_SUMS, PASS_SOFTMAX_AND_SUMS, PASSES };
+double d3d_attention_pass_seconds[PASSES];
+const int64_t d3d_attention_passes = PASSES;  /* the array's length, checked by binding.py */
+#ifdef D3D_PROFILE
+#define PASS_CLOCK double pass_clock_ = omp_get_wtime();
+#define PASS_DONE(pass) do { if (omp_get_thread_num() == 0) { double now_ = omp_get_wtime();             \
+                             d3d_attention_pass_seconds[pass] += now_ - pass_clock_; pass_clock_ = now_; } } while (0)
+#else
+#define PASS_CLOCK
+#define PASS_DONE(pass) do { } while (0)
+#endif
+
 /* The weighted sum of V, in items of PART_DIMS values of d for the heads of one KV head: o[i][d -
  * d0] = sum over s < S in order of p_i[s] · v[s, d] for the n ≤ 4 heads p_i = p + i · p_stride and
  * d0 ≤ d < d0 + dn (dn ≤ PART_DIMS) — one FMA chain per (head, d), keys with p_i[s] = 0 skipped
@@ -28,7 +43,7 @@
                             * 128: 5.2, 256: 5.7; Zen 4, attention alone, 31 alternated rounds: into L2
                             * rather than non-temporal 1.08x at one query after 4,096 keys, 1.07x for 16
                             * one-token sequences after 256) */
-#define TILES_AHEAD 4  /* jobs ahead whose key tile a thread prefetches, into L2 (prefetcht1): AMD EPYC
+#define TILES_AHEAD 12  /* jobs ahead whose key tile a thread prefetches, into L2 (prefetcht1): AMD EPYC
                         * Zen 4, attention alone, 30 layers, one query after 4,096 keys, 31 alternated
                         * rounds: 2 ahead non-temporal (before) 4.2-4.3 ms, 4 ahead into L2 3.6-3.8, 2 or
                         * 6 ahead into L2 within 5% of 4; 16 one-token sequences after 256 keys 1.15x */
@@ -90,92 +105,35 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
     } while (0)
 #define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_VECTOR(bf16, uint16_t, p, p_stride, n, v, S, D, d0, dn, o)
 #define WEIGHTED_SUM_f32(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_VECTOR(f32, float, p, p_stride, n, v, S, D, d0, dn, o)
-/* The weighted sums of N ≤ SUM_HEADS heads with their own rows p_i and ends (several queries'), over
- * the keys s0 ≤ s < s1 of one V slice, one V row at a time, each (head, d) chain carried in `acc`
- * (head i's in rows 2i and 2i+1) from the keys before: every chain is WEIGHTED_SUM's — keys
- * s < end_i in order, p_i[s] = 0 added like any other (P_ZERO) — however the keys are cut into
- * ranges. The bf16 rows move as pairs (lane j: d0 + 2j, d0 + 2j + 1), fp32 rows as two halves. */
+/* WEIGHTED_SUM_RANGE's vectors (below): a head's 32 values of d in 2 registers of 16 lanes, up to 8
+ * heads at a time. The bf16 rows move as pairs (lane j: d0 + 2j, d0 + 2j + 1), fp32 rows as two halves. */
 #define SUM_HEADS 8
-#define SUM_QUERIES(group) ((group) >= SUM_HEADS ? 1 : SUM_HEADS / (group))
-#define SUM_TOGETHER(group) ((group) <= SUM_HEADS)
-#define HEADS_FMA(i, s)                                                                              \
-    {                                                                                                \
-        __m512 pv_ = _mm512_set1_ps(rows[i][s]);                                                     \
-        a[i] = _mm512_fmadd_ps(pv_, lo, a[i]);                                                       \
-        b[i] = _mm512_fmadd_ps(pv_, hi, b[i]);                                                       \
-    }
-#define SUM_RANGE_LOOP(LOAD_ROW)                                                                     \
-    int64_t first_end = ends[0], last_end = ends[0];                                                 \
-    for (int i = 1; i < N; i++) {                                                                    \
-        first_end = ends[i] < first_end ? ends[i] : first_end;                                       \
-        last_end = ends[i] > last_end ? ends[i] : last_end;                                          \
-    }                                                                                                \
-    first_end = first_end < s1 ? first_end : s1;                                                     \
-    last_end = last_end < s1 ? last_end : s1;                                                        \
-    __m512 a[SUM_HEADS], b[SUM_HEADS];                                                               \
-    for (int i = 0; i < N; i++) a[i] = _mm512_loadu_ps(acc[2 * i]), b[i] = _mm512_loadu_ps(acc[2 * i + 1]); \
-    for (int64_t s = s0; s < first_end; s++) {  /* every head sees these keys */                     \
-        __m512 lo, hi;                                                                               \
-        LOAD_ROW(s);                                                                                 \
-        for (int i = 0; i < N; i++) HEADS_FMA(i, s)                                                  \
-    }                                                                                                \
-    for (int64_t s = s0 > first_end ? s0 : first_end; s < last_end; s++) {                          \
-        __m512 lo, hi;                                                                               \
-        LOAD_ROW(s);                                                                                 \
-        for (int i = 0; i < N; i++)                                                                  \
-            if (s < ends[i]) HEADS_FMA(i, s)                                                         \
-    }                                                                                                \
-    for (int i = 0; i < N; i++) _mm512_storeu_ps(acc[2 * i], a[i]), _mm512_storeu_ps(acc[2 * i + 1], b[i]);
-#define PAIR_ROW(s)                                                                                  \
+typedef __m512 sum_vec;
+#define SUM_VECS 2
+#define SUM_LOAD(p) _mm512_loadu_ps(p)
+#define SUM_STORE(p, x) _mm512_storeu_ps(p, x)
+#define SUM_FMA(p, w, acc) _mm512_fmadd_ps(_mm512_set1_ps(p), w, acc)
+#define PAIR_ROW(s, w)                                                                               \
     const uint16_t *vr = v + (s) * D + d0;                                                           \
     __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                                \
     __m512 x_ = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(live, vr));                             \
-    lo = PAIR_LOW(x_), hi = PAIR_HIGH(x_)
-#define HALVES_ROW(s)                                                                                \
+    w[0] = PAIR_LOW(x_), w[1] = PAIR_HIGH(x_)
+#define HALVES_ROW(s, w)                                                                             \
     const float *vr = v + (s) * D + d0;                                                              \
     __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                                \
-    lo = load16_f32(vr, m0), hi = load16_f32(vr + 16, m1)
-static inline __attribute__((always_inline)) void sum_range_bf16(const float *const *rows, const int64_t *ends,
-                                                                 const int N, const uint16_t *v, int64_t D,
-                                                                 int64_t d0, int64_t dn, int64_t s0, int64_t s1,
-                                                                 float (*acc)[16]) {
-    __mmask16 live = dn >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << (dn / 2)) - 1);
-    SUM_RANGE_LOOP(PAIR_ROW)
-}
-static inline __attribute__((always_inline)) void sum_range_f32(const float *const *rows, const int64_t *ends,
-                                                                const int N, const float *v, int64_t D,
-                                                                int64_t d0, int64_t dn, int64_t s0, int64_t s1,
-                                                                float (*acc)[16]) {
-    __mmask16 m0 = dn >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << dn) - 1);
+    w[0] = load16_f32(vr, m0), w[1] = load16_f32(vr + 16, m1)
+#define SUM_RANGE_MASKS_bf16 __mmask16 live = dn >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << (dn / 2)) - 1);
+#define SUM_RANGE_MASKS_f32                                                                          \
+    __mmask16 m0 = dn >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << dn) - 1);                       \
     __mmask16 m1 = dn >= 32 ? (__mmask16)0xffff : dn <= 16 ? 0 : (__mmask16)((1u << (dn - 16)) - 1);
-    SUM_RANGE_LOOP(HALVES_ROW)
-}
-/* head i's values of d from its chains: bf16 pairs interleaved, fp32 halves in order */
-static inline void sum_values_bf16(const float (*acc)[16], float *o) {
-    for (int j = 0; j < 16; j++) o[2 * j] = acc[0][j], o[2 * j + 1] = acc[1][j];
-}
-static inline void sum_values_f32(const float (*acc)[16], float *o) {
-    for (int j = 0; j < 16; j++) o[j] = acc[0][j], o[16 + j] = acc[1][j];
-}
-/* one copy of the loop per head count, so that the accumulators stay in registers */
-#define SUM_RANGE_SWITCH(FN, rows, ends, n, ...)                                                     \
-    switch (n) {                                                                                     \
-        case 1: FN(rows, ends, 1, __VA_ARGS__); break;                                               \
-        case 2: FN(rows, ends, 2, __VA_ARGS__); break;                                               \
-        case 3: FN(rows, ends, 3, __VA_ARGS__); break;                                               \
-        case 4: FN(rows, ends, 4, __VA_ARGS__); break;                                               \
-        case 5: FN(rows, ends, 5, __VA_ARGS__); break;                                               \
-        case 6: FN(rows, ends, 6, __VA_ARGS__); break;                                               \
-        case 7: FN(rows, ends, 7, __VA_ARGS__); break;                                               \
-        default: FN(rows, ends, 8, __VA_ARGS__); break;                                              \
-    }
-#define WEIGHTED_SUM_RANGE_bf16(rows, ends, n, v, D, d0, dn, s0, s1, acc) SUM_RANGE_SWITCH(sum_range_bf16, rows, ends, n, v, D, d0, dn, s0, s1, acc)
-#define WEIGHTED_SUM_RANGE_f32(rows, ends, n, v, D, d0, dn, s0, s1, acc) SUM_RANGE_SWITCH(sum_range_f32, rows, ends, n, v, D, d0, dn, s0, s1, acc)
 #define RANGED_bf16(dn) ((dn) % 2 == 0)  /* whole pairs of d (else each head alone, WEIGHTED_SUM) */
 #define RANGED_f32(dn) 1
 #elif defined(D3D_AVX2)
 static inline __attribute__((always_inline)) v8 load8_bf16(const uint16_t *a) { return v8_from_bf16(a); }
 static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { return v8_load(a); }
+/* Two bf16 values in a 32-bit lane (a pair), widened to fp32: the low one, the high one. */
+#define PAIR_LOW8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(p), 16))
+#define PAIR_HIGH8(p) _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u)))
 /* Two heads at a time, 32 values of d in 4 registers each; dn a multiple of 8, else portable. */
 #define HEAD_FMA8(q, a)                                                                              \
     if ((q) != 0.0f) {                                                                               \
@@ -207,11 +165,100 @@ static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { retu
         }
 #define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_AVX2(bf16, uint16_t, bf16_to_f32, p, p_stride, n, v, S, D, d0, dn, o)
 #define WEIGHTED_SUM_f32(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_AVX2(f32, float, IDENTITY, p, p_stride, n, v, S, D, d0, dn, o)
+/* WEIGHTED_SUM_RANGE's vectors: a head's 32 values of d in 4 registers of 8 lanes, laid out as
+ * AVX-512's 2 of 16 (bf16 pairs: the low halves of d0 … d0+15 and of d0+16 … d0+31, then the high
+ * ones), up to 3 heads at a time (12 accumulators of 16 registers); whole slices of 32 only. */
+#define SUM_HEADS 3
+typedef v8 sum_vec;
+#define SUM_VECS 4
+#define SUM_LOAD(p) v8_load(p)
+#define SUM_STORE(p, x) v8_store(p, x)
+#define SUM_FMA(p, w, acc) v8_fma(_mm256_set1_ps(p), w, acc)
+#define PAIR_ROW(s, w)                                                                               \
+    const uint16_t *vr = v + (s) * D + d0;                                                           \
+    __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                                \
+    v8 x0_ = _mm256_loadu_ps((const float *)vr), x1_ = _mm256_loadu_ps((const float *)(vr + 16));   \
+    w[0] = PAIR_LOW8(x0_), w[1] = PAIR_LOW8(x1_), w[2] = PAIR_HIGH8(x0_), w[3] = PAIR_HIGH8(x1_)
+#define HALVES_ROW(s, w)                                                                             \
+    const float *vr = v + (s) * D + d0;                                                              \
+    __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                                \
+    for (int j_ = 0; j_ < 4; j_++) w[j_] = v8_load(vr + 8 * j_)
+#define SUM_RANGE_MASKS_bf16 (void)dn;
+#define SUM_RANGE_MASKS_f32 (void)dn;
+#define RANGED_bf16(dn) ((dn) == 32)
+#define RANGED_f32(dn) ((dn) == 32)
 #else
 #define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_PORTABLE(uint16_t, bf16_to_f32, p, p_stride, n, v, S, D, d0, dn, o)
 #define WEIGHTED_SUM_f32(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_PORTABLE(float, IDENTITY, p, p_stride, n, v, S, D, d0, dn, o)
 #endif
-#ifndef SUM_HEADS  /* no multi-head sums: an item is one query's heads */
+#ifdef SUM_HEADS
+/* The weighted sums of N ≤ SUM_HEADS heads with their own rows p_i and ends (several queries'), over
+ * the keys s0 ≤ s < s1 of one V slice, one V row at a time, each (head, d) chain carried in `acc`
+ * (head i's in rows 2i and 2i+1) from the keys before: every chain is WEIGHTED_SUM's — keys
+ * s < end_i in order, p_i[s] = 0 added like any other (P_ZERO) — however the keys are cut into
+ * ranges. LOAD_ROW(s, w) puts V row s's values in the SUM_VECS vectors w, in acc's layout. */
+#define SUM_QUERIES(group) ((group) >= SUM_HEADS ? 1 : SUM_HEADS / (group))
+#define SUM_TOGETHER(group) ((group) <= SUM_HEADS)
+#define HEADS_FMA(i, s)                                                                              \
+    for (int j_ = 0; j_ < SUM_VECS; j_++) a[i][j_] = SUM_FMA(rows[i][s], w[j_], a[i][j_]);
+#define SUM_RANGE_LOOP(LOAD_ROW)                                                                     \
+    int64_t first_end = ends[0], last_end = ends[0];                                                 \
+    for (int i = 1; i < N; i++) {                                                                    \
+        first_end = ends[i] < first_end ? ends[i] : first_end;                                       \
+        last_end = ends[i] > last_end ? ends[i] : last_end;                                          \
+    }                                                                                                \
+    first_end = first_end < s1 ? first_end : s1;                                                     \
+    last_end = last_end < s1 ? last_end : s1;                                                        \
+    sum_vec a[SUM_HEADS][SUM_VECS];                                                                  \
+    for (int i = 0; i < N; i++)                                                                      \
+        for (int j = 0; j < SUM_VECS; j++) a[i][j] = SUM_LOAD(acc[2 * i] + j * 32 / SUM_VECS);        \
+    for (int64_t s = s0; s < first_end; s++) {  /* every head sees these keys */                     \
+        sum_vec w[SUM_VECS];                                                                         \
+        LOAD_ROW(s, w);                                                                              \
+        for (int i = 0; i < N; i++) { HEADS_FMA(i, s) }                                              \
+    }                                                                                                \
+    for (int64_t s = s0 > first_end ? s0 : first_end; s < last_end; s++) {                          \
+        sum_vec w[SUM_VECS];                                                                         \
+        LOAD_ROW(s, w);                                                                              \
+        for (int i = 0; i < N; i++)                                                                  \
+            if (s < ends[i]) { HEADS_FMA(i, s) }                                                     \
+    }                                                                                                \
+    for (int i = 0; i < N; i++)                                                                      \
+        for (int j = 0; j < SUM_VECS; j++) SUM_STORE(acc[2 * i] + j * 32 / SUM_VECS, a[i][j]);
+static inline __attribute__((always_inline)) void sum_range_bf16(const float *const *rows, const int64_t *ends,
+                                                                 const int N, const uint16_t *v, int64_t D,
+                                                                 int64_t d0, int64_t dn, int64_t s0, int64_t s1,
+                                                                 float (*acc)[16]) {
+    SUM_RANGE_MASKS_bf16
+    SUM_RANGE_LOOP(PAIR_ROW)
+}
+static inline __attribute__((always_inline)) void sum_range_f32(const float *const *rows, const int64_t *ends,
+                                                                const int N, const float *v, int64_t D,
+                                                                int64_t d0, int64_t dn, int64_t s0, int64_t s1,
+                                                                float (*acc)[16]) {
+    SUM_RANGE_MASKS_f32
+    SUM_RANGE_LOOP(HALVES_ROW)
+}
+/* head i's values of d from its chains: bf16 pairs interleaved, fp32 halves in order */
+static inline void sum_values_bf16(const float (*acc)[16], float *o) {
+    for (int j = 0; j < 16; j++) o[2 * j] = acc[0][j], o[2 * j + 1] = acc[1][j];
+}
+static inline void sum_values_f32(const float (*acc)[16], float *o) {
+    for (int j = 0; j < 16; j++) o[j] = acc[0][j], o[16 + j] = acc[1][j];
+}
+/* one copy of the loop per head count, so that the accumulators stay in registers */
+#define SUM_CASE(FN, k, rows, ends, ...) case k: FN(rows, ends, (k) < SUM_HEADS ? (k) : SUM_HEADS, __VA_ARGS__); break;
+#define SUM_RANGE_SWITCH(FN, rows, ends, n, ...)                                                     \
+    switch (n) {                                                                                     \
+        SUM_CASE(FN, 1, rows, ends, __VA_ARGS__) SUM_CASE(FN, 2, rows, ends, __VA_ARGS__)            \
+        SUM_CASE(FN, 3, rows, ends, __VA_ARGS__) SUM_CASE(FN, 4, rows, ends, __VA_ARGS__)            \
+        SUM_CASE(FN, 5, rows, ends, __VA_ARGS__) SUM_CASE(FN, 6, rows, ends, __VA_ARGS__)            \
+        SUM_CASE(FN, 7, rows, ends, __VA_ARGS__)                                                     \
+        default: FN(rows, ends, SUM_HEADS, __VA_ARGS__); break;                                      \
+    }
+#define WEIGHTED_SUM_RANGE_bf16(rows, ends, n, v, D, d0, dn, s0, s1, acc) SUM_RANGE_SWITCH(sum_range_bf16, rows, ends, n, v, D, d0, dn, s0, s1, acc)
+#define WEIGHTED_SUM_RANGE_f32(rows, ends, n, v, D, d0, dn, s0, s1, acc) SUM_RANGE_SWITCH(sum_range_f32, rows, ends, n, v, D, d0, dn, s0, s1, acc)
+#else  /* no multi-head sums: an item is one query's heads */
 #define SUM_HEADS 4
 #define SUM_QUERIES(group) 1
 #define SUM_TOGETHER(group) 0
@@ -384,10 +431,6 @@ static inline float ROW_MAX(const float *row, int64_t S) {
 }
 #elif defined(D3D_AVX2)
 #define QUERY_CHUNK 4  /* 4 queries x 2 halves of the tile: 8 chains */
-#define FUSES_bf16(D) 0
-#define FUSES_f32(D) 0
-#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)
-#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc)
 #define SCORE_CHAINS(kt, qs, D, acc, chunk)                                                                 \
     do {                                                                                             \
         v8 a0_ = v8_zero(), a1_ = a0_, b0_ = a0_, b1_ = a0_, c0_ = a0_, c1_ = a0_, d0_ = a0_, d1_ = a0_; \
@@ -405,8 +448,8 @@ static inline float ROW_MAX(const float *row, int64_t S) {
     } while (0)
 #define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out)                                           \
     for (int64_t d = 0; d < (D); d++) (out)[d] = (live) ? LOAD((qr)[d]) * (scale) : 0.0f;
-/* kt[d][l0 + j] = key l0 + j's element d0 + i for an 8 x 8 block r[j] (key j's elements d0 … d0+7). */
-static inline void transpose8_store(v8 r[8], float (*kt)[KEY_TILE], int64_t d0, int l0) {
+/* out[j] lane i = r[i] lane j: an 8 x 8 transpose of 32-bit lanes in registers. */
+static inline __attribute__((always_inline)) void transpose8(const v8 r[8], v8 out[8]) {
     v8 t[8], u[8];
     for (int p = 0; p < 4; p++) {
         t[2 * p] = _mm256_unpacklo_ps(r[2 * p], r[2 * p + 1]);
@@ -419,12 +462,68 @@ static inline void transpose8_store(v8 r[8], float (*kt)[KEY_TILE], int64_t d0, 
         u[4 * q + 3] = _mm256_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
     }
     for (int m = 0; m < 4; m++) {
-        v8_store(kt[d0 + m] + l0, _mm256_permute2f128_ps(u[m], u[4 + m], 0x20));
-        v8_store(kt[d0 + 4 + m] + l0, _mm256_permute2f128_ps(u[m], u[4 + m], 0x31));
+        out[m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x20);
+        out[4 + m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x31);
     }
 }
+/* Keys l0 … l0+7 of a bf16 tile (D a multiple of 16) as pairs: lane j of pairs[p] holds key l0 + j's
+ * elements d0 + 2p (low half) and d0 + 2p + 1 (high half), 0 for keys ≥ n — one 8 x 8 transpose per
+ * 16 values of d for 8 keys, where widening first takes two and the widening's shuffles. */
+static inline __attribute__((always_inline)) void key_pairs8(const uint16_t *kb, int64_t n, int64_t D, int64_t d0,
+                                                             int l0, v8 pairs[8]) {
+    v8 r[8];
+    for (int j = 0; j < 8; j++)
+        r[j] = l0 + j < n ? _mm256_loadu_ps((const float *)(kb + (l0 + j) * D + d0)) : v8_zero();
+    transpose8(r, pairs);
+}
+/* SCORE_CHAINS for C ≤ 4 queries straight from a bf16 key tile: the same chains, d in order, over
+ * the same widened values, without storing the transposed tile (a one-token step's job). */
+static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16_t *kb, int64_t n, int64_t D,
+                                                                    const float *qs, const int C,
+                                                                    float (*acc)[KEY_TILE]) {
+    v8 a[4][2];
+    for (int i = 0; i < C; i++) a[i][0] = a[i][1] = v8_zero();
+    for (int64_t d0 = 0; d0 < D; d0 += 16)
+        for (int h = 0; h < 2; h++) {
+            v8 pairs[8];
+            key_pairs8(kb, n, D, d0, 8 * h, pairs);
+            for (int p = 0; p < 8; p++) {
+                v8 lo = PAIR_LOW8(pairs[p]), hi = PAIR_HIGH8(pairs[p]);
+                int64_t d = d0 + 2 * p;
+                for (int i = 0; i < C; i++) a[i][h] = v8_fma(_mm256_broadcast_ss(qs + i * D + d), lo, a[i][h]);
+                for (int i = 0; i < C; i++) a[i][h] = v8_fma(_mm256_broadcast_ss(qs + i * D + d + 1), hi, a[i][h]);
+            }
+        }
+    for (int i = 0; i < C; i++) v8_store(acc[i], a[i][0]), v8_store(acc[i] + 8, a[i][1]);
+}
+#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)                                                  \
+    switch (chunk) {                                                                                 \
+        case 1: fused_scores_bf16(kb, n, D, qs, 1, acc); break;                                      \
+        case 2: fused_scores_bf16(kb, n, D, qs, 2, acc); break;                                      \
+        case 3: fused_scores_bf16(kb, n, D, qs, 3, acc); break;                                      \
+        default: fused_scores_bf16(kb, n, D, qs, 4, acc); break;                                     \
+    }
+#define FUSES_bf16(D) ((D) % 16 == 0)
+#define FUSES_f32(D) 0
+#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc)
+/* kt[d][l0 + j] = key l0 + j's element d0 + i for an 8 x 8 block r[j] (key j's elements d0 … d0+7). */
+static inline void transpose8_store(v8 r[8], float (*kt)[KEY_TILE], int64_t d0, int l0) {
+    v8 out[8];
+    transpose8(r, out);
+    for (int m = 0; m < 8; m++) v8_store(kt[d0 + m] + l0, out[m]);
+}
 #define TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt)                                           \
-    if ((D) % 8)                                                                                     \
+    if (FUSES_##SUFFIX(D))                                                                           \
+        for (int64_t d0_ = 0; d0_ < (D); d0_ += 16)                                                  \
+            for (int l0_ = 0; l0_ < KEY_TILE; l0_ += 8) {                                            \
+                v8 pairs_[8];                                                                        \
+                key_pairs8((const uint16_t *)(kb), (n), (D), d0_, l0_, pairs_);                      \
+                for (int p_ = 0; p_ < 8; p_++) {                                                     \
+                    v8_store((kt)[d0_ + 2 * p_] + l0_, PAIR_LOW8(pairs_[p_]));                       \
+                    v8_store((kt)[d0_ + 2 * p_ + 1] + l0_, PAIR_HIGH8(pairs_[p_]));                  \
+                }                                                                                    \
+            }                                                                                        \
+    else if ((D) % 8)                                                                                \
         for (int64_t d = 0; d < (D); d++)                                                            \
             for (int l = 0; l < KEY_TILE; l++) (kt)[d][l] = l < (n) ? LOAD((kb)[l * (D) + d]) : 0.0f; \
     else                                                                                             \
@@ -486,6 +585,10 @@ static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible
 }
 #else
 static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible, int64_t n, const float *acc) {
+    if (!mrow && n == KEY_TILE && visible >= KEY_TILE) {  /* a whole tile, every key seen */
+        memcpy(row, acc, KEY_TILE * sizeof(float));
+        return;
+    }
     for (int l = 0; l < n; l++) row[l] = (mrow ? mrow[l] != 0 : l < visible) ? acc[l] : -INFINITY;
 }
 #endif
@@ -748,16 +851,20 @@ static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads)
 #define ATTENTION_PASSES(SUFFIX, T_ELEM, LOAD, STORE)                                                \
     /* 1. scores. Jobs go round-robin (causal tiles late in S serve fewer queries), and each thread   \
      * prefetches the key tile of its job TILES_AHEAD on (a long context streams K from memory). */   \
+    PASS_CLOCK                                                                                       \
     for (int64_t job = me, job_step_ = threads, job_end_ = jobs; job < jobs; job += threads)         \
         ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                    \
     _Pragma("omp barrier")                                                                           \
+    PASS_DONE(PASS_SCORES);                                                                          \
     /* 2. per query: max, exp and the sum of the exps, up to its last visible key */                 \
     for (int64_t item = me; item < B * nt * H; item += threads) ATTENTION_EXP_ITEM                   \
     _Pragma("omp barrier")                                                                           \
+    PASS_DONE(PASS_SOFTMAX);                                                                         \
     /* 3. the weighted sums of V, per (query, KV head, PART_DIMS values of d), its heads together */ \
     int64_t parts = (D + PART_DIMS - 1) / PART_DIMS;                                                 \
     for (int64_t item = me; item < SUM_ITEMS(B, nt); item += threads) ATTENTION_SUM_ITEM(SUFFIX, T_ELEM, LOAD, STORE)\
-    _Pragma("omp barrier")
+    _Pragma("omp barrier")                                                                           \
+    PASS_DONE(PASS_SUMS);
 
 ATTENTION(d3d_attention_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 ATTENTION(d3d_attention_f32, f32, float, IDENTITY, IDENTITY)
@@ -837,17 +944,20 @@ static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d
         return;                                                                                      \
     }                                                                                                \
     SCORE_JOB_STATE(T_ELEM)                                                                          \
+    PASS_CLOCK                                                                                       \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
         for (int64_t job = SPAN_FIRST(jobs), job_step_ = 1, job_end_ = SPAN_END(jobs); job < job_end_; job++) \
             ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                \
         base_ += jobs;                                                                               \
     })                                                                                               \
     _Pragma("omp barrier")                                                                           \
+    PASS_DONE(PASS_SCORES);                                                                          \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
         for (int64_t item = SPAN_FIRST(nt * H); item < SPAN_END(nt * H); item++) ATTENTION_EXP_ITEM  \
         base_ += nt * H;                                                                             \
     })                                                                                               \
     _Pragma("omp barrier")                                                                           \
+    PASS_DONE(PASS_SOFTMAX);                                                                         \
     int64_t parts = (D + PART_DIMS - 1) / PART_DIMS;                                                 \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
         for (int64_t item = SPAN_FIRST(SUM_ITEMS(1, nt)); item < SPAN_END(SUM_ITEMS(1, nt)); item++) \
@@ -855,6 +965,7 @@ static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d
         base_ += SUM_ITEMS(1, nt);                                                                   \
     })                                                                                               \
     _Pragma("omp barrier")                                                                           \
+    PASS_DONE(PASS_SUMS);                                                                            \
     (void)scale; (void)group;                                                                        \
 }
 

@@ -344,13 +344,6 @@ static int64_t amx_pass_items(const amx_plan *p, int pass, int64_t H, int64_t Hk
     return Hkv * tiles * (pass == 2 ? D / AMX_SUM_DIMS : 1);
 }
 
-/* Built with -DD3D_PROFILE (scripts/profile_step.py), each pass's wall time, taken by thread 0 after
- * its barrier, adds to d3d_attention_pass_seconds: the scores, the softmax, the weighted sums, the
- * softmax and sums together. */
-#define AMX_PASSES 4
-double d3d_attention_pass_seconds[AMX_PASSES];
-const int64_t d3d_attention_passes = AMX_PASSES;  /* the array's length, checked by binding.py */
-
 /* The passes over n plans, run by every thread of the parallel region: each pass's items, numbered
  * across the plans, in one contiguous share per thread (a thread streams its own run of keys), then
  * a barrier. The scores, then the softmax and the sums as two passes, or as one where there are
@@ -360,9 +353,7 @@ const int64_t d3d_attention_passes = AMX_PASSES;  /* the array's length, checked
 static void amx_attention_run(const amx_plan *plans, int64_t n, int64_t H, int64_t Hkv, int64_t D, float scale) {
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num(), fused_items = 0;
     int state = 0;
-#ifdef D3D_PROFILE
-    double clock_ = omp_get_wtime();
-#endif
+    PASS_CLOCK
     amx_queries.q = NULL;
     for (int64_t i = 0; i < n; i++) fused_items += amx_pass_items(plans + i, 3, H, Hkv, D);
     int fused = fused_items >= AMX_FUSED_ITEMS * threads;
@@ -382,12 +373,7 @@ static void amx_attention_run(const amx_plan *plans, int64_t n, int64_t H, int64
             base += count;
         }
         _Pragma("omp barrier")
-#ifdef D3D_PROFILE
-        if (me == 0) {
-            double now_ = omp_get_wtime();
-            d3d_attention_pass_seconds[pass] += now_ - clock_, clock_ = now_;
-        }
-#endif
+        PASS_DONE(pass);
     }
     if (state) amx_release();
 }

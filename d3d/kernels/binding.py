@@ -77,7 +77,7 @@ class RowExactKernels:
 
     # Stage names of the fused forward's profile (the STAGE_ enum in rowexact.c).
     STAGES = ("norm", "qkv", "rope_store", "attention", "o", "gate_up", "silu_mul", "down")
-    # The passes of attention on AMX tiles (attention_amx.h), timed within the "attention" stage.
+    # The passes of attention (attention.h; the last only on AMX tiles), timed within the "attention" stage.
     ATTENTION_PASSES = ("scores", "softmax", "sums", "softmax_and_sums")
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
@@ -178,8 +178,8 @@ class RowExactKernels:
         return self._seconds("d3d_stage_seconds", self.STAGES, reset)
 
     def attention_pass_seconds(self, reset: bool = False) -> dict[str, float]:
-        """Seconds attention on AMX tiles spent per pass so far, within `stage_seconds`' "attention"
-        (zeros unless built with `profile` and run on tiles; empty where the build has no tiles)."""
+        """Seconds attention spent per pass so far, within `stage_seconds`' "attention" (zeros unless
+        built with `profile`)."""
         try:
             count = ctypes.c_int64.in_dll(self.library, "d3d_attention_passes").value
         except ValueError:
