@@ -105,20 +105,22 @@ static inline __m512 load16_f32(const float *a, __mmask16 live) { return _mm512_
     } while (0)
 #define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_VECTOR(bf16, uint16_t, p, p_stride, n, v, S, D, d0, dn, o)
 #define WEIGHTED_SUM_f32(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_VECTOR(f32, float, p, p_stride, n, v, S, D, d0, dn, o)
-/* WEIGHTED_SUM_RANGE's vectors (below): a head's 32 values of d in 2 registers of 16 lanes, up to 8
- * heads at a time. The bf16 rows move as pairs (lane j: d0 + 2j, d0 + 2j + 1), fp32 rows as two halves. */
+/* WEIGHTED_SUM_RANGE's vectors (below): a head's 32 values of d in 2 registers of 16 lanes (one
+ * piece), up to 8 heads at a time. The bf16 rows move as pairs (lane j: d0 + 2j, d0 + 2j + 1), fp32
+ * rows as two halves. */
 #define SUM_HEADS 8
 typedef __m512 sum_vec;
-#define SUM_VECS 2
+#define SUM_PIECES 1
 #define SUM_LOAD(p) _mm512_loadu_ps(p)
 #define SUM_STORE(p, x) _mm512_storeu_ps(p, x)
-#define SUM_FMA(p, w, acc) _mm512_fmadd_ps(_mm512_set1_ps(p), w, acc)
-#define PAIR_ROW(s, w)                                                                               \
+#define SUM_SPLAT(p) _mm512_set1_ps(p)
+#define SUM_FMA(p, w, acc) _mm512_fmadd_ps(p, w, acc)
+#define PAIR_PIECE(s, piece, w)                                                                      \
     const uint16_t *vr = v + (s) * D + d0;                                                           \
     __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                                \
     __m512 x_ = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(live, vr));                             \
     w[0] = PAIR_LOW(x_), w[1] = PAIR_HIGH(x_)
-#define HALVES_ROW(s, w)                                                                             \
+#define HALVES_PIECE(s, piece, w)                                                                    \
     const float *vr = v + (s) * D + d0;                                                              \
     __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                                \
     w[0] = load16_f32(vr, m0), w[1] = load16_f32(vr + 16, m1)
@@ -166,23 +168,27 @@ static inline __attribute__((always_inline)) v8 load8_f32(const float *a) { retu
 #define WEIGHTED_SUM_bf16(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_AVX2(bf16, uint16_t, bf16_to_f32, p, p_stride, n, v, S, D, d0, dn, o)
 #define WEIGHTED_SUM_f32(p, p_stride, n, v, S, D, d0, dn, o) WEIGHTED_SUM_AVX2(f32, float, IDENTITY, p, p_stride, n, v, S, D, d0, dn, o)
 /* WEIGHTED_SUM_RANGE's vectors: a head's 32 values of d in 4 registers of 8 lanes, laid out as
- * AVX-512's 2 of 16 (bf16 pairs: the low halves of d0 … d0+15 and of d0+16 … d0+31, then the high
- * ones), up to 3 heads at a time (12 accumulators of 16 registers); whole slices of 32 only. */
+ * AVX-512's 2 of 16 and taken as two pieces of 2 (bf16 pairs: the low and high halves of d0 … d0+15,
+ * then of d0+16 … d0+31; fp32: d0 … d0+7 and d0+16 … d0+23, then the 8 after each), up to 3 heads at
+ * a time: 12 accumulators, a piece's 2 values and a broadcast fit the 16 registers (a whole row's 4
+ * did not: AMD EPYC Zen 3, GCC spilled 3 accumulators, each FMA then waited on a store and a load —
+ * a prefill's sums 3.6x slower than the registers allow). Whole slices of 32 only. */
 #define SUM_HEADS 3
 typedef v8 sum_vec;
-#define SUM_VECS 4
+#define SUM_PIECES 2
 #define SUM_LOAD(p) v8_load(p)
 #define SUM_STORE(p, x) v8_store(p, x)
-#define SUM_FMA(p, w, acc) v8_fma(_mm256_set1_ps(p), w, acc)
-#define PAIR_ROW(s, w)                                                                               \
+#define SUM_SPLAT(p) v8_splat_reg(&(p))  /* once a piece (isa.h): 3 broadcasts kept would spill accumulators */
+#define SUM_FMA(p, w, acc) v8_fma(p, w, acc)
+#define PAIR_PIECE(s, piece, w)                                                                      \
     const uint16_t *vr = v + (s) * D + d0;                                                           \
-    __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                                \
-    v8 x0_ = _mm256_loadu_ps((const float *)vr), x1_ = _mm256_loadu_ps((const float *)(vr + 16));   \
-    w[0] = PAIR_LOW8(x0_), w[1] = PAIR_LOW8(x1_), w[2] = PAIR_HIGH8(x0_), w[3] = PAIR_HIGH8(x1_)
-#define HALVES_ROW(s, w)                                                                             \
+    if ((piece) == 0) __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                              \
+    v8 x_ = _mm256_loadu_ps((const float *)(vr + 16 * (piece)));                                    \
+    w[0] = PAIR_LOW8(x_), w[1] = PAIR_HIGH8(x_)
+#define HALVES_PIECE(s, piece, w)                                                                    \
     const float *vr = v + (s) * D + d0;                                                              \
-    __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                                \
-    for (int j_ = 0; j_ < 4; j_++) w[j_] = v8_load(vr + 8 * j_)
+    if ((piece) == 0) __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                              \
+    w[0] = v8_load(vr + 8 * (piece)), w[1] = v8_load(vr + 16 + 8 * (piece))
 #define SUM_RANGE_MASKS_bf16 (void)dn;
 #define SUM_RANGE_MASKS_f32 (void)dn;
 #define RANGED_bf16(dn) ((dn) == 32)
@@ -196,12 +202,18 @@ typedef v8 sum_vec;
  * the keys s0 ≤ s < s1 of one V slice, one V row at a time, each (head, d) chain carried in `acc`
  * (head i's in rows 2i and 2i+1) from the keys before: every chain is WEIGHTED_SUM's — keys
  * s < end_i in order, p_i[s] = 0 added like any other (P_ZERO) — however the keys are cut into
- * ranges. LOAD_ROW(s, w) puts V row s's values in the SUM_VECS vectors w, in acc's layout. */
+ * ranges. LOAD_PIECE(s, piece, w) puts V row s's values of one piece in the 2 vectors w: the piece's
+ * lanes of acc rows 2i and 2i + 1. */
 #define SUM_QUERIES(group) ((group) >= SUM_HEADS ? 1 : SUM_HEADS / (group))
 #define SUM_TOGETHER(group) ((group) <= SUM_HEADS)
-#define HEADS_FMA(i, s)                                                                              \
-    for (int j_ = 0; j_ < SUM_VECS; j_++) a[i][j_] = SUM_FMA(rows[i][s], w[j_], a[i][j_]);
-#define SUM_RANGE_LOOP(LOAD_ROW)                                                                     \
+#define SUM_WIDTH (16 / SUM_PIECES)  /* lanes of a vector */
+#define HEADS_FMA(i, s, piece)                                                                       \
+    {                                                                                                \
+        sum_vec p_ = SUM_SPLAT(rows[i][s]);                                                          \
+        a[i][piece][0] = SUM_FMA(p_, w[0], a[i][piece][0]);                                          \
+        a[i][piece][1] = SUM_FMA(p_, w[1], a[i][piece][1]);                                          \
+    }
+#define SUM_RANGE_LOOP(LOAD_PIECE)                                                                   \
     int64_t first_end = ends[0], last_end = ends[0];                                                 \
     for (int i = 1; i < N; i++) {                                                                    \
         first_end = ends[i] < first_end ? ends[i] : first_end;                                       \
@@ -209,35 +221,39 @@ typedef v8 sum_vec;
     }                                                                                                \
     first_end = first_end < s1 ? first_end : s1;                                                     \
     last_end = last_end < s1 ? last_end : s1;                                                        \
-    sum_vec a[SUM_HEADS][SUM_VECS];                                                                  \
+    sum_vec a[SUM_HEADS][SUM_PIECES][2];                                                             \
     for (int i = 0; i < N; i++)                                                                      \
-        for (int j = 0; j < SUM_VECS; j++) a[i][j] = SUM_LOAD(acc[2 * i] + j * 32 / SUM_VECS);        \
-    for (int64_t s = s0; s < first_end; s++) {  /* every head sees these keys */                     \
-        sum_vec w[SUM_VECS];                                                                         \
-        LOAD_ROW(s, w);                                                                              \
-        for (int i = 0; i < N; i++) { HEADS_FMA(i, s) }                                              \
-    }                                                                                                \
-    for (int64_t s = s0 > first_end ? s0 : first_end; s < last_end; s++) {                          \
-        sum_vec w[SUM_VECS];                                                                         \
-        LOAD_ROW(s, w);                                                                              \
-        for (int i = 0; i < N; i++)                                                                  \
-            if (s < ends[i]) { HEADS_FMA(i, s) }                                                     \
-    }                                                                                                \
+        for (int h = 0; h < SUM_PIECES; h++)                                                         \
+            for (int k = 0; k < 2; k++) a[i][h][k] = SUM_LOAD(acc[2 * i + k] + h * SUM_WIDTH);       \
+    for (int64_t s = s0; s < first_end; s++)  /* every head sees these keys */                       \
+        for (int h = 0; h < SUM_PIECES; h++) {                                                       \
+            sum_vec w[2];                                                                            \
+            LOAD_PIECE(s, h, w);                                                                     \
+            for (int i = 0; i < N; i++) HEADS_FMA(i, s, h)                                           \
+        }                                                                                            \
+    for (int64_t s = s0 > first_end ? s0 : first_end; s < last_end; s++)                            \
+        for (int h = 0; h < SUM_PIECES; h++) {                                                       \
+            sum_vec w[2];                                                                            \
+            LOAD_PIECE(s, h, w);                                                                     \
+            for (int i = 0; i < N; i++)                                                              \
+                if (s < ends[i]) HEADS_FMA(i, s, h)                                                  \
+        }                                                                                            \
     for (int i = 0; i < N; i++)                                                                      \
-        for (int j = 0; j < SUM_VECS; j++) SUM_STORE(acc[2 * i] + j * 32 / SUM_VECS, a[i][j]);
+        for (int h = 0; h < SUM_PIECES; h++)                                                         \
+            for (int k = 0; k < 2; k++) SUM_STORE(acc[2 * i + k] + h * SUM_WIDTH, a[i][h][k]);
 static inline __attribute__((always_inline)) void sum_range_bf16(const float *const *rows, const int64_t *ends,
                                                                  const int N, const uint16_t *v, int64_t D,
                                                                  int64_t d0, int64_t dn, int64_t s0, int64_t s1,
                                                                  float (*acc)[16]) {
     SUM_RANGE_MASKS_bf16
-    SUM_RANGE_LOOP(PAIR_ROW)
+    SUM_RANGE_LOOP(PAIR_PIECE)
 }
 static inline __attribute__((always_inline)) void sum_range_f32(const float *const *rows, const int64_t *ends,
                                                                 const int N, const float *v, int64_t D,
                                                                 int64_t d0, int64_t dn, int64_t s0, int64_t s1,
                                                                 float (*acc)[16]) {
     SUM_RANGE_MASKS_f32
-    SUM_RANGE_LOOP(HALVES_ROW)
+    SUM_RANGE_LOOP(HALVES_PIECE)
 }
 /* head i's values of d from its chains: bf16 pairs interleaved, fp32 halves in order */
 static inline void sum_values_bf16(const float (*acc)[16], float *o) {
@@ -430,21 +446,20 @@ static inline float ROW_MAX(const float *row, int64_t S) {
     return best;
 }
 #elif defined(D3D_AVX2)
-#define QUERY_CHUNK 4  /* 4 queries x 2 halves of the tile: 8 chains */
-#define SCORE_CHAINS(kt, qs, D, acc, chunk)                                                                 \
+#define QUERY_CHUNK 6  /* 6 queries x 2 halves of the tile: 12 chains */
+#define SCORE_CHAINS(kt, qs, D, acc, chunk)                                                          \
     do {                                                                                             \
-        v8 a0_ = v8_zero(), a1_ = a0_, b0_ = a0_, b1_ = a0_, c0_ = a0_, c1_ = a0_, d0_ = a0_, d1_ = a0_; \
+        v8 a_[QUERY_CHUNK][2];                                                                       \
+        for (int i_ = 0; i_ < QUERY_CHUNK; i_++) a_[i_][0] = a_[i_][1] = v8_zero();                  \
         for (int64_t d = 0; d < (D); d++) {                                                          \
-            v8 lo_ = v8_load((kt)[d]), hi_ = v8_load((kt)[d] + 8);                                   \
-            v8 q0_ = _mm256_broadcast_ss(&(qs)[d]), q1_ = _mm256_broadcast_ss(&(qs)[(D) + d]);       \
-            v8 q2_ = _mm256_broadcast_ss(&(qs)[2 * (D) + d]), q3_ = _mm256_broadcast_ss(&(qs)[3 * (D) + d]);       \
-            a0_ = v8_fma(q0_, lo_, a0_); a1_ = v8_fma(q0_, hi_, a1_);                                \
-            b0_ = v8_fma(q1_, lo_, b0_); b1_ = v8_fma(q1_, hi_, b1_);                                \
-            c0_ = v8_fma(q2_, lo_, c0_); c1_ = v8_fma(q2_, hi_, c1_);                                \
-            d0_ = v8_fma(q3_, lo_, d0_); d1_ = v8_fma(q3_, hi_, d1_);                                \
+            v8 lo_ = v8_load_reg((kt)[d]), hi_ = v8_load_reg((kt)[d] + 8);  /* each loaded once */     \
+            for (int i_ = 0; i_ < QUERY_CHUNK; i_++) {                                               \
+                v8 q_ = v8_splat_reg(&(qs)[i_ * (D) + d]);                                           \
+                a_[i_][0] = v8_fma(q_, lo_, a_[i_][0]);                                              \
+                a_[i_][1] = v8_fma(q_, hi_, a_[i_][1]);                                              \
+            }                                                                                        \
         }                                                                                            \
-        v8_store((acc)[0], a0_); v8_store((acc)[0] + 8, a1_); v8_store((acc)[1], b0_); v8_store((acc)[1] + 8, b1_); \
-        v8_store((acc)[2], c0_); v8_store((acc)[2] + 8, c1_); v8_store((acc)[3], d0_); v8_store((acc)[3] + 8, d1_); \
+        for (int i_ = 0; i_ < QUERY_CHUNK; i_++) v8_store((acc)[i_], a_[i_][0]), v8_store((acc)[i_] + 8, a_[i_][1]); \
     } while (0)
 #define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out)                                           \
     for (int64_t d = 0; d < (D); d++) (out)[d] = (live) ? LOAD((qr)[d]) * (scale) : 0.0f;
@@ -709,16 +724,21 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         /* one chunk of at most 4 queries (a one-token step's job) reads the tile without storing it */ \
         int fused = FUSES_##SUFFIX(D) && (t1 - first_t) * group <= 4;                                \
         /* the group's queries (t, h), QUERY_CHUNK at a time: their chains interleave, each unchanged */ \
+        int64_t tq_ = first_t, jq_ = 0;  /* query i0's t and place in the group, carried (no division) */ \
         for (int64_t i0 = first_t * group; i0 < t1 * group; i0 += QUERY_CHUNK) {                    \
             float acc[QUERY_CHUNK][KEY_TILE];                                                        \
             int chunk = t1 * group - i0 < QUERY_CHUNK ? (int)(t1 * group - i0) : QUERY_CHUNK;        \
+            int64_t ts_[QUERY_CHUNK], hs_[QUERY_CHUNK];  /* query i0 + i is (ts_[i], hs_[i]) */        \
+            for (int i = 0; i < QUERY_CHUNK; i++) {                                                  \
+                ts_[i] = tq_, hs_[i] = g * group + jq_;                                              \
+                if (++jq_ == group) jq_ = 0, tq_++;                                                  \
+            }                                                                                        \
             int seen = !mask;                                                                        \
             for (int i = 0; i < chunk && !seen; i++)                                                 \
-                seen = !tile_unseen(mask + (b * T + (i0 + i) / group) * S + s0, n);                  \
+                seen = !tile_unseen(mask + (b * T + ts_[i]) * S + s0, n);                            \
             if (!seen) {  /* masked rows still read this tile's -inf: it may lie before their end */ \
                 for (int i = 0; i < chunk; i++) {                                                    \
-                    int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                  \
-                    float *row = ROW(b, t, h) + s0;                                                  \
+                    float *row = ROW(b, ts_[i], hs_[i]) + s0;                                        \
                     for (int64_t l = 0; l < n; l++) row[l] = -INFINITY;                              \
                 }                                                                                    \
                 continue;                                                                            \
@@ -760,9 +780,8 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                 SCORE_CHAINS(kt, qs, D, acc, chunk);                                                 \
             }                                                                                        \
             for (int i = 0; i < chunk; i++) {                                                        \
-                int64_t t = (i0 + i) / group, h = g * group + (i0 + i) % group;                      \
-                const uint8_t *mrow = mask ? mask + (b * T + t) * S + s0 : NULL;                     \
-                STORE_SCORES(ROW(b, t, h) + s0, mrow, S - T + t + 1 - s0, n, acc[i]);                \
+                const uint8_t *mrow = mask ? mask + (b * T + ts_[i]) * S + s0 : NULL;                \
+                STORE_SCORES(ROW(b, ts_[i], hs_[i]) + s0, mrow, S - T + ts_[i] + 1 - s0, n, acc[i]); \
             }                                                                                        \
         }                                                                                            \
     }

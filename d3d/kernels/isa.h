@@ -33,4 +33,23 @@ static inline __attribute__((always_inline)) v8 v8_from_bf16(const uint16_t *p) 
 static inline __attribute__((always_inline)) __m256i v8_bytes(const uint8_t *p) {  /* 8 bytes, zero-extended */
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
+/* A load (8 floats; one float broadcast) into a register of its own, each time it is written: GCC
+ * otherwise folds a vector used by several FMAs into each of them as a memory operand (more loads than
+ * the ports take) or keeps a broadcast live across loops that need the register (spilled accumulators,
+ * each FMA then waiting on a store and a load). The same value either way. */
+#if defined(__GNUC__) && defined(__x86_64__)
+static inline __attribute__((always_inline)) v8 v8_load_reg(const float *p) {
+    v8 x;
+    __asm__ volatile("vmovups %1, %0" : "=x"(x) : "m"(*(const float (*)[8])p));
+    return x;
+}
+static inline __attribute__((always_inline)) v8 v8_splat_reg(const float *p) {
+    v8 x;
+    __asm__ volatile("vbroadcastss %1, %0" : "=x"(x) : "m"(*p));
+    return x;
+}
+#else
+#define v8_load_reg(p) v8_load(p)
+#define v8_splat_reg(p) v8_splat(p)
+#endif
 #endif
