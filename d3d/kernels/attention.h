@@ -43,7 +43,7 @@ const int64_t d3d_attention_passes = PASSES;  /* the array's length, checked by 
                             * 128: 5.2, 256: 5.7; Zen 4, attention alone, 31 alternated rounds: into L2
                             * rather than non-temporal 1.08x at one query after 4,096 keys, 1.07x for 16
                             * one-token sequences after 256) */
-#define TILES_AHEAD 12  /* jobs ahead whose key tile a thread prefetches, into L2 (prefetcht1): AMD EPYC
+#define TILES_AHEAD 4  /* jobs ahead whose key tile a thread prefetches, into L2 (prefetcht1): AMD EPYC
                         * Zen 4, attention alone, 30 layers, one query after 4,096 keys, 31 alternated
                         * rounds: 2 ahead non-temporal (before) 4.2-4.3 ms, 4 ahead into L2 3.6-3.8, 2 or
                         * 6 ahead into L2 within 5% of 4; 16 one-token sequences after 256 keys 1.15x */
@@ -492,23 +492,32 @@ static inline __attribute__((always_inline)) void key_pairs8(const uint16_t *kb,
     transpose8(r, pairs);
 }
 /* SCORE_CHAINS for C ≤ 4 queries straight from a bf16 key tile: the same chains, d in order, over
- * the same widened values, without storing the transposed tile (a one-token step's job). */
+ * the same widened values, without storing the transposed tile (a one-token step's job). Both halves
+ * of the tile advance together, so that 2C chains are in flight, not C: a one-token step's 3 heads
+ * per KV head made 3 chains of 4-cycle FMAs wait on each other (AMD EPYC Zen 3). */
 static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16_t *kb, int64_t n, int64_t D,
                                                                     const float *qs, const int C,
                                                                     float (*acc)[KEY_TILE]) {
     v8 a[4][2];
     for (int i = 0; i < C; i++) a[i][0] = a[i][1] = v8_zero();
-    for (int64_t d0 = 0; d0 < D; d0 += 16)
-        for (int h = 0; h < 2; h++) {
-            v8 pairs[8];
-            key_pairs8(kb, n, D, d0, 8 * h, pairs);
-            for (int p = 0; p < 8; p++) {
-                v8 lo = PAIR_LOW8(pairs[p]), hi = PAIR_HIGH8(pairs[p]);
-                int64_t d = d0 + 2 * p;
-                for (int i = 0; i < C; i++) a[i][h] = v8_fma(_mm256_broadcast_ss(qs + i * D + d), lo, a[i][h]);
-                for (int i = 0; i < C; i++) a[i][h] = v8_fma(_mm256_broadcast_ss(qs + i * D + d + 1), hi, a[i][h]);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        v8 pairs[2][8];
+        key_pairs8(kb, n, D, d0, 0, pairs[0]);
+        key_pairs8(kb, n, D, d0, 8, pairs[1]);
+        for (int p = 0; p < 8; p++) {
+            v8 lo0 = PAIR_LOW8(pairs[0][p]), lo1 = PAIR_LOW8(pairs[1][p]);
+            int64_t d = d0 + 2 * p;
+            for (int i = 0; i < C; i++) {
+                v8 q = v8_splat_reg(qs + i * D + d);
+                a[i][0] = v8_fma(q, lo0, a[i][0]), a[i][1] = v8_fma(q, lo1, a[i][1]);
+            }
+            v8 hi0 = PAIR_HIGH8(pairs[0][p]), hi1 = PAIR_HIGH8(pairs[1][p]);
+            for (int i = 0; i < C; i++) {
+                v8 q = v8_splat_reg(qs + i * D + d + 1);
+                a[i][0] = v8_fma(q, hi0, a[i][0]), a[i][1] = v8_fma(q, hi1, a[i][1]);
             }
         }
+    }
     for (int i = 0; i < C; i++) v8_store(acc[i], a[i][0]), v8_store(acc[i] + 8, a[i][1]);
 }
 #define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)                                                  \
