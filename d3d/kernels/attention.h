@@ -483,7 +483,7 @@ static inline __attribute__((always_inline)) void transpose8(const v8 r[8], v8 o
 }
 /* Keys l0 … l0+7 of a bf16 tile (D a multiple of 16) as pairs: lane j of pairs[p] holds key l0 + j's
  * elements d0 + 2p (low half) and d0 + 2p + 1 (high half), 0 for keys ≥ n — one 8 x 8 transpose per
- * 16 values of d for 8 keys, where widening first takes two and the widening's shuffles. */
+ * 16 values of d of 8 keys, half the shuffles of widening first and transposing the floats. */
 static inline __attribute__((always_inline)) void key_pairs8(const uint16_t *kb, int64_t n, int64_t D, int64_t d0,
                                                              int l0, v8 pairs[8]) {
     v8 r[8];
@@ -609,10 +609,6 @@ static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible
 }
 #else
 static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible, int64_t n, const float *acc) {
-    if (!mrow && n == KEY_TILE && visible >= KEY_TILE) {  /* a whole tile, every key seen */
-        memcpy(row, acc, KEY_TILE * sizeof(float));
-        return;
-    }
     for (int l = 0; l < n; l++) row[l] = (mrow ? mrow[l] != 0 : l < visible) ? acc[l] : -INFINITY;
 }
 #endif

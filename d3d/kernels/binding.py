@@ -180,10 +180,7 @@ class RowExactKernels:
     def attention_pass_seconds(self, reset: bool = False) -> dict[str, float]:
         """Seconds attention spent per pass so far, within `stage_seconds`' "attention" (zeros unless
         built with `profile`)."""
-        try:
-            count = ctypes.c_int64.in_dll(self.library, "d3d_attention_passes").value
-        except ValueError:
-            return {}
+        count = ctypes.c_int64.in_dll(self.library, "d3d_attention_passes").value
         assert count == len(self.ATTENTION_PASSES), f"the kernels time {count} attention passes"
         return self._seconds("d3d_attention_pass_seconds", self.ATTENTION_PASSES, reset)
 
