@@ -262,7 +262,9 @@ static inline void sum_values_bf16(const float (*acc)[16], float *o) {
 static inline void sum_values_f32(const float (*acc)[16], float *o) {
     for (int j = 0; j < 16; j++) o[j] = acc[0][j], o[16 + j] = acc[1][j];
 }
-/* one copy of the loop per head count, so that the accumulators stay in registers */
+/* one copy of the loop per head count, so that the accumulators stay in registers; n ≤ SUM_HEADS
+ * always (a range's heads_ = SUM_QUERIES(group) · group), the clamp only keeps the cases a build
+ * never takes within its arrays */
 #define SUM_CASE(FN, k, rows, ends, ...) case k: FN(rows, ends, (k) < SUM_HEADS ? (k) : SUM_HEADS, __VA_ARGS__); break;
 #define SUM_RANGE_SWITCH(FN, rows, ends, n, ...)                                                     \
     switch (n) {                                                                                     \
