@@ -309,19 +309,25 @@ def portable():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("length,heads,kv_heads,keys", [(1, 9, 3, 600), (2, 9, 3, 300), (17, 9, 3, 530), (3, 8, 2, 300)])
 def test_attention_gives_the_portable_bits_at_decoding_shapes(kernels, portable, dtype, length, heads, kv_heads, keys):
-    """A one-token step (its key tiles read without storing them, where the build does), a few
-    queries and a verification over a context longer than a span of weighted sums (each head's chains
-    carried from span to span, several heads together), and a group of 4 query heads per KV head:
-    the portable C's bits, causal and masked, plain and split values."""
+    """A one-token step (its key tiles read without storing them, where the build does), a few queries and a verification over a context longer than a span
+    of weighted sums (each head's chains carried from span to span, several heads together), and a
+    group of 4 query heads per KV head: the portable C's bits, causal and masked, plain and split
+    values, on 1 and 2 threads."""
     if kernels.amx and dtype == torch.bfloat16:
         pytest.skip("bf16 attention on AMX tiles is a contract of its own: tests/test_amx.py")
     q = randn(1, length, heads, 64, seed=0, dtype=dtype)
     k = randn(1, kv_heads, keys, 64, seed=1, dtype=dtype, scale=3.0)
     v = randn(1, kv_heads, keys, 64, seed=2, dtype=dtype)
     mask = torch.rand(1, length, keys, generator=torch.Generator().manual_seed(3)) > 0.3
-    for values in (v, split_values(v).contiguous()):
-        for m in (None, mask):
-            assert torch.equal(kernels.attention(q, k, values, m), portable.attention(q, k, values, m))
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for values in (v, split_values(v).contiguous()):
+                for m in (None, mask):
+                    assert torch.equal(kernels.attention(q, k, values, m), portable.attention(q, k, values, m))
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
