@@ -401,16 +401,7 @@ static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16
     }
     for (int i = 0; i < C; i++) _mm512_storeu_ps(acc[i], a[i]);
 }
-#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)                                                  \
-    switch (chunk) {                                                                                 \
-        case 1: fused_scores_bf16(kb, n, D, qs, 1, acc); break;                                      \
-        case 2: fused_scores_bf16(kb, n, D, qs, 2, acc); break;                                      \
-        case 3: fused_scores_bf16(kb, n, D, qs, 3, acc); break;                                      \
-        default: fused_scores_bf16(kb, n, D, qs, 4, acc); break;                                     \
-    }
 #define FUSES_bf16(D) ((D) % 2 == 0)
-#define FUSES_f32(D) 0
-#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc)
 /* out[d] = q[d] · scale (0 where not `live`), one rounding each, 16 at a time. */
 #define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out)                                           \
     for (int64_t d0_ = 0; d0_ < (D); d0_ += 16) {                                                    \
@@ -522,16 +513,7 @@ static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16
     }
     for (int i = 0; i < C; i++) v8_store(acc[i], a[i][0]), v8_store(acc[i] + 8, a[i][1]);
 }
-#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)                                                  \
-    switch (chunk) {                                                                                 \
-        case 1: fused_scores_bf16(kb, n, D, qs, 1, acc); break;                                      \
-        case 2: fused_scores_bf16(kb, n, D, qs, 2, acc); break;                                      \
-        case 3: fused_scores_bf16(kb, n, D, qs, 3, acc); break;                                      \
-        default: fused_scores_bf16(kb, n, D, qs, 4, acc); break;                                     \
-    }
 #define FUSES_bf16(D) ((D) % 16 == 0)
-#define FUSES_f32(D) 0
-#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc)
 /* kt[d][l0 + j] = key l0 + j's element d0 + i for an 8 x 8 block r[j] (key j's elements d0 … d0+7). */
 static inline void transpose8_store(v8 r[8], float (*kt)[KEY_TILE], int64_t d0, int l0) {
     v8 out[8];
@@ -574,9 +556,6 @@ static inline float ROW_MAX(const float *row, int64_t S) {
 #else
 #define QUERY_CHUNK 4
 #define FUSES_bf16(D) 0
-#define FUSES_f32(D) 0
-#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)
-#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc)
 #define SCORE_CHAINS(kt, qs, D, acc, chunk)                                                                 \
     do {                                                                                             \
         for (int i_ = 0; i_ < QUERY_CHUNK; i_++)                                                     \
@@ -600,6 +579,22 @@ static inline float ROW_MAX(const float *row, int64_t S) {
 
 /* row[l] = acc[l] where key s0 + l is visible (its mask byte is 1; causal: l < visible), else
  * -inf, for l < n. */
+/* FUSED_SCORES: a chunk of at most 4 queries straight from a bf16 key tile, by the ISA's
+ * fused_scores_bf16 (above), one copy per chunk size so that its accumulators stay in registers;
+ * fp32 tiles are always stored transposed. */
+#if defined(__AVX512F__) || defined(D3D_AVX2)
+#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)                                                  \
+    switch (chunk) {                                                                                 \
+        case 1: fused_scores_bf16(kb, n, D, qs, 1, acc); break;                                      \
+        case 2: fused_scores_bf16(kb, n, D, qs, 2, acc); break;                                      \
+        case 3: fused_scores_bf16(kb, n, D, qs, 3, acc); break;                                      \
+        default: fused_scores_bf16(kb, n, D, qs, 4, acc); break;                                     \
+    }
+#else
+#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc)
+#endif
+#define FUSES_f32(D) 0
+#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc)
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible, int64_t n, const float *acc) {
     __mmask16 in_tile = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1), seen;
