@@ -209,15 +209,38 @@ def test_at_a_long_context_verification_costs_more_and_the_gate_drafts_less():
 
 def test_catching_up_on_a_long_prompt_is_charged_and_not_explored():
     """A drafter that has yet to read 4,000 prompt tokens at 0.01 steps each (40 steps) is neither
-    chosen nor tried for exploration; with the prompt read it drafts again, and a short catch-up is
-    still explored."""
+    chosen nor tried for exploration; with the prompt read it drafts again."""
     gate = SpeculationGate({"drafter": [0.0] * 16}, linear(0.05), catch_up={"drafter": [0.01]}, explore_every=1,
                            acceptance={"drafter": [0.9] * 15}, last_used={"drafter": 0}, step=5)
     assert gate.num_drafts("drafter", 15, context=4000, pending=4000) == 0
     assert gate.num_drafts("drafter", 15, context=4000, pending=0) > 2
     gate.acceptance["drafter"] = [0.05] * 15  # does not pay: only exploration would try it
-    assert gate.num_drafts("drafter", 15, context=300, pending=300) == gate.explore_drafts
     assert gate.num_drafts("drafter", 15, context=4000, pending=4000) == 0
+
+
+def test_a_try_waits_until_the_exploration_budget_covers_its_catching_up():
+    """A try's catching up is part of its cost: with 1% of a step per step to explore, a drafter whose
+    catching up costs 0.001 steps a token is tried every 10 steps (a try costs 0.1 step more than a
+    plain one), its 10 tokens to read included; one at 0.04 steps a token (AMD EPYC Zen 3's 4-layer
+    drafter) never is, however long it waits, as the tokens to read grow with the wait; lookup, which
+    reads nothing, keeps its tries."""
+    def tries(source: str, per_token: float) -> list[int]:
+        gate = SpeculationGate({source: [0.0, 0.0, 0.0]}, linear(0.05), catch_up={source: [per_token]},
+                               explore_every=8, max_explore_every=64)
+        gate.record(source, 15, 0)
+        steps, pending = [], 0
+        for step in range(1, 200):
+            pending += 1  # a token committed by the last step, not yet read by the source
+            k = gate.num_drafts(source, 15, context=100 + step, pending=pending)
+            if k:
+                steps.append(step)
+                pending = 0
+            gate.record(source if k else "none", k, 0)
+        return steps
+
+    assert tries("drafter", 0.001)[:2] == [10, 20]
+    assert tries("drafter", 0.04) == []
+    assert tries("lookup", 0.0)[:2] == [10, 20]
 
 
 def test_fill_in_interpolates_the_draft_counts_not_timed():
