@@ -26,9 +26,10 @@ Costs can be measured after several context lengths (`ByContext`): at 4K tokens 
 of 8 drafts costs ~2.1 one-token steps against ~1.3 at 256 (docs/performance.md), so the gate reads
 them at the request's current length. A source that must first catch up on the context (the D3D
 drafter's first pass over a long prompt) is charged that too (`catch_up`, per pending token), and a
-try of it counts its catching up in the try's cost: it is made only when that fits the exploration
-budget of the steps since the source last drafted (a drafter that reads ~1 new token per step at
-more than `explore_budget` steps per token is then not tried again once it stops paying).
+try counts its catching up in its cost: a source not yet judged on the request is not tried when
+catching up costs more than `max_catch_up` steps; one that drafted and stopped paying is tried only
+when the exploration budget of the steps since covers its catching up (a drafter that reads ~1 new
+token per step at more than `explore_budget` steps per token is then not tried again).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class SpeculationGate:
     draft_costs: dict[str, Costs]  # per source ("lookup", "drafter"): [k] = drafting k, in one-token steps
     verify_costs: Costs  # [k]: verifying k drafts, in one-token steps ([0] = 1: a plain step)
     catch_up: dict[str, Costs] = field(default_factory=dict)  # per source: [0] = steps per token it must catch up on
+    max_catch_up: float = 4.0  # steps of catching up beyond which a source not yet judged is not tried
     explore_every: int = 8  # steps before a source that does not pay is tried again …
     max_explore_every: int = 64  # … an interval that doubles after every try that still does not pay,
     # up to this, or sooner where a try is cheap: tries may cost up to `explore_budget` one-token
@@ -181,12 +183,17 @@ class SpeculationGate:
             return 0
         interval = self.intervals.get(source, self.explore_every)
         since = self.step - self.last_used.get(source, -interval)
-        # A try's catching up is part of its cost, so it waits until the exploration budget of the steps
-        # since the source last drafted covers it. (AMD EPYC Zen 3, T = 1: the 4-layer drafter's tries
-        # after 8-64 plain steps each caught up for ~1.6 steps, 4% of all decoding time; with this rule,
-        # 18 prompts of 128 tokens interleaved twice, the default went from 0.94x to 1.00x plain
-        # decoding at T = 1 and from 1.15x to 1.18x at T = 0.)
-        if since < interval or self.catch_up_steps(source, context, pending) > self.explore_budget * since:
+        if since < interval:
+            return 0
+        # A try's catching up is part of its cost. A source judged on this request that stopped paying
+        # is tried once the exploration budget of the steps since it last drafted covers it (AMD EPYC
+        # Zen 3, T = 1: the 4-layer drafter's tries after 8-64 plain steps each caught up for ~1.6 steps,
+        # 4% of all decoding time; with this rule the default went from 0.92x to 1.10x plain decoding
+        # at T = 1 and from 1.15x to 1.18x at T = 0, 18 prompts interleaved); a source not yet judged
+        # may read up to `max_catch_up` steps of the context first: its first verdict decides whether
+        # it drafts at all.
+        limit = self.explore_budget * since if source in self.acceptance else self.max_catch_up
+        if self.catch_up_steps(source, context, pending) > limit:
             return 0
         return min(self.explore_drafts, max_drafts)
 

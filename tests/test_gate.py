@@ -243,6 +243,19 @@ def test_a_try_waits_until_the_exploration_budget_covers_its_catching_up():
     assert tries("lookup", 0.0)[:2] == [10, 20]
 
 
+def test_a_source_not_yet_judged_may_catch_up_on_the_prompt_for_its_first_try():
+    """Before its first verdict a source's try may read up to `max_catch_up` steps of context (its
+    verdict decides whether it drafts at all): 300 tokens at 0.01 steps each are read, 500 are not."""
+    def first_try(pending: int) -> int:
+        gate = SpeculationGate({"drafter": [0.0, 2.0, 2.0]}, linear(0.05), catch_up={"drafter": [0.01]},
+                               explore_every=8, step=8)
+        assert gate.best_drafts("drafter", 15, context=pending, pending=pending) == 0  # the prior does not pay
+        return gate.num_drafts("drafter", 15, context=pending, pending=pending)
+
+    assert first_try(300) == 2
+    assert first_try(500) == 0
+
+
 def test_fill_in_interpolates_the_draft_counts_not_timed():
     assert fill_in((1.0, 1.1, 1.5), [0, 1, 5], 5) == (1.0, 1.1, 1.2, 1.3, 1.4, 1.5)
 
