@@ -18,6 +18,21 @@ def linear(per_draft: float, drafts: int = 15) -> list[float]:
     return [1 + per_draft * k for k in range(drafts + 1)]
 
 
+def tries(gate: SpeculationGate, source: str, steps: int = 200) -> list[int]:
+    """The steps at which `source`, judged useless (15 drafts, none accepted), is tried again: every
+    try fails, and each step commits one token the source has to catch up on until it drafts."""
+    gate.record(source, 15, 0)
+    tried, pending = [], 0
+    for step in range(1, steps):
+        pending += 1
+        k = gate.num_drafts(source, 15, pending=pending)
+        if k:
+            tried.append(step)
+            pending = 0
+        gate.record(source if k else "none", k, 0)
+    return tried
+
+
 def test_an_unknown_source_drafts_what_pays_under_the_prior():
     """Before any observation a source is judged with α = prior at every position; its first verdict
     replaces the prior."""
@@ -69,19 +84,12 @@ def test_a_cheap_source_is_tried_again_sooner_than_a_dear_one():
     """Tries back off only as far as their cost allows: a lookup try costing 0.1 step above a plain
     one comes every 10 steps however often it fails (1% of a step per step), a drafter try costing
     0.6 after 16, 32, then every 60 steps."""
-    def tries(source: str, drafting: float) -> list[int]:
-        gate = SpeculationGate({source: [0.0, drafting, drafting]}, linear(0.05), explore_every=8, max_explore_every=64)
-        gate.record(source, 15, 0)
-        steps = []
-        for step in range(1, 200):
-            k = gate.num_drafts(source, 15)
-            if k:
-                steps.append(step)
-            gate.record(source if k else "none", k, 0)
-        return steps
+    def tries_of(source: str, drafting: float) -> list[int]:
+        return tries(SpeculationGate({source: [0.0, drafting, drafting]}, linear(0.05), explore_every=8,
+                                     max_explore_every=64), source)
 
-    assert tries("lookup", 0.0) == list(range(10, 200, 10))
-    dear = tries("drafter", 0.5)
+    assert tries_of("lookup", 0.0) == list(range(10, 200, 10))
+    dear = tries_of("drafter", 0.5)
     assert [b - a for a, b in zip([0] + dear, dear)] == [16, 32, 60, 60]
 
 
@@ -224,23 +232,13 @@ def test_a_try_waits_until_the_exploration_budget_covers_its_catching_up():
     plain one), its 10 tokens to read included; one at 0.04 steps a token (AMD EPYC Zen 3's 4-layer
     drafter) never is, however long it waits, as the tokens to read grow with the wait; lookup, which
     reads nothing, keeps its tries."""
-    def tries(source: str, per_token: float) -> list[int]:
-        gate = SpeculationGate({source: [0.0, 0.0, 0.0]}, linear(0.05), catch_up={source: [per_token]},
-                               explore_every=8, max_explore_every=64)
-        gate.record(source, 15, 0)
-        steps, pending = [], 0
-        for step in range(1, 200):
-            pending += 1  # a token committed by the last step, not yet read by the source
-            k = gate.num_drafts(source, 15, context=100 + step, pending=pending)
-            if k:
-                steps.append(step)
-                pending = 0
-            gate.record(source if k else "none", k, 0)
-        return steps
+    def tries_of(source: str, per_token: float) -> list[int]:
+        return tries(SpeculationGate({source: [0.0, 0.0, 0.0]}, linear(0.05), catch_up={source: [per_token]},
+                                     explore_every=8, max_explore_every=64), source)
 
-    assert tries("drafter", 0.001)[:2] == [10, 20]
-    assert tries("drafter", 0.04) == []
-    assert tries("lookup", 0.0)[:2] == [10, 20]
+    assert tries_of("drafter", 0.001)[:2] == [10, 20]
+    assert tries_of("drafter", 0.04) == []
+    assert tries_of("lookup", 0.0)[:2] == [10, 20]
 
 
 def test_a_source_not_yet_judged_may_catch_up_on_the_prompt_for_its_first_try():

@@ -309,10 +309,10 @@ def portable():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("length,heads,kv_heads,keys", [(1, 9, 3, 600), (2, 9, 3, 300), (17, 9, 3, 530), (3, 8, 2, 300)])
 def test_attention_gives_the_portable_bits_at_decoding_shapes(kernels, portable, dtype, length, heads, kv_heads, keys):
-    """A one-token step (its key tiles read without storing them, where the build does), a few queries and a verification over a context longer than a span
-    of weighted sums (each head's chains carried from span to span, several heads together), and a
-    group of 4 query heads per KV head: the portable C's bits, causal and masked, plain and split
-    values, on 1 and 2 threads."""
+    """A one-token step (its key tiles read without storing them, where the build does), a few
+    queries and a verification over a context longer than a span of weighted sums (each head's
+    chains carried from span to span, several heads together), and a group of 4 query heads per KV
+    head: the portable C's bits, causal and masked, plain and split values, on 1 and 2 threads."""
     if kernels.amx and dtype == torch.bfloat16:
         pytest.skip("bf16 attention on AMX tiles is a contract of its own: tests/test_amx.py")
     q = randn(1, length, heads, 64, seed=0, dtype=dtype)
