@@ -277,10 +277,11 @@ def test_every_lanes_kernel_gives_the_reference_lanes_bits(kernels, dtype):
     kernels — AVX2 or compiler-vectorised — give the portable reference's bits, for every row count."""
     if kernels.packs[dtype]:
         pytest.skip(f"this build column-packs {dtype} weights: another reduction, tested above")
-    weight = randn(100, 576, seed=1, dtype=dtype)
-    x = cancelling_rows(25, 576, dtype)
-    # AVX2: the fused tiles of 1, 2 and 4 rows, groups of 4 with each remainder (up to 24 rows), the strip
-    for rows in (1, 2, 3, 4, 5, 6, 7, 9, 17, 24, 25):
+    weight = randn(101, 576, seed=1, dtype=dtype)  # an odd column count: the last pair is one column
+    x = cancelling_rows(100, 576, dtype)
+    # AVX2: the fused tiles up to 4 rows; from 5 rows the pair tiles of 3 rows with each remainder
+    # (4 left go as 2 + 2), in blocks of 48 rows (49: a block of one; 100: 48 + 48 + 4)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 9, 17, 24, 25, 48, 49, 100):
         assert torch.equal(kernels.linear(x[:rows], weight, None), kernels.linear_reference(x[:rows], weight)), rows
 
 

@@ -93,7 +93,8 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
         # several rows from the bf16 values, one from the grouped blocks (AVX-512 BF16), or decoding the blocks
         for dense_rows, kernels.grouped_rows in ((True, grouped), (True, False), (False, False)):
             kernels.dense_rows = dense_rows
-            for rows in (1, 2, 3, 5, 6, 16, 17, 24, 25):  # AVX2: fused tiles to 24 rows, the strip beyond
+            for rows in (1, 2, 3, 5, 6, 16, 17, 24, 25):  # AVX2: pair tiles over the bf16 values from 3 rows;
+                # decoding the blocks, fused tiles to 24 rows and the strip beyond
                 assert torch.equal(kernels.linear(x[:rows], weight, bias), kernels.linear(x[:rows], plain, bias)), rows
                 assert torch.equal(kernels.linear(x[:rows], weight, bias), alone[:rows]), rows
                 assert torch.equal(kernels.linear(x[:rows], weight, None, residual[:rows]),

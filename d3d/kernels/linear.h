@@ -500,6 +500,114 @@ static __attribute__((unused)) void lanes_##SUFFIX##_body(const T_ELEM *x, int64
 }
 LANES_LINEAR(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 LANES_LINEAR(f32, float, IDENTITY, IDENTITY)
+
+/* ---------------------------------------------------------------------------------------------
+ * pair tiles (AVX2): the lanes' arithmetic for calls of 5 rows or more over plain weights (bf16, a
+ * quantized weight's bf16 values, or fp32). A tile is up to 3 rows x a pair of columns: its 6 chains
+ * of 16 lanes in 12 registers, each weight vector loaded once for the tile's rows and each row vector
+ * used by both columns — 12 FMAs for 10 loads, where the fused tiles above take 16 FMAs for 20 loads
+ * and the strip's half-chains 8 for 6. bf16 weights are widened by interleaving them with zeros
+ * (vpunpck{l,h}wd: one operation per 8 values, from one 32-byte load per 16), which takes the lanes
+ * k = 0–3, 8–11 of each 16 into one register and 4–7, 12–15 into the other: the rows are converted
+ * to fp32 in that order, once per call, and a chain's two registers are put back in lane order
+ * before its fold. Every lane runs the same FMAs in the same order; only the registers differ.
+ * Rows go in blocks of PAIR_ROW_BLOCK (their fp32 copies stay in L2 while a thread's columns pass
+ * over them), each thread owning the same columns in every block.
+ * AMD EPYC Zen 3, 2 threads, whole forwards after 256 tokens over the shipped GGUF's bf16 values
+ * against the fused tiles and the strip, interleaved (scripts/rows_ab.py), in one-token steps:
+ * 5 rows 1.78 → 1.68, 6 1.97 → 1.83, 9 2.76 → 2.67, 17 4.90 → 4.68, 24 6.96 → 6.42, 33 9.8–11.3 →
+ * 8.7–8.9, 64 18.5 → 16.4, 512 153 → 138; 8 and 13 rows 2–3% slower (noise ±5%); 3 and 4 rows slower
+ * (1.39 → 1.41, 1.48 → 1.61: there the fused tiles decode once for all rows), hence PAIR_MIN_ROWS.
+ * The FMAs do not bound them: over L1-resident data one core ran a 3-row tile at ~1.8 FMAs a cycle
+ * of the 2 it can issue, whole calls at about half of that (the rows' fp32 copies come from L2 once
+ * per column pair).
+ * ------------------------------------------------------------------------------------------- */
+
+#define PAIR_MIN_ROWS 5      /* calls of fewer rows take the fused tiles */
+#define PAIR_ROW_BLOCK 48    /* rows per block (48 x 1536 floats: 288 KiB of L2; all rows at once: 1.5x slower at 512) */
+#define PAIR_AHEAD 8         /* column pairs ahead whose weights are prefetched (4 to 16: within noise) */
+
+/* One 16-lane chain's two registers in lane order (lanes 0–7, 8–15), from the bf16 tiles' order. */
+static inline __attribute__((always_inline)) float fold_interleaved(v8 p, v8 q) {
+    return fold_v8(_mm256_permute2f128_ps(p, q, 0x20), _mm256_permute2f128_ps(p, q, 0x31));
+}
+static inline __attribute__((always_inline)) float fold_plain(v8 p, v8 q) { return fold_v8(p, q); }
+#define WIDEN_LO_BF16(p) _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(p))))
+#define WIDEN_HI_BF16(p) _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)(p))))
+#define LOAD_LO_F32(p) v8_load_reg(p)
+#define LOAD_HI_F32(p) v8_load_reg((p) + 8)
+/* 16 elements of a row from src as the tiles read them, in fp32 at dst: bf16 in the interleaved
+ * order (widened as the weights are), fp32 as they are. */
+#define ROW_INTERLEAVED(dst, src) (v8_store((dst), WIDEN_LO_BF16(src)), v8_store((dst) + 8, WIDEN_HI_BF16(src)))
+#define ROW_PLAIN(dst, src) (v8_store((dst), v8_load(src)), v8_store((dst) + 8, v8_load((src) + 8)))
+
+/* One k step of 16 for R rows (1–3) and the pair's columns a and b; r<i><c><h>: row i, column c,
+ * register h of its chain. */
+#define PAIR_HALF(WIDEN, h, off)                                                                     \
+    {                                                                                                \
+        v8 wa_ = WIDEN(wa + k), wb_ = WIDEN(wb + k), x_;                                             \
+        x_ = v8_load_reg(x0 + k + off); r0a##h = v8_fma(x_, wa_, r0a##h); r0b##h = v8_fma(x_, wb_, r0b##h); \
+        if (R > 1) { x_ = v8_load_reg(x1 + k + off); r1a##h = v8_fma(x_, wa_, r1a##h); r1b##h = v8_fma(x_, wb_, r1b##h); } \
+        if (R > 2) { x_ = v8_load_reg(x2 + k + off); r2a##h = v8_fma(x_, wa_, r2a##h); r2b##h = v8_fma(x_, wb_, r2b##h); } \
+    }
+
+#define PAIR_LINEAR(SUFFIX, T_ELEM, LOAD, STORE, WIDEN_LO, WIDEN_HI, ROW_ORDER, FOLD)                 \
+static inline __attribute__((always_inline)) void pair_tile_##SUFFIX(                                 \
+        const int R, const float *x0, const float *x1, const float *x2, const T_ELEM *wa,             \
+        const T_ELEM *wb, int64_t K, float out[3][2]) {                                              \
+    v8 r0a0 = v8_zero(), r0a1 = r0a0, r0b0 = r0a0, r0b1 = r0a0, r1a0 = r0a0, r1a1 = r0a0, r1b0 = r0a0, \
+       r1b1 = r0a0, r2a0 = r0a0, r2a1 = r0a0, r2b0 = r0a0, r2b1 = r0a0;                               \
+    for (int64_t k = 0; k < K; k += 16) {                                                            \
+        PAIR_HALF(WIDEN_LO, 0, 0)                                                                    \
+        PAIR_HALF(WIDEN_HI, 1, 8)                                                                    \
+    }                                                                                                \
+    out[0][0] = FOLD(r0a0, r0a1); out[0][1] = FOLD(r0b0, r0b1);                                      \
+    if (R > 1) { out[1][0] = FOLD(r1a0, r1a1); out[1][1] = FOLD(r1b0, r1b1); }                       \
+    if (R > 2) { out[2][0] = FOLD(r2a0, r2a1); out[2][1] = FOLD(r2b0, r2b1); }                       \
+}                                                                                                    \
+static void pair_##SUFFIX##_body(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, const T_ELEM *bias, \
+                                 const T_ELEM *residual, T_ELEM *y, int64_t M, int64_t N, int64_t K,  \
+                                 float *scratch) {                                                   \
+    float *xf = scratch;                                                                             \
+    _Pragma("omp for schedule(static)")                                                              \
+    for (int64_t m = 0; m < M; m++)                                                                  \
+        for (int64_t k = 0; k < K; k += 16) ROW_ORDER(xf + m * K + k, x + m * x_stride + k);   \
+    int64_t pairs = (N + 1) / 2;                                                                     \
+    for (int64_t mb = 0; mb < M; mb += PAIR_ROW_BLOCK) {                                             \
+        int64_t end = M - mb < PAIR_ROW_BLOCK ? M : mb + PAIR_ROW_BLOCK;                             \
+        _Pragma("omp for schedule(static) nowait")  /* the same pairs per thread in every block */  \
+        for (int64_t p = 0; p < pairs; p++) {                                                        \
+            int64_t n0 = 2 * p;                                                                      \
+            int C = N - n0 < 2 ? 1 : 2;                                                              \
+            const T_ELEM *wa = w + n0 * K, *wb = C > 1 ? wa + K : wa;  /* a lone last column twice */ \
+            if (p + PAIR_AHEAD < pairs) {                                                            \
+                const char *ahead = (const char *)(w + (n0 + 2 * PAIR_AHEAD) * K);                   \
+                int64_t bytes = (N - n0 - 2 * PAIR_AHEAD < 2 ? 1 : 2) * K * (int64_t)sizeof(T_ELEM); \
+                for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(ahead + at, 0, 0);    \
+            }                                                                                        \
+            for (int64_t m = mb; m < end;) {  /* tiles of 3 rows; 4 left go as 2 + 2 */              \
+                int64_t left = end - m;                                                              \
+                int R = left >= 3 && left != 4 ? 3 : left >= 2 ? 2 : 1;                             \
+                const float *x0 = xf + m * K, *x1 = R > 1 ? x0 + K : x0, *x2 = R > 2 ? x0 + 2 * K : x0; \
+                float out[3][2];                                                                     \
+                if (R == 3) pair_tile_##SUFFIX(3, x0, x1, x2, wa, wb, K, out);                       \
+                else if (R == 2) pair_tile_##SUFFIX(2, x0, x1, x2, wa, wb, K, out);                  \
+                else pair_tile_##SUFFIX(1, x0, x1, x2, wa, wb, K, out);                              \
+                for (int r = 0; r < R; r++)                                                          \
+                    for (int c = 0; c < C; c++) {                                                    \
+                        float v = out[r][c];                                                         \
+                        if (bias) v += LOAD(bias[n0 + c]);                                           \
+                        int64_t at = (m + r) * N + n0 + c;                                           \
+                        y[at] = residual ? STORE(LOAD(residual[at]) + LOAD(STORE(v))) : STORE(v);    \
+                    }                                                                                \
+                m += R;                                                                              \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
+    _Pragma("omp barrier")                                                                           \
+}
+PAIR_LINEAR(bf16, uint16_t, bf16_to_f32, f32_to_bf16, WIDEN_LO_BF16, WIDEN_HI_BF16, ROW_INTERLEAVED, fold_interleaved)
+PAIR_LINEAR(f32, float, IDENTITY, IDENTITY, LOAD_LO_F32, LOAD_HI_F32, ROW_PLAIN, fold_plain)
 #else
 static int64_t lanes_scratch(int64_t M, int64_t K, int threads) { (void)M, (void)K, (void)threads; return 0; }
 #endif
@@ -800,13 +908,16 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
  * d3d_weight.dense: the same bits). AMD EPYC Zen 3 (AVX2), whole forwards after 256 tokens, builds
  * interleaved, in one-token steps: 2 rows 1.15–1.21 over the blocks against 1.47 over the bf16
  * values (the blocks' decode, shared by both rows, costs less than 3.4x the bytes), 3 rows 1.55
- * against 1.40–1.45; past DENSE_ROWS (= FUSED_MAX) each block is decoded once into the strip. */
+ * against 1.40–1.45. With AVX2 every call of 3 rows or more reads them (from 5 rows in
+ * the pair tiles, faster than decoding each block into the strip once); the portable build decodes
+ * into its strip past FUSED_MAX rows. */
 #ifdef D3D_AVX2
 #define DENSE_MIN 2
+#define DENSE_ROWS INT64_MAX
 #else
 #define DENSE_MIN 1  /* the portable strip decodes in scalar C */
-#endif
 #define DENSE_ROWS FUSED_MAX
+#endif
 
 static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w, const uint16_t *bias,
                         const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
@@ -830,6 +941,7 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
     if (format == D3D_PACKED) { packed_bf16_body(x, x_stride, w->parts[0].data, bias, residual, y, M, N, K); return; }
     if (is_quantized(format)) { packed_quantized_bf16_body(x, x_stride, w, bias, residual, y, M, N, K, scratch); return; }
 #elif defined(D3D_AVX2)
+    if (format == D3D_PLAIN && M >= PAIR_MIN_ROWS && K % 16 == 0) { pair_bf16_body(x, x_stride, w->parts[0].data, bias, residual, y, M, N, K, scratch); return; }
     if (is_quantized(format) || K % CHUNK == 0) { lanes_bf16_body(x, x_stride, w, bias, residual, y, M, N, K, scratch); return; }
 #else
     if (is_quantized(format)) { strip_bf16_body(x, x_stride, w, bias, residual, y, M, N, K, scratch); return; }
@@ -843,6 +955,7 @@ static void linear_f32(const float *x, int64_t x_stride, const d3d_weight *w, co
     if (w->parts[0].format == D3D_PACKED) { packed_f32_body(x, x_stride, w->parts[0].data, bias, residual, y, M, N, K); return; }
 #endif
 #ifdef D3D_AVX2
+    if (w->parts[0].format == D3D_PLAIN && M >= PAIR_MIN_ROWS && K % 16 == 0) { pair_f32_body(x, x_stride, w->parts[0].data, bias, residual, y, M, N, K, scratch); return; }
     if (K % CHUNK == 0) { lanes_f32_body(x, x_stride, w, bias, residual, y, M, N, K, scratch); return; }
 #endif
     (void)scratch;
