@@ -291,7 +291,9 @@ int d3d_packed_linear(int bf16) {
  * of fp32 values (4 x K, L1/L2) that every row tile reads: tiles of 2 rows x 4 columns, each 16-lane chain run as two independent
  * 8-lane halves (8 accumulators, all in registers). Rows are converted to fp32 once per call.
  * Needs K a multiple of 32 (every block format is; plain weights of other widths take the
- * reference lanes, which give the same bits).
+ * reference lanes, which give the same bits). Plain weights — a quantized weight's bf16 values among
+ * them — take the pair tiles below from PAIR_MIN_ROWS rows; the strip serves quantized weights read
+ * without their bf16 values (RowExactKernels.dense_rows off) and the fused tiles the rest.
  * ------------------------------------------------------------------------------------------- */
 
 /* Calls of up to FUSED_MAX rows run the fused tiles 4 rows at a time (the weights streamed once per 4
