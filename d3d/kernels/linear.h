@@ -12,6 +12,13 @@
  * and at 17 rows it overlaps the weight stream with the arithmetic). */
 #define PREFETCH_BLOCK(ahead, k, K)                                                                 \
     for (int c_ = 0; c_ < COLS; c_++) __builtin_prefetch((const char *)((ahead) + c_ * (K) + (k)), 0, 0)
+/* The header's rule for one output: y[at] = v (+ bias[n]) rounded, then + residual[at] rounded again. */
+#define STORE_OUTPUT(LOAD, STORE, y, at, v, bias, n, residual)                                      \
+    do {                                                                                            \
+        float v_ = (v);                                                                             \
+        if (bias) v_ += LOAD((bias)[n]);                                                            \
+        (y)[at] = (residual) ? STORE(LOAD((residual)[at]) + LOAD(STORE(v_))) : STORE(v_);           \
+    } while (0)
 
 #ifdef D3D_AVX512_BF16
 /* 32 bf16 of a row from k on, zero-filled past K. */
@@ -115,10 +122,7 @@ static void NAME##_body(const T_ELEM *x, int64_t x_stride, const T_ELEM *w, cons
             else DOT(x + m0 * x_stride, x_stride, w + n0 * K, K, R, C, NULL, out);                  \
             for (int r = 0; r < R; r++)                                                              \
                 for (int c = 0; c < C; c++) {                                                        \
-                    float v = out[r][c];                                                             \
-                    if (bias) v += LOAD(bias[n0 + c]);                                               \
-                    int64_t at = (m0 + r) * N + n0 + c;                                              \
-                    y[at] = residual ? STORE(LOAD(residual[at]) + LOAD(STORE(v))) : STORE(v);        \
+                    STORE_OUTPUT(LOAD, STORE, y, (m0 + r) * N + n0 + c, out[r][c], bias, n0 + c, residual); \
                 }                                                                                    \
         }                                                                                            \
     }                                                                                                \
@@ -493,10 +497,7 @@ static __attribute__((unused)) void lanes_##SUFFIX##_body(const T_ELEM *x, int64
         }                                                                                            \
         for (int64_t m = 0; m < M; m++)                                                              \
             for (int c = 0; c < C; c++) {                                                            \
-                float v = res[m * 4 + c];                                                            \
-                if (bias) v += LOAD(bias[n0 + c]);                                                   \
-                int64_t at = m * N + n0 + c;                                                         \
-                y[at] = residual ? STORE(LOAD(residual[at]) + LOAD(STORE(v))) : STORE(v);            \
+                STORE_OUTPUT(LOAD, STORE, y, m * N + n0 + c, res[m * 4 + c], bias, n0 + c, residual); \
             }                                                                                        \
     }                                                                                                \
 }
@@ -597,10 +598,7 @@ static void pair_##SUFFIX##_body(const T_ELEM *x, int64_t x_stride, const T_ELEM
                 else pair_tile_##SUFFIX(1, x0, x1, x2, wa, wb, K, out);                              \
                 for (int r = 0; r < R; r++)                                                          \
                     for (int c = 0; c < C; c++) {                                                    \
-                        float v = out[r][c];                                                         \
-                        if (bias) v += LOAD(bias[n0 + c]);                                           \
-                        int64_t at = (m + r) * N + n0 + c;                                           \
-                        y[at] = residual ? STORE(LOAD(residual[at]) + LOAD(STORE(v))) : STORE(v);    \
+                        STORE_OUTPUT(LOAD, STORE, y, (m + r) * N + n0 + c, out[r][c], bias, n0 + c, residual); \
                     }                                                                                \
                 m += R;                                                                              \
             }                                                                                        \
@@ -647,10 +645,7 @@ static void strip_##SUFFIX##_body(const T_ELEM *x, int64_t x_stride, const d3d_w
             dot_block_f32(xf + m0 * K, K, strip, K, R, C, NULL, out);                                \
             for (int r = 0; r < R; r++)                                                              \
                 for (int c = 0; c < C; c++) {                                                        \
-                    float v = out[r][c];                                                             \
-                    if (bias) v += LOAD(bias[n0 + c]);                                               \
-                    int64_t at = (m0 + r) * N + n0 + c;                                              \
-                    y[at] = residual ? STORE(LOAD(residual[at]) + LOAD(STORE(v))) : STORE(v);        \
+                    STORE_OUTPUT(LOAD, STORE, y, (m0 + r) * N + n0 + c, out[r][c], bias, n0 + c, residual); \
                 }                                                                                    \
         }                                                                                            \
     }                                                                                                \
