@@ -20,7 +20,8 @@ Costs are measured after each of `CONTEXTS` tokens (within the model's limit) an
 at the request's current length (`d3d.gate.ByContext`): the relative cost of more rows grows with
 the context (AMD EPYC Zen 5: verifying 8 drafts 1.28 steps after 256 tokens, 2.13 after 4,096).
 After the first context, fewer rounds and a subset of row counts are timed (the rest interpolated
-linearly in k) to keep the measurement to seconds. `catch_up` is what the drafter's first pass over
+linearly in k), and the longer contexts repeat the first `PREFILLED` tokens' keys and values
+rather than run a long prefill, to keep the measurement to seconds. `catch_up` is what the drafter's first pass over
 the context costs per token (a D3D drafter reads the prompt on its first draft of a request).
 
 A measurement taken while other work held the cores is wrong, not just slow: with the threads
@@ -61,6 +62,7 @@ from d3d.target_step import score_rows
 
 CONTEXT = 256  # tokens before the timed forwards: about a benchmark generation's middle
 CONTEXTS = (CONTEXT, 1024, 4096)  # … and longer ones, for long prompts
+PREFILLED = CONTEXT  # tokens a measurement runs through the target; longer contexts repeat their K/V
 MEASUREMENT = 5  # bump when what is timed changes (e.g. the drafter's head kernel), to measure afresh
 ROUNDS, REPEATS = 7, 3  # rounds over every row count; forwards per timing (their mean)
 LONG_ROUNDS = 3  # rounds after the longer contexts …
@@ -191,12 +193,22 @@ def fill_in(measured: tuple[float, ...], drafts: list[int], max_drafts: int) -> 
 
 
 def _after_context(target: Decoder, context: int, extra: int, seed: int) -> tuple[torch.Tensor, KVCache]:
-    """Random tokens (context + extra,) and a target cache holding the first `context` of them."""
+    """Random tokens (context + extra,) and a target cache of `context` positions: the first
+    `PREFILLED` of them run through the target, their keys and values repeated to fill the rest.
+    What a forward after the cache costs follows the cache's length, not what it holds (the kernels
+    read every slot the same way), and a 4,096-token prefill took 15 s of a first measurement on an
+    AMD EPYC Zen 3 (twice: the target's table and the drafter's)."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.config.vocab_size, (context + extra,), generator=generator)
     cache = target.new_cache(context + extra)
-    target(tokens[None, :context].to(target.device), cache=cache)
+    prefilled = min(context, PREFILLED)
+    target(tokens[None, :prefilled].to(target.device), cache=cache)
     cache.commit()
+    if context > prefilled:
+        keys, values = cache.snapshot(prefilled)
+        copies = -(-context // prefilled)
+        # the slot is the second-to-last dimension of keys and values, plain or split (KVCache.snapshot)
+        cache.restore(torch.cat([keys] * copies, dim=-2), torch.cat([values] * copies, dim=-2), context)
     return tokens, cache
 
 

@@ -174,6 +174,29 @@ def test_forward_costs_are_measured_once_and_stored(tmp_path, monkeypatch):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("head_dim", [8, 32], ids=["values-as-rows", "split-values"])
+def test_a_long_measured_context_repeats_the_prefilled_positions(monkeypatch, head_dim):
+    """A cost measurement's long context runs `PREFILLED` tokens through the target and repeats their
+    keys and values to its length (what a forward after it costs follows the length): every slot
+    past the prefilled ones holds the copy of a prefilled slot, the cache's length is the context,
+    and a verification after it runs — values stored as rows, or split where the kernels read them so."""
+    import d3d.costs
+
+    monkeypatch.setattr(d3d.costs, "PREFILLED", 24)
+    target = make_decoder(tiny_config(head_dim=head_dim), seed=0)
+    tokens, cache = d3d.costs._after_context(target, 60, 4, seed=0)
+    assert cache.length == 60 and len(tokens) == 64 and cache.split == target.splits_values
+    for stored in (cache.keys, cache.values):
+        first = stored[..., :24, :]
+        assert first.abs().sum() > 0
+        for start in (24, 48):
+            width = min(24, 60 - start)
+            assert torch.equal(stored[..., start:start + width, :], first[..., :width, :])
+    d3d.costs._verification(target, cache, tokens[None, 60:63])()
+    assert cache.length == 60  # the timed forward keeps nothing
+
+
+@torch.no_grad()
 def test_costs_measured_on_a_busy_machine_are_measured_again(tmp_path, monkeypatch, capsys):
     """Stored costs whose one-token step was over `BUSY` times slower than a probe now were taken while
     other work held the cores: measured again (with a word), stored, and the new ones used. Stored
