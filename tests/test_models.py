@@ -440,6 +440,31 @@ def test_explicit_mask_over_a_cache(mask_decoder):
     torch.testing.assert_close(out[2], plain, atol=1e-5, rtol=1e-5)
 
 
+def test_loading_a_target_has_the_kernels_built_beside_it(monkeypatch):
+    """`load_target` starts the kernels' build on a thread of its own and goes on reading the weights;
+    a build that fails there raises nothing on that thread (the decoder reports it where it asks)."""
+    import threading
+
+    import d3d.loading
+
+    started, release, built = threading.Event(), threading.Event(), []
+
+    def slow_build():
+        started.set()
+        built.append(threading.current_thread().name)
+        release.wait(5)
+        raise d3d.loading.LoadError("no compiler here")  # swallowed on the build's thread
+
+    monkeypatch.setattr(d3d.loading, "row_exact_kernels", slow_build)
+    d3d.loading.build_kernels_meanwhile()
+    assert started.wait(5) and not release.is_set()  # the caller went on while the build ran
+    release.set()
+    assert built == ["d3d-kernels-build"]
+    monkeypatch.setattr(d3d.loading, "load_gguf", lambda *args: pytest.fail("a bad argument is refused first"))
+    with pytest.raises(d3d.loading.LoadError, match="unknown weights"):
+        d3d.loading.load_target(weights="nonsense")
+
+
 # -- the real default target -------------------------------------------------------------------
 
 @pytest.mark.slow
