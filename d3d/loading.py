@@ -187,6 +187,21 @@ def read_tokenizer(folder: Path) -> tuple[Any, list[int]]:
     return tokenizer, _eos_ids(tokenizer, generation_config)
 
 
+def build_kernels_meanwhile() -> None:
+    """Have the row-exact kernels compiled (or their cached build loaded) on a thread of their own,
+    so that a first load on a machine compiles them beside its reading and converting of the weights
+    (AMD EPYC Zen 3: the compiler 16 s, a GGUF's first conversion 25 s) instead of after; the decoder
+    waits for them as before (`row_exact_kernels` holds its lock while building). A build that fails
+    is kept, and reported where the decoder asks for the kernels. Started once a target's files are
+    found, so that a mistyped path exits at once."""
+    def build() -> None:
+        try:
+            row_exact_kernels()
+        except Exception:  # KernelBuildError is kept by row_exact_kernels; the decoder reports it
+            pass
+    threading.Thread(target=build, name="d3d-kernels-build", daemon=True).start()
+
+
 def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") -> Target:
     """A local Hugging Face folder: config.json, *.safetensors (single or sharded), tokenizer files."""
     from transformers import AutoConfig
@@ -208,6 +223,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") ->
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise LoadError(f"{folder} holds no .safetensors weights (d3d never unpickles .bin files)")
+    build_kernels_meanwhile()
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(read_safetensors(file))
@@ -261,6 +277,7 @@ def load_gguf(gguf: Path, dtype: torch.dtype, weights: str = "stored") -> Target
     kernels then read the file's own blocks (`weights` "stored"), which decode to the same values."""
     destination = _gguf_cache_dir(gguf)
     if not (destination / "model.safetensors").is_file():
+        build_kernels_meanwhile()  # beside the conversion, the first time
         convert_gguf(gguf, destination)
     target = load_hf_folder(destination, dtype, "stored" if weights == "dequantized" else weights)
     target.name = str(gguf)
@@ -270,20 +287,6 @@ def load_gguf(gguf: Path, dtype: torch.dtype, weights: str = "stored") -> Target
         target.weights = report.summary()
         decoder.pack_weights()  # the rest: packed or plain, as before
     return target
-
-
-def build_kernels_meanwhile() -> None:
-    """Have the row-exact kernels compiled (or their cached build loaded) on a thread of their own,
-    so that a first load on a machine compiles them beside its reading and converting of the weights
-    (AMD EPYC Zen 3: the compiler 16 s, a GGUF's first conversion 25 s) instead of after; the decoder
-    waits for them as before (`row_exact_kernels` holds its lock while building). A build that fails
-    is kept, and reported where the decoder asks for the kernels."""
-    def build() -> None:
-        try:
-            row_exact_kernels()
-        except Exception:  # KernelBuildError is kept by row_exact_kernels; the decoder reports it
-            pass
-    threading.Thread(target=build, name="d3d-kernels-build", daemon=True).start()
 
 
 def load_target(source: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -300,7 +303,6 @@ def load_target(source: str | os.PathLike | None = None, dtype: torch.dtype = to
         raise LoadError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHTS)})")
     if weights in QUANTIZE_TO and dtype != torch.bfloat16:
         raise LoadError(f"--weights {weights} streams bf16 values: use --dtype bfloat16")
-    build_kernels_meanwhile()
     if source is None or str(source) == DEFAULT_TARGET:
         target = load_gguf(embedded_gguf_path(), dtype, weights)
         target.name = "SmolLM2-135M-Instruct (embedded)"

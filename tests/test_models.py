@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -441,8 +443,9 @@ def test_explicit_mask_over_a_cache(mask_decoder):
 
 
 def test_loading_a_target_has_the_kernels_built_beside_it(monkeypatch):
-    """`load_target` starts the kernels' build on a thread of its own and goes on reading the weights;
-    a build that fails there raises nothing on that thread (the decoder reports it where it asks)."""
+    """A target's load starts the kernels' build on a thread of its own and goes on reading the weights;
+    a build that fails there raises nothing on that thread (the decoder reports it where it asks); a
+    path where no target is found is refused without starting one."""
     import threading
 
     import d3d.loading
@@ -460,9 +463,12 @@ def test_loading_a_target_has_the_kernels_built_beside_it(monkeypatch):
     assert started.wait(5) and not release.is_set()  # the caller went on while the build ran
     release.set()
     assert built == ["d3d-kernels-build"]
-    monkeypatch.setattr(d3d.loading, "load_gguf", lambda *args: pytest.fail("a bad argument is refused first"))
-    with pytest.raises(d3d.loading.LoadError, match="unknown weights"):
-        d3d.loading.load_target(weights="nonsense")
+    built.clear()
+    monkeypatch.setattr(d3d.loading, "row_exact_kernels", lambda: built.append("build"))
+    for source in ("/no/such/target", Path(__file__).parent):  # no target there: refused, nothing built
+        with pytest.raises(d3d.loading.LoadError):
+            d3d.loading.load_target(source)
+    assert built == []
 
 
 # -- the real default target -------------------------------------------------------------------
