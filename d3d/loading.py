@@ -193,13 +193,22 @@ def build_kernels_meanwhile() -> None:
     (AMD EPYC Zen 3: the compiler 16 s, a GGUF's first conversion 25 s) instead of after; the decoder
     waits for them as before (`row_exact_kernels` holds its lock while building). A build that fails
     is kept, and reported where the decoder asks for the kernels. Started once a target's files are
-    found, so that a mistyped path exits at once."""
+    found, so that a mistyped path exits at once; once a process (a GGUF's load asks before its
+    conversion and again for the converted folder: `row_exact_kernels` keeps what the first got)."""
+    global _kernels_build
+    if _kernels_build is not None:
+        return
+
     def build() -> None:
         try:
             row_exact_kernels()
         except Exception:  # KernelBuildError is kept by row_exact_kernels; the decoder reports it
             pass
-    threading.Thread(target=build, name="d3d-kernels-build", daemon=True).start()
+    _kernels_build = threading.Thread(target=build, name="d3d-kernels-build", daemon=True)
+    _kernels_build.start()
+
+
+_kernels_build: threading.Thread | None = None  # build_kernels_meanwhile's thread, once started
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") -> Target:

@@ -459,12 +459,16 @@ def test_loading_a_target_has_the_kernels_built_beside_it(monkeypatch):
         raise d3d.loading.LoadError("no compiler here")  # swallowed on the build's thread
 
     monkeypatch.setattr(d3d.loading, "row_exact_kernels", slow_build)
+    monkeypatch.setattr(d3d.loading, "_kernels_build", None)  # as in a fresh process
     d3d.loading.build_kernels_meanwhile()
     assert started.wait(5) and not release.is_set()  # the caller went on while the build ran
+    d3d.loading.build_kernels_meanwhile()  # asked again (a GGUF's converted folder): no second build
     release.set()
+    d3d.loading._kernels_build.join(5)
     assert built == ["d3d-kernels-build"]
     built.clear()
     monkeypatch.setattr(d3d.loading, "row_exact_kernels", lambda: built.append("build"))
+    monkeypatch.setattr(d3d.loading, "_kernels_build", None)
     for source in ("/no/such/target", Path(__file__).parent):  # no target there: refused, nothing built
         with pytest.raises(d3d.loading.LoadError):
             d3d.loading.load_target(source)
