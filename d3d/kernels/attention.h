@@ -606,6 +606,10 @@ static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible
 }
 #else
 static inline void STORE_SCORES(float *row, const uint8_t *mrow, int64_t visible, int64_t n, const float *acc) {
+    if (!mrow && n == KEY_TILE && visible >= KEY_TILE) {  /* a whole tile, every key seen */
+        memcpy(row, acc, KEY_TILE * sizeof(float));
+        return;
+    }
     for (int l = 0; l < n; l++) row[l] = (mrow ? mrow[l] != 0 : l < visible) ? acc[l] : -INFINITY;
 }
 #endif
@@ -923,6 +927,36 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
     return together > alone ? together : alone;
 }
 
+/* A one-token step's scores (causal, B = T = 1, the group's ≤ 4 heads one chunk, every key seen):
+ * a thread's span of jobs as one run over its tiles — the chains of ATTENTION_SCORE_JOB's fused
+ * path, stored as it stores them, without its per-tile bookkeeping (divisions, query chunks, masks). */
+#define SCORE_RUN_FITS(SUFFIX) (FUSES_##SUFFIX(D) && !mask && T == 1 && group <= 4)
+#define ATTENTION_SCORE_RUN(SUFFIX, T_ELEM, LOAD, first, end)                                        \
+    {                                                                                                \
+        int64_t g_ = (first) / tiles, s0_ = ((first) % tiles) * KEY_TILE, qs_g_ = -1;                \
+        for (int64_t job_ = (first); job_ < (end); job_++, s0_ += KEY_TILE) {                        \
+            if (s0_ >= S) g_++, s0_ = 0;                                                             \
+            if (g_ != qs_g_) {                                                                       \
+                for (int64_t i = 0; i < group; i++)                                                  \
+                    SCALE_QUERY(SUFFIX, LOAD, q + (g_ * group + i) * D, D, scale, 1, qs_kept + i * D); \
+                qs_g_ = g_;                                                                          \
+            }                                                                                        \
+            if (job_ + TILES_AHEAD < (end)) {                                                        \
+                int64_t ahead_ = s0_ + TILES_AHEAD * KEY_TILE;                                       \
+                const T_ELEM *next_ = ahead_ < S ? k + g_ * kv_head + ahead_ * D                     \
+                    : k + ((job_ + TILES_AHEAD) / tiles) * kv_head + ((job_ + TILES_AHEAD) % tiles) * KEY_TILE * D; \
+                for (int64_t at = 0; at < KEY_TILE * D * (int64_t)sizeof(T_ELEM); at += 64)          \
+                    __builtin_prefetch((const char *)next_ + at, 0, 2);                              \
+            }                                                                                        \
+            int64_t n = S - s0_ < KEY_TILE ? S - s0_ : KEY_TILE;                                     \
+            float acc[QUERY_CHUNK][KEY_TILE];                                                        \
+            FUSED_SCORES_##SUFFIX(k + g_ * kv_head + s0_ * D, n, D, qs_kept, (int)group, acc)        \
+            for (int64_t i = 0; i < group; i++)                                                      \
+                STORE_SCORES(ROW(0, 0, g_ * group + i) + s0_, NULL, S - s0_, n, acc[i]);               \
+        }                                                                                            \
+        qs_of = NULL;  /* qs_kept now holds this run's queries */                                    \
+    }
+
 /* A thread's share of a segment's n jobs or items: a contiguous block, so that each thread streams
  * its own run of K tiles and V rows (round-robin shares, each thread every other 2 KB tile or every
  * other half row, made both threads' prefetchers fetch what the other one reads); which thread gets
@@ -967,8 +1001,11 @@ static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d
     SCORE_JOB_STATE(T_ELEM)                                                                          \
     PASS_CLOCK                                                                                       \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
-        for (int64_t job = SPAN_FIRST(jobs), job_step_ = 1, job_end_ = SPAN_END(jobs); job < job_end_; job++) \
-            ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                \
+        if (SCORE_RUN_FITS(SUFFIX))                                                                  \
+            ATTENTION_SCORE_RUN(SUFFIX, T_ELEM, LOAD, SPAN_FIRST(jobs), SPAN_END(jobs))              \
+        else                                                                                         \
+            for (int64_t job = SPAN_FIRST(jobs), job_step_ = 1, job_end_ = SPAN_END(jobs); job < job_end_; job++) \
+                ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                            \
         base_ += jobs;                                                                               \
     })                                                                                               \
     _Pragma("omp barrier")                                                                           \
