@@ -3,9 +3,13 @@
 One tensor pair per model, filled from slot 0 up to `length`: keys shaped (layers, batch, kv_heads,
 capacity, head_dim); values the same, or with `split=True` (layers, batch, kv_heads, head_dim /
 V_PART, capacity, V_PART) — each V_PART-wide slice of d stored for every slot before the next, the
-layout the row-exact kernels' weighted sums stream fastest (d3d/kernels/attention.h). A values tensor
-with one dimension more than its keys is split; every reader and writer of the cache tells them apart
-that way. A forward pass writes its new keys/values at `length ... length+T` and the caller
+layout the row-exact kernels' weighted sums stream fastest (d3d/kernels/attention.h). A split cache
+may also tile its keys (`tile_keys=True`, where the kernels read them so): (layers, batch, kv_heads,
+capacity / KEY_TILE, head_dim / 2, KEY_TILE, 2) — each tile of KEY_TILE slots by pairs of d, the
+layout the scores of a one-token step read without transposing (attention.h), its capacity rounded
+up to whole tiles (values' too, so that both advance alike from head to head). Values with a
+dimension more or less than their keys are split; keys with one more than their values are tiled;
+every reader and writer of the cache tells them apart that way. A forward pass writes its new keys/values at `length ... length+T` and the caller
 decides how many of them to keep (`commit`) — speculative decoding keeps the accepted prefix and
 drops the rest. Asking for more than the capacity fails loudly instead of reallocating.
 This module knows nothing about models or tokens.
@@ -17,6 +21,7 @@ import torch
 
 
 V_PART = 32  # values of d a split V stores together (attention.h's V_PART)
+KEY_TILE = 16  # slots a tiled cache stores together (attention.h's KEY_TILE)
 
 
 def split_values(values: torch.Tensor) -> torch.Tensor:
@@ -30,21 +35,59 @@ def joined_values(values: torch.Tensor) -> torch.Tensor:
 
 
 def is_split(keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether `values` (beside their `keys`) are stored split: one dimension more than the keys."""
-    return values.dim() == keys.dim() + 1
+    """Whether `values` (beside their `keys`) are stored split: a dimension more or less than the
+    keys (one more than plain keys, one less than tiled ones)."""
+    return values.dim() != keys.dim()
+
+
+def is_tiled(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `keys` (beside their split `values`) are stored tiled: one dimension more than the values."""
+    return keys.dim() == values.dim() + 1
+
+
+def tiled_keys(keys: torch.Tensor) -> torch.Tensor:
+    """Keys (..., T, D) as a tiled cache stores them: (..., ⌈T / KEY_TILE⌉, D / 2, KEY_TILE, 2), the
+    slots past T zero (a contiguous copy)."""
+    length, dim = keys.shape[-2:]
+    padded = torch.nn.functional.pad(keys, (0, 0, 0, -length % KEY_TILE))
+    return padded.unflatten(-2, (-1, KEY_TILE)).unflatten(-1, (dim // 2, 2)).transpose(-3, -2).contiguous()
+
+
+def key_rows(keys: torch.Tensor) -> torch.Tensor:
+    """A tiled cache's keys (..., tiles, D / 2, KEY_TILE, 2) as rows (..., tiles · KEY_TILE, D) (a copy)."""
+    return keys.transpose(-3, -2).flatten(-2).flatten(-3, -2)
+
+
+def write_key_rows(keys: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    """Store rows (..., T, D) at slots start … start+T-1 of tiled keys (the tiles they touch rewritten)."""
+    end = start + rows.shape[-2]
+    first, last = start // KEY_TILE, -(-end // KEY_TILE)
+    block = key_rows(keys[..., first:last, :, :, :])
+    block[..., start - first * KEY_TILE:end - first * KEY_TILE, :] = rows
+    keys[..., first:last, :, :, :] = tiled_keys(block)
+
+
+def slots_of(keys: torch.Tensor, values: torch.Tensor) -> int:
+    """The slots a cache's (or one layer's) keys and values hold."""
+    return values.shape[-2]
 
 
 def store(keys: torch.Tensor, values: torch.Tensor, start: int, new_keys: torch.Tensor,
           new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Write one layer's new K/V (B, H_kv, T, D) at slots start … start+T-1 of its keys and values
-    (plain or split); return K/V over slots 0 … start+T-1, V as rows (a copy when split)."""
+    (plain, split or tiled); return K/V over slots 0 … start+T-1 as rows (a copy where not plain)."""
     end = start + new_keys.shape[2]
-    keys[:, :, start:end] = new_keys
+    if is_tiled(keys, values):
+        write_key_rows(keys, start, new_keys)
+        keys_so_far = key_rows(keys[..., :-(-end // KEY_TILE), :, :, :])[..., :end, :]
+    else:
+        keys[:, :, start:end] = new_keys
+        keys_so_far = keys[:, :, :end]
     if is_split(keys, values):
         values[..., start:end, :] = split_values(new_values)
-        return keys[:, :, :end], joined_values(values[..., :end, :])
+        return keys_so_far, joined_values(values[..., :end, :])
     values[:, :, start:end] = new_values
-    return keys[:, :, :end], values[:, :, :end]
+    return keys_so_far, values[:, :, :end]
 
 
 class CacheFullError(RuntimeError):
@@ -54,12 +97,16 @@ class CacheFullError(RuntimeError):
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  batch_size: int = 1, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", split: bool = False) -> None:
-        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+                 device: torch.device | str = "cpu", split: bool = False, tile_keys: bool = False) -> None:
         if split and head_dim % V_PART:
             raise ValueError(f"split values need a head_dim that is a multiple of {V_PART}, not {head_dim}")
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        value_shape = (*shape[:3], head_dim // V_PART, capacity, V_PART) if split else shape
+        if tile_keys and not split:
+            raise ValueError("tiled keys go with split values")
+        slots = capacity + -capacity % KEY_TILE if tile_keys else capacity  # whole tiles
+        shape = (num_layers, batch_size, num_kv_heads, slots, head_dim)
+        key_shape = (*shape[:3], slots // KEY_TILE, head_dim // 2, KEY_TILE, 2) if tile_keys else shape
+        self.keys = torch.zeros(key_shape, dtype=dtype, device=device)
+        value_shape = (*shape[:3], head_dim // V_PART, slots, V_PART) if split else shape
         self.values = torch.zeros(value_shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0  # committed slots
@@ -71,9 +118,15 @@ class KVCache:
         return is_split(self.keys, self.values)
 
     @property
+    def tiled(self) -> bool:
+        """Whether the keys are stored tiled (module docstring)."""
+        return is_tiled(self.keys, self.values)
+
+    @property
     def position_bytes(self) -> int:
         """Bytes of keys and values one slot holds."""
-        return sum(t.numel() // self.capacity * t.element_size() for t in (self.keys, self.values))
+        slots = slots_of(self.keys, self.values)
+        return sum(t.numel() // slots * t.element_size() for t in (self.keys, self.values))
 
     @property
     def batch_size(self) -> int:
@@ -112,20 +165,29 @@ class KVCache:
         self.rewind(self.length - length)
 
     def snapshot(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the keys and values of the first `length` committed slots, for `restore`."""
+        """Copies of the keys and values of the first `length` committed slots, for `restore`: keys
+        as rows (..., length, head_dim) whether plain or tiled, values as the cache stores them — the
+        slot the second-to-last dimension of both."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot copy {length} of {self.length} cached positions")
-        # the slot is the second-to-last dimension of keys and of values, plain or split
-        return self.keys[..., :length, :].clone(), self.values[..., :length, :].clone()
+        if self.tiled:
+            keys = key_rows(self.keys[..., :-(-length // KEY_TILE), :, :, :])[..., :length, :]
+        else:
+            keys = self.keys[..., :length, :].clone()
+        return keys, self.values[..., :length, :].clone()
 
     def restore(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Hold exactly the first `length` slots of a `snapshot` (of a cache of this layout)."""
         if length > self.capacity:
             raise CacheFullError(f"KV cache holds {self.capacity} positions; {length} asked")
-        if any(a.shape[:-2] + a.shape[-1:] != b.shape[:-2] + b.shape[-1:]
-               for a, b in ((keys, self.keys), (values, self.values))):
+        key_shape = (*self.keys.shape[:3], 0, self.keys.shape[-3] * 2) if self.tiled else self.keys.shape
+        if any(a.shape[:-2] + a.shape[-1:] != b[:-2] + b[-1:]
+               for a, b in ((keys, key_shape), (values, self.values.shape))):
             raise ValueError("the snapshot comes from a cache of another layout")
-        self.keys[..., :length, :] = keys[..., :length, :]
+        if self.tiled:
+            write_key_rows(self.keys, 0, keys[..., :length, :])
+        else:
+            self.keys[..., :length, :] = keys[..., :length, :]
         self.values[..., :length, :] = values[..., :length, :]
         self.length, self.pending = length, 0
 

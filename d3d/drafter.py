@@ -311,7 +311,8 @@ class Drafter(nn.Module):
         """A cache for committed tokens plus one block; may reach B positions past the context."""
         c = self.config.model
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity + self.block_size,
-                       1, self.decoder.dtype, self.decoder.device, split=self.decoder.splits_values)
+                       1, self.decoder.dtype, self.decoder.device, split=self.decoder.splits_values,
+                       tile_keys=self.decoder.tiles_keys)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) ids, MASK included → (B, T, hidden)."""

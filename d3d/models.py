@@ -294,7 +294,7 @@ class Decoder(nn.Module):
                              f"{self.config.max_position_embeddings} positions")
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, batch_size, self.dtype, self.device,
-                       split=self.splits_values)
+                       split=self.splits_values, tile_keys=self.tiles_keys)
 
     @property
     def splits_values(self) -> bool:
@@ -302,6 +302,12 @@ class Decoder(nn.Module):
         read them, whose weighted sums stream that layout faster (docs/performance.md)."""
         return (self.row_exact is not None and self.device.type == "cpu" and self.config.head_dim % V_PART == 0
                 and self.dtype in (torch.bfloat16, torch.float32))
+
+    @property
+    def tiles_keys(self) -> bool:
+        """Whether this model's caches also store K by tiles of slots (d3d.cache): where the row-exact
+        kernels' build reads them so (`RowExactKernels.tiles_keys`), its scores' fastest layout."""
+        return self.splits_values and self.row_exact.tiles_keys(self.dtype, self.config.head_dim)
 
     def rope_table_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The cos/sin table (2, positions, D) in `dtype`, converted once."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from d3d.cache import CacheFullError, KVCache, joined_values
+from d3d.cache import CacheFullError, KVCache, joined_values, key_rows
 
 
 def make_cache(capacity: int = 8) -> KVCache:
@@ -156,3 +156,38 @@ def test_split_values_hold_the_same_values():
         keys, values = cache.write(1, new[0], new[1])
         assert torch.equal(keys, new[0]) and torch.equal(values, new[1])
     assert torch.equal(joined_values(split.values), plain.values)
+
+
+def test_tiled_keys_hold_the_same_values():
+    """A cache that also tiles its keys (16 slots by pairs of d, capacity rounded up to whole tiles)
+    stores, returns, snapshots and restores exactly what a split one does, across tile boundaries."""
+    split, tiled = (KVCache(num_layers=2, num_kv_heads=2, head_dim=64, capacity=37, split=True, tile_keys=t)
+                    for t in (False, True))
+    assert tiled.tiled and tiled.split and not split.tiled
+    assert tiled.keys.shape == (2, 1, 2, 3, 32, 16, 2) and tiled.values.shape == (2, 1, 2, 2, 48, 32)
+    assert tiled.position_bytes == split.position_bytes and tiled.capacity == 37
+    new = torch.randn(2, 2, 1, 2, 30, 64, generator=torch.Generator().manual_seed(0))
+    for cache in (split, tiled):
+        for layer in range(2):
+            cache.reserve(13)
+            keys, values = cache.write(layer, new[0, layer][:, :, :13], new[1, layer][:, :, :13])
+            assert torch.equal(keys, new[0, layer][:, :, :13]) and torch.equal(values, new[1, layer][:, :, :13])
+        cache.commit()
+        for layer in range(2):
+            cache.reserve(17)  # slots 13 … 29: the rest of the first tile, a whole one, a part of the third
+            keys, values = cache.write(layer, new[0, layer][:, :, 13:], new[1, layer][:, :, 13:])
+            assert torch.equal(keys, new[0, layer]) and torch.equal(values, new[1, layer])
+        cache.commit()
+    (split_keys, split_values), (tiled_keys, tiled_values) = split.snapshot(30), tiled.snapshot(30)
+    assert torch.equal(split_keys, tiled_keys) and torch.equal(split_values, tiled_values)
+    assert torch.equal(key_rows(tiled.keys)[..., :30, :], split.keys[..., :30, :])
+    restored = KVCache(num_layers=2, num_kv_heads=2, head_dim=64, capacity=37, split=True, tile_keys=True)
+    restored.restore(split_keys, split_values, 21)  # a split cache's snapshot, into a tiled cache
+    assert torch.equal(restored.snapshot(21)[0], split_keys[..., :21, :])
+    with pytest.raises(ValueError, match="another layout"):
+        restored.restore(*make_cache().snapshot(0), 0)
+
+
+def test_tiled_keys_go_with_split_values():
+    with pytest.raises(ValueError, match="split values"):
+        KVCache(num_layers=1, num_kv_heads=1, head_dim=64, capacity=8, tile_keys=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from d3d.cache import split_values
+from d3d.cache import KEY_TILE, KVCache, split_values, tiled_keys
 from d3d.kernels import TorchKernels, row_exact_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -305,6 +305,75 @@ def portable():
         pytest.skip("the portable build is compared on x86-64")
     path = build(march="x86-64-v2")
     return RowExactKernels(ctypes.CDLL(str(path)), path)
+
+
+@pytest.fixture(scope="module")
+def avx2():
+    """The kernels built for AVX2 without AVX-512 (the build that reads tiled keys), where this CPU runs it."""
+    import ctypes
+    import platform
+
+    from d3d.kernels import RowExactKernels, build
+    from d3d.kernels.build import cpu_flags_line
+
+    flags = set(cpu_flags_line().partition(":")[2].split())
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
+        pytest.skip("the AVX2 build runs on x86-64 CPUs with AVX2 and FMA")
+    path = build(march="x86-64-v3")
+    return RowExactKernels(ctypes.CDLL(str(path)), path)
+
+
+def tiled_cache_tensors(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k (B, H_kv, S, D) and v as a tiled cache holds them: keys tiled, values split, both over whole
+    tiles of slots (the slots past S hold noise: no score of theirs may matter), values viewed up to S."""
+    keys = k.shape[2]
+    slots = keys + -keys % KEY_TILE
+    noise = randn(*k.shape[:2], slots - keys, k.shape[3], seed=9, dtype=k.dtype, scale=1e3)
+    tiled = tiled_keys(torch.cat([k, noise], 2))
+    values = split_values(torch.cat([v, noise], 2)).contiguous()[..., :keys, :]
+    return tiled, values
+
+
+@pytest.mark.parametrize("length,mask_on", [(1, False), (2, False), (17, False), (17, True), (40, False), (40, True)])
+def test_tiled_keys_give_the_bits_of_rows(avx2, length, mask_on):
+    """The AVX2 build's attention over a tiled cache's keys — a one-token step's scores, a few
+    queries', a verification's and a long call's (past QUERY_BLOCK), causal and masked, on 1 and 2
+    threads — gives the bits it gives over the same keys as rows; its KV store writes them alike."""
+    assert avx2.tiles_keys(torch.bfloat16, 64) and not avx2.tiles_keys(torch.float32, 64)
+    assert not avx2.tiles_keys(torch.bfloat16, 24)  # whole pairs of 8 keys' 16 values of d only
+    heads, kv_heads, keys, dim = 9, 3, 530, 64
+    q = randn(1, length, heads, dim, seed=0, dtype=torch.bfloat16)
+    k = randn(1, kv_heads, keys, dim, seed=1, dtype=torch.bfloat16, scale=3.0)
+    v = randn(1, kv_heads, keys, dim, seed=2, dtype=torch.bfloat16)
+    mask = torch.rand(1, length, keys, generator=torch.Generator().manual_seed(3)) > 0.3 if mask_on else None
+    tiled, values = tiled_cache_tensors(k, v)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(avx2.attention(q, tiled, values, mask), avx2.attention(q, k, split_values(v).contiguous(), mask))
+    finally:
+        torch.set_num_threads(previous)
+    qkv = randn(1, length, (heads + 2 * kv_heads) * dim, seed=4, dtype=torch.bfloat16, scale=3.0)
+    angles = randn(1, length, 1, dim, seed=5, dtype=torch.float32, scale=3.0)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    caches = [KVCache(1, kv_heads, dim, 61, dtype=torch.bfloat16, split=True, tile_keys=t) for t in (False, True)]
+    out = []
+    for cache in caches:
+        cache.reserve(11)
+        cache.commit()  # 11 slots cached: the new ones cross a tile's end
+        cache.reserve(length)
+        out.append(avx2.rope_store(qkv, cos, sin, heads, kv_heads, (cache.keys[0], cache.values[0], cache.length))[0])
+        cache.commit()
+    assert torch.equal(out[0], out[1]) and torch.equal(caches[0].snapshot(caches[0].length)[0],
+                                                       caches[1].snapshot(caches[1].length)[0])
+
+
+def test_a_build_that_reads_rows_refuses_tiled_keys(portable):
+    k, v = tiled_cache_tensors(randn(1, 1, 20, 64, seed=1, dtype=torch.bfloat16),
+                               randn(1, 1, 20, 64, seed=2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="does not read"):
+        portable.attention(randn(1, 1, 3, 64, seed=0, dtype=torch.bfloat16), k, v, None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -233,32 +233,43 @@ def test_fused_forward_is_the_per_op_forward(dtype, family):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
-def test_split_values_change_no_bit(dtype):
+def test_cache_layouts_change_no_bit(dtype):
     """A cache whose V is stored by slices of d (what `new_cache` gives the row-exact kernels when
-    head_dim allows) gives the bits of a plain cache on every path — fused, one kernel per operation,
-    PyTorch's ops, several sequences in one forward — and holds the same values."""
+    head_dim allows), and one whose K is stored by tiles of slots besides (where the build reads them:
+    this machine's AVX2 build, bf16), give the bits of a plain cache on every path — fused (a
+    one-token step's scores among them), one kernel per operation, PyTorch's ops, several sequences
+    in one forward — and hold the same values."""
     config = tiny_config("qwen3", head_dim=64, num_heads=2, num_kv_heads=1)
     decoder = make_decoder(config, dtype=dtype)
     assert decoder.new_cache().split and decoder.new_cache().values.shape == (2, 1, 1, 2, 128, 32)
+    tiles = decoder.row_exact.tiles_keys(dtype, 64)
+    assert decoder.new_cache().tiled == tiles
     c = decoder.config
 
-    def cache(split: bool) -> KVCache:
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1, dtype, split=split)
+    def cache(layout: str) -> KVCache:
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 61, 1, dtype, split=layout != "plain",
+                       tile_keys=layout == "tiled")
 
-    prefix, block = random_ids(9, seed=1), random_ids(5, seed=2)
-    mask = torch.rand(1, 3, 14, generator=torch.Generator().manual_seed(4)) < 0.6
-    mask[..., 11:] |= torch.eye(3, dtype=torch.bool)  # after 9 + 2 kept: every query sees itself
+    layouts = ["plain", "split", "tiled"] if tiles else ["plain", "split"]
+    prefix, block = random_ids(19, seed=1), random_ids(5, seed=2)
+    mask = torch.rand(1, 3, 24, generator=torch.Generator().manual_seed(4)) < 0.6
+    mask[..., 21:] |= torch.eye(3, dtype=torch.bool)  # after 19 + 2 kept: every query sees itself
     fused = lambda ids, kv, m: decoder(ids, cache=kv, mask=m)  # noqa: E731
     per_op = lambda ids, kv, m: per_op_forward(decoder, ids, kv, m)  # noqa: E731
     torch_ops = lambda ids, kv, m: per_op_forward(decoder, ids, kv, m, TorchKernels)  # noqa: E731
+    steps = ((prefix, None, 19), (block, None, 2), (block[:, 2:], mask, 0), (block[:, :1], None, 1),
+             (block[:, 1:2], None, 1))
     for forward in (fused, per_op, torch_ops):
-        plain, split = cache(False), cache(True)
-        for ids, step_mask, kept in ((prefix, None, 9), (block, None, 2), (block[:, 2:], mask, 0)):
-            assert torch.equal(forward(ids, plain, step_mask), forward(ids, split, step_mask))
-            assert torch.equal(plain.values, joined_values(split.values))
-            plain.commit(kept)
-            split.commit(kept)
-    caches = [cache(True), cache(False)]
+        caches = [cache(layout) for layout in layouts]
+        for ids, step_mask, kept in steps:
+            logits = [forward(ids, kv, step_mask) for kv in caches]
+            assert all(torch.equal(logits[0], other) for other in logits[1:])
+            for kv in caches:
+                kv.commit(kept)
+            held = [kv.snapshot(kv.length) for kv in caches]
+            assert all(torch.equal(held[0][0], keys) for keys, _ in held[1:])
+            assert all(torch.equal(held[0][1], joined_values(values)) for _, values in held[1:])
+    caches = [cache(layout) for layout in (layouts[-1], "plain")]
     for kv in caches:
         decoder(prefix, cache=kv)
         kv.commit()

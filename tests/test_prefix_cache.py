@@ -14,7 +14,7 @@ import torch
 import d3d.run
 from conftest import make_decoder, make_oracle, tiny_config
 from d3d.batch import Batch
-from d3d.cache import KVCache
+from d3d.cache import KVCache, key_rows
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.engine import generate_from_sources, reference_generate
 from d3d.lookup import LookupConfig
@@ -26,9 +26,9 @@ from test_dflash import make_dflash
 MIB = 1 << 20
 
 
-def filled_cache(length: int, split: bool, seed: int = 0, capacity: int = 64) -> KVCache:
+def filled_cache(length: int, split: bool, seed: int = 0, capacity: int = 64, tiled: bool = False) -> KVCache:
     """A cache of `length` committed positions of random keys and values."""
-    cache = KVCache(2, 2, 32, capacity, split=split)
+    cache = KVCache(2, 2, 32, capacity, split=split, tile_keys=tiled)
     generator = torch.Generator().manual_seed(seed)
     cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
     cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
@@ -36,17 +36,16 @@ def filled_cache(length: int, split: bool, seed: int = 0, capacity: int = 64) ->
     return cache
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["plain", "split"])
-def test_a_restored_prefix_holds_the_stored_positions_bit_for_bit(split):
-    source = filled_cache(20, split)
+@pytest.mark.parametrize("split,tiled", [(False, False), (True, False), (True, True)], ids=["plain", "split", "tiled"])
+def test_a_restored_prefix_holds_the_stored_positions_bit_for_bit(split, tiled):
+    source = filled_cache(20, split, tiled=tiled)
     store = PrefixCache(MIB)
     store.keep(list(range(100, 120)), source)
-    target = KVCache(2, 2, 32, 64, split=split)
+    target = KVCache(2, 2, 32, 64, split=split, tile_keys=tiled)
     assert store.restore(target, list(range(100, 112)) + [7, 8, 9], limit=14) == 12
     assert target.length == 12 and target.pending == 0
-    assert torch.equal(target.keys[..., :12, :], source.keys[..., :12, :])
-    assert torch.equal(target.values[..., :12, :], source.values[..., :12, :])
-    assert not target.keys[..., 12:, :].any()  # nothing past the prefix came along
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(target.snapshot(12), source.snapshot(12)))
+    assert not (key_rows(target.keys) if tiled else target.keys)[..., 12:, :].any()  # nothing past the prefix came along
     assert (store.stats.lookups, store.stats.hits, store.stats.reused_tokens) == (1, 1, 12)
 
 

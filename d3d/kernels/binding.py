@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from d3d.cache import V_PART, is_split
+from d3d.cache import KEY_TILE, V_PART, is_split, is_tiled, slots_of
 from d3d.config import MAX_HEAD_DIM
 from d3d.kernels.build import KernelBuildError, build
 from d3d.kernels.packing import WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks, column_packed
@@ -87,13 +87,14 @@ class RowExactKernels:
             getattr(library, f"d3d_linear_{suffix}").argtypes = [ptr, i64, ctypes.POINTER(Weight), ptr, ptr, ptr,
                                                                  i64, i64, i64, ptr, i32]
             getattr(library, f"d3d_rope_store_{suffix}").argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
-                                                                      i64, i64, i64, i64, i64, i64, i64]
+                                                                      i64, i64, i64, i64, i64, i64, i64, i64]
             getattr(library, f"d3d_attention_{suffix}").argtypes = [
-                ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32]
+                ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, f32, ptr, i32]
             getattr(library, f"d3d_rms_norm_{suffix}").argtypes = [ptr, ptr, ptr, i64, i64, f32, i32]
             getattr(library, f"d3d_silu_mul_{suffix}").argtypes = [ptr, ptr, i64, i64, i32]
             getattr(library, f"d3d_forward_{suffix}").argtypes = [ctypes.POINTER(ForwardArgs)]
         library.d3d_packed_linear.argtypes = [i32]
+        library.d3d_tiled_keys.argtypes = [i32, i64]
         library.d3d_linear_scratch.argtypes = [i64, i64, i32]
         library.d3d_linear_scratch.restype = i64
         library.d3d_attention_scratch.argtypes = [i64, i64, i64, i64, i64, i64]
@@ -143,6 +144,19 @@ class RowExactKernels:
                 self.amx = bool(library.d3d_amx(0))
                 print(f"d3d: AMX tiles not used: {self.amx_refused}; the AVX-512 path instead", file=sys.stderr)
         self.path_name = library.d3d_kernel_path().decode()
+
+    def tiles_keys(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether this build reads a cache's keys tiled (d3d.cache; attention.h), for keys of this
+        dtype and head_dim: a tiled cache passes only where it does."""
+        return bool(self.library.d3d_tiled_keys(int(dtype == torch.bfloat16), head_dim))
+
+    def _key_layout(self, keys: torch.Tensor, values: torch.Tensor, head_dim: int) -> int:
+        """attention.h's k_tiled for a cache's keys beside their values; tiled keys need a build that reads them."""
+        if not is_tiled(keys, values):
+            return 0
+        if not self.tiles_keys(keys.dtype, head_dim):
+            raise ValueError(f"tiled keys, which the {self.path_name} build does not read (d3d.cache: tile_keys)")
+        return 1
 
     def set_amx(self, on: bool) -> bool:
         """Switch this process between the AMX tiles and the AVX-512 path (measurements: a process
@@ -394,9 +408,10 @@ class RowExactKernels:
         for struct, segment in zip(structs, segments):
             keys, values = segment.keys, segment.values
             assert keys.dtype == x.dtype == values.dtype and keys.stride()[:2] == values.stride()[:2]
-            assert keys.stride(-1) == 1 and keys.stride(-2) == shape.head_dim, "a cache's slots must be contiguous"
-            assert segment.start + segment.rows <= keys.shape[2], "KV slots out of range"
+            assert keys[0, 0].is_contiguous(), "a cache's slots must be contiguous"
+            assert segment.start + segment.rows <= slots_of(keys, values), "KV slots out of range"
             struct.v_row, struct.v_part = value_strides(keys, values)
+            struct.k_tiled = self._key_layout(keys, values, shape.head_dim)
             mask = segment.mask
             if mask is not None:
                 mask = mask.to(torch.uint8).contiguous()
@@ -438,29 +453,34 @@ class RowExactKernels:
         """`TorchKernels.rope_store` in one call, the same bits (IEEE products and sums, rounded alike)."""
         if slots is None:
             return TorchKernels.rope_store(qkv, cos, sin, heads, kv_heads, slots)
-        keys, values, start = slots  # keys (B, H_kv, capacity, D), values the same or split; contiguous
+        keys, values, start = slots  # keys (B, H_kv, capacity, D) or tiled, values the same or split; contiguous
         batch, length, width = qkv.shape
         dim = width // (heads + 2 * kv_heads)
-        assert keys.is_contiguous() and values.is_contiguous() and start + length <= keys.shape[2]
+        assert keys.is_contiguous() and values.is_contiguous() and start + length <= slots_of(keys, values)
         v_row, v_part = value_strides(keys, values)
+        k_tiled = self._key_layout(keys, values, dim)
         qkv = qkv.contiguous()
         q = torch.empty(batch, length, heads, dim, dtype=qkv.dtype)
         cos, sin = cos.reshape(batch * length, dim).contiguous(), sin.reshape(batch * length, dim).contiguous()
         self._fn("rope_store", qkv.dtype)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
                                           keys.data_ptr(), values.data_ptr(), batch, length, heads, kv_heads, dim,
-                                          start, keys.stride(0), keys.stride(1), v_row, v_part)
+                                          start, keys.stride(0), keys.stride(1), v_row, v_part, k_tiled)
         end = start + length
+        if k_tiled:  # the tiles that hold slots 0 … end-1 (attention reads how many from the values)
+            return q, keys[..., :-(-end // KEY_TILE), :, :, :], values[..., :end, :]
         return q, keys[:, :, :end], values[..., :end, :]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q (B, T, H, D) over k (B, H_kv, S, D) and v, the same or a split cache's (B, H_kv, D / V_PART,
-        S, V_PART) → (B, T, H, D); mask (B, T, S), None = causal."""
+        """q (B, T, H, D) over k (B, H_kv, S, D) — or a tiled cache's (B, H_kv, ⌈S / KEY_TILE⌉, D / 2,
+        KEY_TILE, 2) — and v, the same or a split cache's (B, H_kv, D / V_PART, S, V_PART) → (B, T, H, D);
+        mask (B, T, S), None = causal."""
         batch, length, heads, dim = q.shape
-        kv_heads, keys = k.shape[1], k.shape[2]
+        kv_heads, keys = k.shape[1], slots_of(k, v)
         if is_split(k, v):  # a split cache's slice: slices of d, slots contiguous within each
-            assert k.stride(-1) == 1 and k.stride(-2) == dim and k.stride()[:2] == v.stride()[:2] and v.stride(-1) == 1
+            assert k[0, 0].is_contiguous() and k.stride()[:2] == v.stride()[:2] and v.stride(-1) == 1
         elif k.stride(-1) != 1 or k.stride(-2) != dim or k.stride() != v.stride():  # a cache slice passes as is
             k, v = k.contiguous(), v.contiguous()
+        k_tiled = self._key_layout(k, v, dim)
         v_row, v_part = value_strides(k, v)
         assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         q = q.contiguous()
@@ -472,7 +492,7 @@ class RowExactKernels:
         scratch = self._attention_scratch(batch, length, heads, kv_heads, keys, dim)
         self._fn("attention", q.dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), out.data_ptr(),
                                        batch, length, heads, kv_heads, keys, dim, k.stride(0), k.stride(1),
-                                       v_row, v_part, dim ** -0.5, scratch.data_ptr(), threads)
+                                       v_row, v_part, k_tiled, dim ** -0.5, scratch.data_ptr(), threads)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -150,7 +150,7 @@ NORMS(f32, float, IDENTITY, IDENTITY)
 /* ---------------------------------------------------------------------------------------------
  * RoPE and the KV store: from qkv (M, (H + 2 Hkv) D) rows, M = B*T, write q rotated to
  * q_out (M, H, D) and k rotated, v as is into the cache slots start … start+T-1 of batch row b: k at
- * k_cache + b*kv_batch + g*kv_head + slot*D, v element d at v_cache + b*kv_batch + g*kv_head +
+ * k_cache + b*kv_batch + g*kv_head + slot*D (or tiled with k_tiled, attention.h), v element d at v_cache + b*kv_batch + g*kv_head +
  * (d / V_PART)*v_part + slot*v_row + d % V_PART (the V layouts of attention.h). Rotation with PyTorch's rounding:
  * to_dtype(to_dtype(x*cos) + to_dtype(rotate_half(x)*sin)). Row m's cos/sin are row m of cos_/sin_
  * (M, D), or with `positions`, row positions[m] of tables cos_/sin_ (P, D).
@@ -197,7 +197,7 @@ static void rope_store_body_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, cons
                                      const int64_t *positions, T_ELEM *q_out, T_ELEM *k_cache,       \
                                      T_ELEM *v_cache, int64_t B, int64_t T, int64_t H, int64_t Hkv,  \
                                      int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head,    \
-                                     int64_t v_row, int64_t v_part) {                                \
+                                     int64_t v_row, int64_t v_part, int64_t k_tiled) {               \
     int64_t width = (H + 2 * Hkv) * D;                                                               \
     _Pragma("omp for schedule(static)")  /* threads split (row, head) items: each item's own arithmetic */ \
     for (int64_t item = 0; item < B * T * (H + Hkv); item++) {                                       \
@@ -209,7 +209,13 @@ static void rope_store_body_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, cons
             continue;                                                                                \
         }                                                                                            \
         int64_t g = h - H, at = b * kv_batch + g * kv_head;                                          \
-        rotate_##SUFFIX(row + (H + g) * D, c, s, k_cache + at + slot * D, D);                        \
+        if (k_tiled) {  /* rotated, then stored by pairs of d in the slot's tile */                  \
+            T_ELEM key[MAX_HEAD_DIM];                                                                \
+            rotate_##SUFFIX(row + (H + g) * D, c, s, key, D);                                        \
+            T_ELEM *tile = k_cache + at + slot / KEY_TILE * KEY_TILE * D + slot % KEY_TILE * 2;      \
+            for (int64_t d = 0; d < D; d++) tile[d / 2 * 2 * KEY_TILE + d % 2] = key[d];             \
+        } else                                                                                       \
+            rotate_##SUFFIX(row + (H + g) * D, c, s, k_cache + at + slot * D, D);                    \
         for (int64_t d0 = 0; d0 < D; d0 += V_PART)                                                   \
             memcpy(v_cache + at + d0 / V_PART * v_part + slot * v_row, row + (H + Hkv + g) * D + d0, \
                    (D - d0 < V_PART ? D - d0 : V_PART) * sizeof(T_ELEM));                            \
@@ -218,9 +224,9 @@ static void rope_store_body_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, cons
 void d3d_rope_store_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM *sin_, T_ELEM *q_out, \
                              T_ELEM *k_cache, T_ELEM *v_cache, int64_t B, int64_t T, int64_t H,      \
                              int64_t Hkv, int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head, \
-                             int64_t v_row, int64_t v_part) {                                        \
+                             int64_t v_row, int64_t v_part, int64_t k_tiled) {                       \
     rope_store_body_##SUFFIX(qkv, cos_, sin_, NULL, q_out, k_cache, v_cache, B, T, H, Hkv, D, start, \
-                             kv_batch, kv_head, v_row, v_part);                                      \
+                             kv_batch, kv_head, v_row, v_part, k_tiled);                             \
 }
 
 ROPE_STORE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)

@@ -160,8 +160,8 @@ static inline __attribute__((always_inline)) v8 exp_fixed8(v8 x) {
  * a segment's rows are consecutive in x, its new tokens go to its slots start … start+rows-1, and
  * its attention sees its own cache only — so sequences of any lengths share every linear layer
  * of one call (continuous batching), each row's bits those of the row alone. Cache element
- * (l, g, s, d) of a segment at l*kv_layer + g*kv_head + s*D + d from its k_cache, v_cache's by its
- * v_row and v_part (attention.h).
+ * (l, g, s, d) of a segment at l*kv_layer + g*kv_head + s*D + d from its k_cache (or tiled, with
+ * k_tiled), v_cache's by its v_row and v_part (attention.h).
  * `rope`: (2, P, D) cos and sin tables; `positions` (M) rows of them. A segment's `mask`:
  * (rows, start+rows) bytes, or NULL for causal (d3d_segment, attention.h). Scratch: `work`
  * (M, hidden + width + 2 H D + 3 I) elements, `scores` d3d_segments_scratch floats, `linear_scratch` d3d_linear_scratch(M, max width, threads) floats.
@@ -237,7 +237,7 @@ void d3d_forward_##SUFFIX(const d3d_forward_args *a) {                          
             rope_store_body_##SUFFIX(qkv + m * width, rope, rope + a->rope_positions * D, a->positions + m, \
                                      q + m * H * D, (T_ELEM *)g->k_cache + l * g->kv_layer,          \
                                      (T_ELEM *)g->v_cache + l * g->kv_layer, 1, g->rows, H, Hkv, D,  \
-                                     g->start, 0, g->kv_head, g->v_row, g->v_part);                  \
+                                     g->start, 0, g->kv_head, g->v_row, g->v_part, g->k_tiled);      \
         }                                                                                            \
         STAGE(STAGE_ROPE);                                                                           \
         d3d_attention_##SUFFIX##_segments_body(q, attn, a->segments, a->num_segments, l, H, Hkv, D,   \
@@ -248,7 +248,8 @@ void d3d_forward_##SUFFIX(const d3d_forward_args *a) {                          
             d3d_attention_##SUFFIX##_body(q + m * H * D, (T_ELEM *)g->k_cache + l * g->kv_layer,     \
                                           (T_ELEM *)g->v_cache + l * g->kv_layer, g->mask,           \
                                           attn + m * H * D, 1, g->rows, H, Hkv, g->start + g->rows, D, \
-                                          0, g->kv_head, g->v_row, g->v_part, a->scale, a->scores);  \
+                                          0, g->kv_head, g->v_row, g->v_part, g->k_tiled, a->scale,   \
+                                          a->scores);                                                \
         }                                                                                            \
         STAGE(STAGE_ATTENTION);                                                                      \
         linear_##SUFFIX(attn, H * D, &w->o, w->o_bias, x, x, M, hidden, H * D, scratch);             \

@@ -49,7 +49,7 @@ class SegmentArgs(ctypes.Structure):
     """d3d_segment: one sequence's rows of a fused forward and its own KV cache."""
 
     _fields_ = [("rows", c_i64), ("start", c_i64), ("k_cache", c_ptr), ("v_cache", c_ptr), ("kv_layer", c_i64),
-                ("kv_head", c_i64), ("v_row", c_i64), ("v_part", c_i64), ("mask", c_ptr)]
+                ("kv_head", c_i64), ("v_row", c_i64), ("v_part", c_i64), ("k_tiled", c_i64), ("mask", c_ptr)]
 
 
 class ForwardArgs(ctypes.Structure):
