@@ -5,11 +5,12 @@ capacity, head_dim); values the same, or with `split=True` (layers, batch, kv_he
 V_PART, capacity, V_PART) — each V_PART-wide slice of d stored for every slot before the next, the
 layout the row-exact kernels' weighted sums stream fastest (d3d/kernels/attention.h). A split cache
 may also tile its keys (`tile_keys=True`, where the kernels read them so): (layers, batch, kv_heads,
-capacity / KEY_TILE, head_dim / 2, KEY_TILE, 2) — each tile of KEY_TILE slots by pairs of d, the
+⌈capacity / KEY_TILE⌉, head_dim / 2, KEY_TILE, 2) — each tile of KEY_TILE slots by pairs of d, the
 layout the scores of a one-token step read without transposing (attention.h), its capacity rounded
 up to whole tiles (values' too, so that both advance alike from head to head). Values with a
 dimension more or less than their keys are split; keys with one more than their values are tiled;
-every reader and writer of the cache tells them apart that way. A forward pass writes its new keys/values at `length ... length+T` and the caller
+every reader and writer of the cache tells them apart that way. A forward pass writes its new
+keys/values at `length ... length+T` and the caller
 decides how many of them to keep (`commit`) — speculative decoding keeps the accepted prefix and
 drops the rest. Asking for more than the capacity fails loudly instead of reallocating.
 This module knows nothing about models or tokens.
@@ -171,13 +172,14 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot copy {length} of {self.length} cached positions")
         if self.tiled:
-            keys = key_rows(self.keys[..., :-(-length // KEY_TILE), :, :, :])[..., :length, :]
+            keys = key_rows(self.keys[..., :-(-length // KEY_TILE), :, :, :])[..., :length, :].clone()
         else:
             keys = self.keys[..., :length, :].clone()
         return keys, self.values[..., :length, :].clone()
 
     def restore(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        """Hold exactly the first `length` slots of a `snapshot` (of a cache of this layout)."""
+        """Hold exactly the first `length` slots of a `snapshot` of a cache of these shapes and this V
+        layout (keys come as rows from plain and tiled caches alike)."""
         if length > self.capacity:
             raise CacheFullError(f"KV cache holds {self.capacity} positions; {length} asked")
         key_shape = (*self.keys.shape[:3], 0, self.keys.shape[-3] * 2) if self.tiled else self.keys.shape

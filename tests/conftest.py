@@ -167,3 +167,19 @@ def sampling_pair(block_size: int):
     drafter = Drafter.from_target(target, [0], block_size=block_size)
     perturb_drafter(drafter, scale=0.5, seed=7)
     return target, drafter, [1, 5, 2]
+
+
+@pytest.fixture(scope="session")
+def avx2():
+    """The kernels built for AVX2 without AVX-512 (the build that reads tiled keys), where this CPU runs it."""
+    import ctypes
+    import platform
+
+    from d3d.kernels import RowExactKernels, build
+    from d3d.kernels.build import cpu_flags_line
+
+    flags = set(cpu_flags_line().partition(":")[2].split())
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
+        pytest.skip("the AVX2 build runs on x86-64 CPUs with AVX2 and FMA")
+    path = build(march="x86-64-v3")
+    return RowExactKernels(ctypes.CDLL(str(path)), path)

@@ -277,6 +277,39 @@ def test_cache_layouts_change_no_bit(dtype):
     assert torch.equal(rows[0][0][:3], rows[1][0])
 
 
+@torch.no_grad()
+def test_one_token_steps_on_the_avx2_build_give_the_per_op_bits(avx2):
+    """On the AVX2 build (any x86 CPU with AVX2), one-token steps of the fused forward — whose scores
+    run over each thread's tiles across KV heads, read from rows or tiles — give the bits of one
+    kernel per operation (scores in per-tile jobs), over plain, split and tiled caches, on 1–3 threads."""
+    config = tiny_config("llama", head_dim=64, num_heads=9, num_kv_heads=3)
+    decoder = make_decoder(config, dtype=torch.bfloat16)
+    decoder.row_exact = avx2
+    assert decoder.new_cache().tiled
+    c = decoder.config
+    prompt, steps = random_ids(40, seed=1), random_ids(12, seed=2)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            caches = [KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 61, 1, torch.bfloat16, split=layout != "plain",
+                              tile_keys=layout == "tiled") for layout in ("plain", "split", "tiled")]
+            reference = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 61, 1, torch.bfloat16, split=True)
+            for kv in caches:
+                decoder(prompt, cache=kv)
+                kv.commit()
+            per_op_forward(decoder, prompt, reference)
+            reference.commit()
+            for i in range(steps.shape[1]):  # after 40 … 51 tokens: across a tile's end
+                want = per_op_forward(decoder, steps[:, i:i + 1], reference)
+                reference.commit()
+                for kv in caches:
+                    assert torch.equal(decoder(steps[:, i:i + 1], cache=kv), want)
+                    kv.commit()
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_split_values_need_whole_slices():
     with pytest.raises(ValueError, match="multiple of 32"):
         KVCache(1, 1, 48, 8, split=True)

@@ -44,8 +44,9 @@ def value_strides(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Segment:
     """One sequence's rows in a fused forward (`RowExactKernels.forward_segments`): `rows` new tokens
-    stored at slots start … start+rows-1 of its own KV cache (keys: (L, H_kv, capacity, D), values the
-    same or split: (L, H_kv, D / V_PART, capacity, V_PART) — views, e.g. one batch row of a `KVCache`),
+    stored at slots start … start+rows-1 of its own KV cache (keys: (L, H_kv, capacity, D) or tiled:
+    (L, H_kv, ⌈capacity / KEY_TILE⌉, D / 2, KEY_TILE, 2); values the same or split: (L, H_kv, D / V_PART,
+    capacity, V_PART) — views, e.g. one batch row of a `KVCache`),
     attending over its cache only, causally or by `mask` (rows, start+rows)."""
 
     rows: int
@@ -152,6 +153,9 @@ class RowExactKernels:
 
     def _key_layout(self, keys: torch.Tensor, values: torch.Tensor, head_dim: int) -> int:
         """attention.h's k_tiled for a cache's keys beside their values; tiled keys need a build that reads them."""
+        if abs(keys.dim() - values.dim()) > 1:
+            raise ValueError(f"keys of {keys.dim()} dimensions beside values of {values.dim()}: tiled keys go "
+                             "with split values (d3d.cache)")
         if not is_tiled(keys, values):
             return 0
         if not self.tiles_keys(keys.dtype, head_dim):
@@ -382,7 +386,8 @@ class RowExactKernels:
         the captured layers and changes no bit either.
 
         rope: (2, P, D) cos/sin tables in x's dtype; positions (B, T) rows of them, below P. keys,
-        values: the KV cache (L, B, H_kv, capacity, D); the new tokens' go to slots start … start+T-1.
+        values: the KV cache (L, B, H_kv, capacity, D), or split or tiled (d3d.cache); the new tokens' go
+        to slots start … start+T-1.
         Each batch row is a segment of `forward_segments`.
         """
         batch, length, hidden = x.shape
@@ -450,13 +455,15 @@ class RowExactKernels:
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                    slots: KVSlots | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`TorchKernels.rope_store` in one call, the same bits (IEEE products and sums, rounded alike)."""
+        """`TorchKernels.rope_store` in one call, the same bits (IEEE products and sums, rounded alike);
+        over a tiled cache the keys so far come back as the tiles holding them (`attention` reads them)."""
         if slots is None:
             return TorchKernels.rope_store(qkv, cos, sin, heads, kv_heads, slots)
         keys, values, start = slots  # keys (B, H_kv, capacity, D) or tiled, values the same or split; contiguous
         batch, length, width = qkv.shape
         dim = width // (heads + 2 * kv_heads)
         assert keys.is_contiguous() and values.is_contiguous() and start + length <= slots_of(keys, values)
+        assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         v_row, v_part = value_strides(keys, values)
         k_tiled = self._key_layout(keys, values, dim)
         qkv = qkv.contiguous()

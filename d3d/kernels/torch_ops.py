@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from d3d.cache import store
 
-# The KV slots a forward writes: a layer's keys (B, H_kv, capacity, D) and values (the same, or
-# split: d3d.cache) and the first slot to write; None without a cache.
+# The KV slots a forward writes: a layer's keys (B, H_kv, capacity, D), or tiled, and values (the
+# same, or split: d3d.cache) and the first slot to write; None without a cache.
 KVSlots = tuple[torch.Tensor, torch.Tensor, int]
 
 
