@@ -59,6 +59,11 @@ def key_rows(keys: torch.Tensor) -> torch.Tensor:
     return keys.transpose(-3, -2).flatten(-2).flatten(-3, -2)
 
 
+def covering_tiles(keys: torch.Tensor, end: int) -> torch.Tensor:
+    """The tiles of tiled keys that hold slots 0 … end-1 (a view)."""
+    return keys[..., :-(-end // KEY_TILE), :, :, :]
+
+
 def write_key_rows(keys: torch.Tensor, start: int, rows: torch.Tensor) -> None:
     """Store rows (..., T, D) at slots start … start+T-1 of tiled keys (the tiles they touch rewritten)."""
     end = start + rows.shape[-2]
@@ -80,7 +85,7 @@ def store(keys: torch.Tensor, values: torch.Tensor, start: int, new_keys: torch.
     end = start + new_keys.shape[2]
     if is_tiled(keys, values):
         write_key_rows(keys, start, new_keys)
-        keys_so_far = key_rows(keys[..., :-(-end // KEY_TILE), :, :, :])[..., :end, :]
+        keys_so_far = key_rows(covering_tiles(keys, end))[..., :end, :]
     else:
         keys[:, :, start:end] = new_keys
         keys_so_far = keys[:, :, :end]
@@ -172,7 +177,7 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot copy {length} of {self.length} cached positions")
         if self.tiled:
-            keys = key_rows(self.keys[..., :-(-length // KEY_TILE), :, :, :])[..., :length, :].clone()
+            keys = key_rows(covering_tiles(self.keys, length))[..., :length, :].clone()
         else:
             keys = self.keys[..., :length, :].clone()
         return keys, self.values[..., :length, :].clone()

@@ -169,9 +169,9 @@ def sampling_pair(block_size: int):
     return target, drafter, [1, 5, 2]
 
 
-@pytest.fixture(scope="session")
-def avx2():
-    """The kernels built for AVX2 without AVX-512 (the build that reads tiled keys), where this CPU runs it."""
+def kernels_built_for(march: str, needs: set[str] = frozenset(), why: str = ""):
+    """The row-exact kernels compiled for another x86-64 level (-march), beside this machine's own
+    build; the test is skipped off x86-64 or where the CPU lacks the flags `needs`."""
     import ctypes
     import platform
 
@@ -179,7 +179,13 @@ def avx2():
     from d3d.kernels.build import cpu_flags_line
 
     flags = set(cpu_flags_line().partition(":")[2].split())
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
-        pytest.skip("the AVX2 build runs on x86-64 CPUs with AVX2 and FMA")
-    path = build(march="x86-64-v3")
+    if platform.machine() not in ("x86_64", "AMD64") or not needs <= flags:
+        pytest.skip(why)
+    path = build(march=march)
     return RowExactKernels(ctypes.CDLL(str(path)), path)
+
+
+@pytest.fixture(scope="session")
+def avx2():
+    """The kernels built for AVX2 without AVX-512 (the build that reads tiled keys), where this CPU runs it."""
+    return kernels_built_for("x86-64-v3", {"avx2", "fma"}, "the AVX2 build runs on x86-64 CPUs with AVX2 and FMA")

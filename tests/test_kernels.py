@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import kernels_built_for
+
 from d3d.cache import KEY_TILE, KVCache, key_rows, split_values, tiled_keys
 from d3d.kernels import TorchKernels, row_exact_kernels
 
@@ -296,15 +298,7 @@ def test_a_head_wider_than_the_kernels_hold_is_refused():
 @pytest.fixture(scope="module")
 def portable():
     """The kernels built as portable C (no AVX2), beside this machine's own build."""
-    import ctypes
-    import platform
-
-    from d3d.kernels import RowExactKernels, build
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the portable build is compared on x86-64")
-    path = build(march="x86-64-v2")
-    return RowExactKernels(ctypes.CDLL(str(path)), path)
+    return kernels_built_for("x86-64-v2", why="the portable build is compared on x86-64")
 
 
 def tiled_cache_tensors(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -539,7 +539,7 @@ static inline void transpose8_store(v8 r[8], float (*kt)[KEY_TILE], int64_t d0, 
         for (int64_t d0_ = 0; d0_ < (D); d0_ += 16)                                                  \
             for (int l0_ = 0; l0_ < KEY_TILE; l0_ += 8) {                                            \
                 v8 pairs_[8];                                                                        \
-                key_pairs8((const uint16_t *)(kb), (n), (D), d0_, l0_, pairs_, (tiled));                    \
+                key_pairs8((const uint16_t *)(kb), (n), (D), d0_, l0_, pairs_, (tiled));             \
                 for (int p_ = 0; p_ < 8; p_++) {                                                     \
                     v8_store((kt)[d0_ + 2 * p_] + l0_, PAIR_LOW8(pairs_[p_]));                       \
                     v8_store((kt)[d0_ + 2 * p_ + 1] + l0_, PAIR_HIGH8(pairs_[p_]));                  \
@@ -599,10 +599,10 @@ static inline float ROW_MAX(const float *row, int64_t S) {
 #if defined(__AVX512F__) || defined(D3D_AVX2)
 #define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled)                                           \
     switch (chunk) {                                                                                 \
-        case 1: fused_scores_bf16(kb, n, D, qs, 1, acc, tiled); break;                                 \
-        case 2: fused_scores_bf16(kb, n, D, qs, 2, acc, tiled); break;                                 \
-        case 3: fused_scores_bf16(kb, n, D, qs, 3, acc, tiled); break;                                 \
-        default: fused_scores_bf16(kb, n, D, qs, 4, acc, tiled); break;                                \
+        case 1: fused_scores_bf16(kb, n, D, qs, 1, acc, tiled); break;                               \
+        case 2: fused_scores_bf16(kb, n, D, qs, 2, acc, tiled); break;                               \
+        case 3: fused_scores_bf16(kb, n, D, qs, 3, acc, tiled); break;                               \
+        default: fused_scores_bf16(kb, n, D, qs, 4, acc, tiled); break;                              \
     }
 #else
 #define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled)
@@ -727,6 +727,10 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
 /* A thread's scaled queries (rows of D floats), kept across its jobs: the group's queries of the whole
  * block where they fit (a k-row verification's tiles each serve all of them), from qs_of on, qs_count
  * of them; else the chunk of QUERY_CHUNK queries from qs_of on (qs_count = -chunk). */
+/* A key tile's KEY_TILE x D elements (rows or tiled alike: the same bytes) into L2 (hint T1). */
+#define PREFETCH_TILE(T_ELEM, tile)                                                                  \
+    for (int64_t at_ = 0; at_ < KEY_TILE * D * (int64_t)sizeof(T_ELEM); at_ += 64)                   \
+        __builtin_prefetch((const char *)(tile) + at_, 0, 2);
 #define QS_FLOATS 32768
 #define SCORE_JOB_STATE(T_ELEM)                                                                      \
     float qs_kept[QS_FLOATS];                                                                        \
@@ -738,14 +742,12 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         int64_t n = S - s0 < KEY_TILE ? S - s0 : KEY_TILE;                                           \
         if (job + TILES_AHEAD * job_step_ < job_end_) {                                              \
             int64_t next = job + TILES_AHEAD * job_step_, nb = next / (Hkv * tiles), ng = (next / tiles) % Hkv; \
-            const char *tile = (const char *)(k + nb * kv_batch + ng * kv_head + (next % tiles) * KEY_TILE * D); \
-            for (int64_t at = 0; at < KEY_TILE * D * (int64_t)sizeof(T_ELEM); at += 64)              \
-                __builtin_prefetch(tile + at, 0, 2);                                                 \
+            PREFETCH_TILE(T_ELEM, k + nb * kv_batch + ng * kv_head + (next % tiles) * KEY_TILE * D); \
         }                                                                                            \
         /* causal: query t sees the tile from t = s0 - (S - T) on */                                 \
         int64_t first_t = mask || s0 - (S - T) <= t0 ? t0 : s0 - (S - T);                           \
         const T_ELEM *kb = k + b * kv_batch + g * kv_head + s0 * D;                                  \
-        float kt[MAX_HEAD_DIM][KEY_TILE];                                                                     \
+        float kt[MAX_HEAD_DIM][KEY_TILE];                                                            \
         int transposed = 0;                                                                          \
         /* one chunk of at most 4 queries (a one-token step's job) reads the tile without storing it */ \
         int fused = FUSES_##SUFFIX(D) && (t1 - first_t) * group <= 4;                                \
@@ -770,7 +772,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                 continue;                                                                            \
             }                                                                                        \
             if (!transposed && !fused) {                                                             \
-                TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt, k_tiled);                               \
+                TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt, k_tiled);                         \
                 transposed = 1;                                                                      \
             }                                                                                        \
             /* the scaled queries are kept across the thread's jobs: the block's (b, g) ones where    \
@@ -801,7 +803,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                 qs = qs_kept;                                                                        \
             }                                                                                        \
             if (fused) {                                                                             \
-                FUSED_SCORES_##SUFFIX(kb, n, D, qs, chunk, acc, k_tiled)                                 \
+                FUSED_SCORES_##SUFFIX(kb, n, D, qs, chunk, acc, k_tiled)                             \
             } else {                                                                                 \
                 SCORE_CHAINS(kt, qs, D, acc, chunk);                                                 \
             }                                                                                        \
@@ -964,14 +966,13 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
                 int64_t ahead_ = s0_ + TILES_AHEAD * KEY_TILE;                                       \
                 const T_ELEM *next_ = ahead_ < S ? k + g_ * kv_head + ahead_ * D                     \
                     : k + ((job_ + TILES_AHEAD) / tiles) * kv_head + ((job_ + TILES_AHEAD) % tiles) * KEY_TILE * D; \
-                for (int64_t at = 0; at < KEY_TILE * D * (int64_t)sizeof(T_ELEM); at += 64)          \
-                    __builtin_prefetch((const char *)next_ + at, 0, 2);                              \
+                PREFETCH_TILE(T_ELEM, next_);                                                        \
             }                                                                                        \
             int64_t n = S - s0_ < KEY_TILE ? S - s0_ : KEY_TILE;                                     \
             float acc[QUERY_CHUNK][KEY_TILE];                                                        \
             FUSED_SCORES_##SUFFIX(k + g_ * kv_head + s0_ * D, n, D, qs_kept, (int)group, acc, k_tiled) \
             for (int64_t i = 0; i < group; i++)                                                      \
-                STORE_SCORES(ROW(0, 0, g_ * group + i) + s0_, NULL, S - s0_, n, acc[i]);               \
+                STORE_SCORES(ROW(0, 0, g_ * group + i) + s0_, NULL, S - s0_, n, acc[i]);             \
         }                                                                                            \
         qs_of = NULL;  /* qs_kept now holds this run's queries */                                    \
     }

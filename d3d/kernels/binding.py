@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from d3d.cache import KEY_TILE, V_PART, is_split, is_tiled, slots_of
+from d3d.cache import V_PART, covering_tiles, is_split, is_tiled, slots_of
 from d3d.config import MAX_HEAD_DIM
 from d3d.kernels.build import KernelBuildError, build
 from d3d.kernels.packing import WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks, column_packed
@@ -474,7 +474,7 @@ class RowExactKernels:
                                           start, keys.stride(0), keys.stride(1), v_row, v_part, k_tiled)
         end = start + length
         if k_tiled:  # the tiles that hold slots 0 … end-1 (attention reads how many from the values)
-            return q, keys[..., :-(-end // KEY_TILE), :, :, :], values[..., :end, :]
+            return q, covering_tiles(keys, end), values[..., :end, :]
         return q, keys[:, :, :end], values[..., :end, :]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
