@@ -4,7 +4,8 @@ process, in one-token steps of the first build — and whether every build gives
 A build is a compiled kernel library: this checkout's (`this`), or another checkout's, e.g.
     git worktree add /tmp/before HEAD~1
     PYTHONPATH=/tmp/before python -c "from d3d.kernels import build; print(build())"
-Every build reads the same weight streams (packed once by this checkout), so only the kernels differ.
+Every build reads the same weight streams (packed once by this checkout), so only the kernels differ
+— except `LABEL=plain`: this build reading bf16 values as stored (PLAIN) where it would lane-pack them.
 
 Usage: python scripts/rows_ab.py --builds before=/path/to/rowexact-….so,this [--rows 1,2,3,4,5,8,9,17]
        [--context 256] [--rounds 7]
@@ -39,6 +40,10 @@ def main() -> None:
     builds = {}
     for spec in args.builds.split(","):
         label, _, path = spec.partition("=")
+        if path == "plain":
+            builds[label] = plain = this.same_streams(this.library, this.path)
+            plain._dense, plain.lane_packs = {}, False
+            continue
         builds[label] = this if label == "this" and not path else this.same_streams(ctypes.CDLL(path), Path(path))
     generator = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
@@ -52,7 +57,7 @@ def main() -> None:
         order = list(builds.items()) if round_ % 2 == 0 else list(builds.items())[::-1]
         for n in sizes:
             for label, kernels in order:
-                target.row_exact = kernels
+                target.row_exact, target._layer_table = kernels, None  # the table of this build's streams
 
                 def forward():
                     (rows, _), = target.forward_rows([SequenceRows(ids[n], cache)])

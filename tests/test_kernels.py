@@ -287,6 +287,30 @@ def test_every_lanes_kernel_gives_the_reference_lanes_bits(kernels, dtype):
         assert torch.equal(kernels.linear(x[:rows], weight, None), kernels.linear_reference(x[:rows], weight)), rows
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_lanes_order_shows_in_the_bits(kernels, dtype):
+    """Per output, four terms of +2^24 and four of −2^24 among 56 of ±1/4 … 1: the exact sum is the
+    small terms', and fp32 keeps a small term only where no big partial sum swallows it — so any
+    other order of a lane's FMAs or of the lanes' fold gives other bits. A kernel that kept the
+    values but not the order differs from the reference lanes here (smooth data rounds most such
+    slips away in the outputs)."""
+    if kernels.packs[dtype]:
+        pytest.skip(f"this build column-packs {dtype} weights: another reduction, tested above")
+    generator = torch.Generator().manual_seed(3)
+    columns, width = 40, 64
+    small = torch.tensor([1.0, 0.5, 0.25])[torch.randint(0, 3, (columns, width), generator=generator)]
+    weight = small * (torch.randint(0, 2, (columns, width), generator=generator) * 2 - 1)
+    big = torch.rand(columns, width // 2, generator=generator).argsort(dim=1)[:, :8] * 2  # 8 even places per output
+    weight.scatter_(1, big, torch.tensor([2.0 ** 24, -(2.0 ** 24)]).repeat(4).expand(columns, 8))
+    x = torch.tensor([1.0, 0.5])[torch.randint(0, 2, (13, width), generator=generator)]
+    x[:, ::2] = 1.0  # the big terms cancel in every row
+    weight, x = weight.to(dtype), x.to(dtype)
+    for rows in (1, 2, 3, 5, 7, 13):
+        assert torch.equal(kernels.linear(x[:rows], weight, None), kernels.linear_reference(x[:rows], weight)), rows
+    moved = torch.arange(width) ^ (torch.arange(width) % 16 < 2).long()  # lanes 0 and 1 swapped
+    assert not torch.equal(kernels.linear_reference(x[:, moved], weight[:, moved]), kernels.linear_reference(x, weight))
+
+
 def test_a_head_wider_than_the_kernels_hold_is_refused():
     from d3d.config import MAX_HEAD_DIM, ConfigError, ModelConfig
 

@@ -27,7 +27,7 @@ import torch
 from d3d.cache import V_PART, covering_tiles, is_split, is_tiled, slots_of
 from d3d.config import MAX_HEAD_DIM
 from d3d.kernels.build import KernelBuildError, build
-from d3d.kernels.packing import WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks, column_packed
+from d3d.kernels.packing import WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks, column_packed, lane_packed
 from d3d.kernels.structs import LAYER_SLOTS, LINEAR_SLOTS, ForwardArgs, Layer, SegmentArgs, Weight
 from d3d.kernels.torch_ops import KVSlots, TorchKernels
 
@@ -95,6 +95,7 @@ class RowExactKernels:
             getattr(library, f"d3d_silu_mul_{suffix}").argtypes = [ptr, ptr, i64, i64, i32]
             getattr(library, f"d3d_forward_{suffix}").argtypes = [ctypes.POINTER(ForwardArgs)]
         library.d3d_packed_linear.argtypes = [i32]
+        library.d3d_lane_packed_linear.argtypes = []
         library.d3d_tiled_keys.argtypes = [i32, i64]
         library.d3d_linear_scratch.argtypes = [i64, i64, i32]
         library.d3d_linear_scratch.restype = i64
@@ -117,6 +118,9 @@ class RowExactKernels:
         self._functions: dict[tuple[str, torch.dtype], Any] = {}  # (kind, dtype) → C function
         self.packs = {dtype: bool(library.d3d_packed_linear(dtype == torch.bfloat16))
                       for dtype in (torch.bfloat16, torch.float32)}
+        # AVX2: bf16 weights whose width is a multiple of 16 are read from a lane-packed copy (the
+        # same reduction as plain ones: the lanes)
+        self.lane_packs = bool(library.d3d_lane_packed_linear())
         # id(weight) → (weakref to it, its version when the stream was made, the stream); an entry
         # goes when its weight does, and is dropped after an in-place update of the weight
         self._streams: dict[int, tuple[weakref.ref, int, WeightStream]] = {}
@@ -254,18 +258,24 @@ class RowExactKernels:
 
     def _own_stream(self, weight: torch.Tensor) -> WeightStream:
         """The weight's own values as the kernels read them: column-packed where this build packs its
-        dtype (cached like any stream), else the weight itself."""
-        rows = weight.shape[0]
-        if self.packs[weight.dtype] and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
-            entry = self._dense.get(id(weight))
-            if entry is not None and entry[0]() is weight and entry[1] == weight._version:
-                return entry[2]
-            packed = WeightStream.whole("packed", column_packed(weight, self.arena), rows)
-            key = id(weight)
-            self._dense[key] = (weakref.ref(weight, lambda _, key=key: self._dense.pop(key, None)),
-                                weight._version, packed)
-            return packed
-        return WeightStream.whole("plain", weight, rows)
+        dtype, lane-packed where its bf16 lanes read them so (each cached like any stream), else the
+        weight itself."""
+        rows, width = weight.shape
+        bf16 = weight.dtype == torch.bfloat16
+        if self.packs[weight.dtype] and not (bf16 and width % 2):
+            format, pack = "packed", column_packed
+        elif self.lane_packs and bf16 and width % 16 == 0:
+            format, pack = "lane_packed", lane_packed
+        else:
+            return WeightStream.whole("plain", weight, rows)
+        entry = self._dense.get(id(weight))
+        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+            return entry[2]
+        packed = WeightStream.whole(format, pack(weight, self.arena), rows)
+        key = id(weight)
+        self._dense[key] = (weakref.ref(weight, lambda _, key=key: self._dense.pop(key, None)),
+                            weight._version, packed)
+        return packed
 
     def use_stream(self, weight: torch.Tensor, stream: WeightStream) -> None:
         """Have the kernels read `stream` for `weight` from now on, until the weight changes in place.

@@ -5,6 +5,10 @@
  *
  *   PLAIN   the dtype's own (N, K) row-major matrix (bf16 or fp32);
  *   PACKED  the AVX-512 column-packed copy of a PLAIN matrix (see linear.h);
+ *   LANE_PACKED  the AVX2 copy of a bf16 PLAIN matrix for its lanes (linear.h's lane-packed tiles), K a
+ *           multiple of 16: per 16 output columns (N zero-padded to a multiple of 16) and per lane
+ *           l = 0…15, the steps j = 0…K/16−1 of 16 bf16 each — the columns' weights at k = 16j + l in
+ *           the order 0–3, 8–11, 4–7, 12–15 (what vpunpck{l,h}wd with zeros widens to 0–7 and 8–15);
  *   U4      GGUF Q4_1 and Q4_K, repacked at load: per 32 weights of a row, an fp32 scale s, an
  *           fp32 offset o and 16 bytes of 4-bit codes q (byte j holds weight j in its low nibble,
  *           weight j + 16 in its high one); the weight is bf16(fma(s, q, o));
@@ -40,7 +44,7 @@
  * every decoded weight is 0 or at least 2^-24 in magnitude, being a sum of fp16 multiples.
  */
 
-enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8 };
+enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9 };
 
 #define CHUNK 32  /* weights of a row per block of every quantized format */
 

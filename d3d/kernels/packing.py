@@ -2,7 +2,8 @@
 
 A weight (N, K) reaches the kernels as a `WeightStream`: a format (formats.h) and the tensor of
 bytes in that format. A bf16 or fp32 weight streams as itself (PLAIN) or, where the build packs,
-as a column-packed copy (PACKED: 16 output columns per 64-byte step); a GGUF's quantized weight
+as a column-packed copy (PACKED: 16 output columns per 64-byte step; AVX-512) or, for bf16 on AVX2,
+a lane-packed one (LANE_PACKED: 16 output columns per step of one lane's chain); a GGUF's quantized weight
 streams as its blocks, repacked once at load (U4, S4, I8, U6; `d3d.quantized`) — and, for 1-4-row
 calls where the build takes packed pair dot products, as those blocks grouped 16 rows at a time
 (G4, G8: made by the kernels, `RowExactKernels`). Copies live in huge pages where the OS grants them.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 # formats.h's enum, by name
-WEIGHT_FORMATS = {"plain": 0, "packed": 1, "u4": 2, "i8": 3, "u6": 4, "s4": 5, "g4": 6, "g8": 7, "a4": 8}
+WEIGHT_FORMATS = {"plain": 0, "packed": 1, "u4": 2, "i8": 3, "u6": 4, "s4": 5, "g4": 6, "g8": 7, "a4": 8, "lane_packed": 9}
 QUANTIZED_FORMATS = ("u4", "i8", "u6", "s4")
 BLOCK = 32  # weights of a row per block of every quantized format
 BLOCK_BYTES = {"u4": 24, "i8": 36, "u6": 32, "s4": 20}  # formats.h's block structs
@@ -135,3 +136,17 @@ def column_packed(weight: torch.Tensor, arena: HugePageArena) -> torch.Tensor:
     padded[:rows] = weight.detach()
     pair = 2 if weight.dtype == torch.bfloat16 else 1
     return arena.copy(padded.view(-1, 16, width // pair, pair).transpose(1, 2))
+
+
+LANE_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)  # a step's columns, as vpunpck{l,h}wd widen them
+
+
+def lane_packed(weight: torch.Tensor, arena: HugePageArena) -> torch.Tensor:
+    """The bf16 weight (N, K), K a multiple of 16, in the lane-packed layout (formats.h's LANE_PACKED):
+    (N/16, 16 lanes, K/16 steps, 16 columns in LANE_ORDER), with N zero-padded to a multiple of 16."""
+    rows, width = weight.shape
+    assert weight.dtype == torch.bfloat16 and width % 16 == 0, (weight.dtype, width)
+    padded = torch.zeros(-(-rows // 16) * 16, width, dtype=weight.dtype)
+    padded[:rows] = weight.detach()
+    blocks = padded.view(-1, 16, width // 16, 16)[:, list(LANE_ORDER)]  # (block, column, step, lane)
+    return arena.copy(blocks.permute(0, 3, 2, 1))
