@@ -8,7 +8,7 @@ Every build reads the same weight streams (packed once by this checkout), so onl
 — except `LABEL=plain`: this build reading bf16 values as stored (PLAIN) where it would lane-pack them.
 
 Usage: python scripts/rows_ab.py --builds before=/path/to/rowexact-….so,this [--rows 1,2,3,4,5,8,9,17]
-       [--context 256] [--rounds 7]
+       [--context 256] [--rounds 7] [--weights stored|dequantized|…]
 Prints one JSON line: per row count, each build's median cost in one-token steps of the first build.
 """
 
@@ -33,8 +33,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,3,4,5,8,9,17")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--weights", default="stored", help="how the target's weights are read (d3d.quantized.WEIGHTS)")
     args = parser.parse_args()
-    target = load_target().decoder
+    target = load_target(weights=args.weights).decoder
     target.pack_weights()
     this = target.row_exact
     builds = {}
