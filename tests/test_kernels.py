@@ -54,11 +54,14 @@ def test_linear_rows_do_not_depend_on_the_row_count(kernels, dtype, width, outpu
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_reads_strided_rows(kernels, dtype):
+@pytest.mark.parametrize("width", [40, 64])  # 64: lane-packed where the build lane-packs bf16
+def test_linear_reads_strided_rows(kernels, dtype, width):
     """A row view (stride > width) gives the same bits as its contiguous copy."""
-    weight = randn(24, 40, seed=1, dtype=dtype)
-    wide = randn(5, 64, seed=2, dtype=dtype)
-    assert torch.equal(kernels.linear(wide[:, :40], weight, None), kernels.linear(wide[:, :40].contiguous(), weight, None))
+    weight = randn(24, width, seed=1, dtype=dtype)
+    wide = randn(9, 80, seed=2, dtype=dtype)
+    for rows in (1, 9):
+        assert torch.equal(kernels.linear(wide[:rows, :width], weight, None),
+                           kernels.linear(wide[:rows, :width].contiguous(), weight, None))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -205,9 +208,10 @@ def test_the_build_is_cached(kernels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_residual_is_the_separate_add(kernels, dtype):
+@pytest.mark.parametrize("width", [40, 64])
+def test_fused_residual_is_the_separate_add(kernels, dtype, width):
     """linear(…, residual) rounds like PyTorch's `residual + linear(…)`: the same bits."""
-    weight, x = randn(48, 40, seed=1, dtype=dtype), randn(5, 40, seed=2, dtype=dtype)
+    weight, x = randn(48, width, seed=1, dtype=dtype), randn(5, width, seed=2, dtype=dtype)
     residual = randn(5, 48, seed=3, dtype=dtype, scale=10.0)
     assert torch.equal(kernels.linear(x, weight, None, residual), residual + kernels.linear(x, weight, None))
 
