@@ -286,7 +286,7 @@ const char *d3d_kernel_path(void) {
 #elif defined(__AVX512F__)
     return "avx512: avx2 fp32 lanes (bf16, quantized), packed fp32 FMA (fp32)";
 #elif defined(D3D_AVX2)
-    return "avx2: fp32 lanes (bf16, fp32, quantized)";
+    return "avx2: fp32 lanes (bf16 lane-packed, fp32, quantized)";
 #else
     return "portable C, compiler-vectorised fp32 lanes";
 #endif
