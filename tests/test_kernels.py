@@ -315,6 +315,28 @@ def test_the_lanes_order_shows_in_the_bits(kernels, dtype):
     assert not torch.equal(kernels.linear_reference(x[:, moved], weight[:, moved]), kernels.linear_reference(x, weight))
 
 
+def test_an_avx2_build_reads_bf16_weights_lane_packed(kernels):
+    """Where the build's bf16 lanes read lane-packed copies (AVX2), a bf16 weight of a width that is
+    a multiple of 16 streams as one — the copy is the layout formats.h describes, made once — and
+    every other weight as stored; elsewhere no weight is lane-packed."""
+    from d3d.kernels.packing import LANE_ORDER
+
+    weight = randn(40, 64, seed=1, dtype=torch.bfloat16)
+    stream = kernels.stream(weight)
+    if not kernels.lane_packs:
+        assert stream.format != "lane_packed"
+        pytest.skip("this build does not lane-pack bf16 weights")
+    assert stream.format == "lane_packed" and kernels.stream(weight) is stream  # made once
+    packed = stream.parts[0].data  # (blocks, lanes, steps, 16 columns in LANE_ORDER)
+    assert packed.shape == (3, 16, 4, 16)  # 40 columns padded to 48
+    block, lane, step, place = 1, 5, 2, 9
+    column = block * 16 + LANE_ORDER[place]
+    assert packed[block, lane, step, place] == weight[column, 16 * step + lane]
+    assert not packed[2, :, :, [LANE_ORDER.index(c) for c in range(8, 16)]].any()  # the padding
+    assert kernels.stream(randn(40, 40, seed=2, dtype=torch.bfloat16)).format == "plain"  # 40 % 16
+    assert kernels.stream(weight.float()).format != "lane_packed"
+
+
 def test_a_head_wider_than_the_kernels_hold_is_refused():
     from d3d.config import MAX_HEAD_DIM, ConfigError, ModelConfig
 
