@@ -42,10 +42,9 @@ def main() -> None:
     for spec in args.builds.split(","):
         label, _, path = spec.partition("=")
         if path == "plain":
-            builds[label] = plain = this.same_streams(this.library, this.path)
-            plain._dense, plain.lane_packs = {}, False
-            continue
-        builds[label] = this if label == "this" and not path else this.same_streams(ctypes.CDLL(path), Path(path))
+            builds[label] = this.same_streams(this.library, this.path, lane_packs=False)
+        else:
+            builds[label] = this if label == "this" and not path else this.same_streams(ctypes.CDLL(path), Path(path))
     generator = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
     sizes = [int(n) for n in args.rows.split(",")]

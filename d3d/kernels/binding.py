@@ -214,12 +214,15 @@ class RowExactKernels:
             ctypes.memset(table, 0, ctypes.sizeof(table))
         return spent
 
-    def same_streams(self, library: ctypes.CDLL, path: Path) -> "RowExactKernels":
+    def same_streams(self, library: ctypes.CDLL, path: Path, lane_packs: bool | None = None) -> "RowExactKernels":
         """Another build of these kernels (e.g. the profiling one) reading the weights' streams as
-        this one does."""
+        this one does; `lane_packs=False`: reading bf16 weights as stored instead of lane-packed
+        (its own copies; for measurements)."""
         other = RowExactKernels(library, path)
         other._streams, other._dense, other.arena, other.epoch = self._streams, self._dense, self.arena, self.epoch + 1
         other._grouped = self._grouped
+        if lane_packs is not None and lane_packs != self.lane_packs:
+            other._dense, other.lane_packs = {}, lane_packs
         return other
 
     # One library per process: a copied or pickled decoder shares it.

@@ -10,14 +10,6 @@
  * division, bf16 rounding to nearest even with quiet NaNs) lane by lane, so the same bits; returns
  * the first element it left to the scalar tail. */
 #ifdef D3D_AVX2
-static inline __attribute__((always_inline)) __m256i v8_bf16_bits(v8 f) {  /* f32_to_bf16, in the low halves */
-    __m256i u = _mm256_castps_si256(f);
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-    __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
-    return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
-}
 static inline __attribute__((always_inline)) v8 v8_via_bf16(v8 f) {  /* bf16_to_f32(f32_to_bf16(f)) */
     return _mm256_castsi256_ps(_mm256_slli_epi32(v8_bf16_bits(f), 16));
 }
@@ -53,10 +45,7 @@ static inline int64_t SILU_VECTOR_bf16(const uint16_t *gate, const uint16_t *up,
         v16_store_bf16(y + i, _mm512_mul_ps(v16_via_bf16(v16_silu(v16_from_bf16(gate + i))), v16_from_bf16(up + i)));
 #endif
     for (; i + 8 <= end; i += 8) {
-        v8 out = _mm256_mul_ps(v8_via_bf16(v8_silu(v8_from_bf16(gate + i))), v8_from_bf16(up + i));
-        __m256i bits = v8_bf16_bits(out);
-        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-        _mm_storeu_si128((__m128i *)(y + i), packed);
+        v8_store_bf16(y + i, _mm256_mul_ps(v8_via_bf16(v8_silu(v8_from_bf16(gate + i))), v8_from_bf16(up + i)));
     }
     return i;
 }

@@ -30,6 +30,18 @@ static inline __attribute__((always_inline)) v8 v8_round_bf16(v8 v) {  /* Veltka
 static inline __attribute__((always_inline)) v8 v8_from_bf16(const uint16_t *p) {  /* 8 bf16, widened */
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+static inline __attribute__((always_inline)) __m256i v8_bf16_bits(v8 f) {  /* f32_to_bf16, in the low halves */
+    __m256i u = _mm256_castps_si256(f);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+    return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+}
+static inline __attribute__((always_inline)) void v8_store_bf16(uint16_t *y, v8 f) {  /* 8 f32_to_bf16 stores */
+    __m256i bits = v8_bf16_bits(f);
+    _mm_storeu_si128((__m128i *)y, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
 static inline __attribute__((always_inline)) __m256i v8_bytes(const uint8_t *p) {  /* 8 bytes, zero-extended */
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }

@@ -640,24 +640,13 @@ PAIR_LINEAR(f32, float, IDENTITY, IDENTITY, LOAD_LO_F32, LOAD_HI_F32, ROW_PLAIN,
 
 #define LANE_TILE_ROWS 6
 
-/* 8 bf16 bit patterns (in the low halves of 8 dwords) of v rounded to nearest even: f32_to_bf16, lane-wise. */
-static inline __attribute__((always_inline)) __m256i bf16_bits8(v8 v) {
-    __m256i u = _mm256_castps_si256(v), one = _mm256_set1_epi32(1);
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
-                                                         _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    return _mm256_blendv_epi8(rounded, quiet, nan);
-}
 /* STORE_OUTPUT for 8 consecutive outputs of a row: y[0…7] = v (+ bias[0…7]) rounded, then
  * + residual[0…7] rounded again — the same operations lane by lane. */
 static inline __attribute__((always_inline)) void store8_bf16(v8 v, const uint16_t *bias, const uint16_t *residual,
                                                               uint16_t *y) {
     if (bias) v = _mm256_add_ps(v, v8_from_bf16(bias));
-    __m256i bits = bf16_bits8(v);
-    if (residual)
-        bits = bf16_bits8(_mm256_add_ps(v8_from_bf16(residual), _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16))));
-    _mm_storeu_si128((__m128i *)y, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+    if (residual) v = _mm256_add_ps(v8_from_bf16(residual), _mm256_castsi256_ps(_mm256_slli_epi32(v8_bf16_bits(v), 16)));
+    v8_store_bf16(y, v);
 }
 
 /* out[r][h] = columns 8h … 8h + 7 of rows r < R over one block of 16 columns (its K·16 weights at wb). */

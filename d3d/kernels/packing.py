@@ -128,12 +128,19 @@ class HugePageArena:
         return self.empty(tensor.shape, tensor.dtype).copy_(tensor)
 
 
+def padded_rows(weight: torch.Tensor, multiple: int) -> torch.Tensor:
+    """A copy of the weight (N, K) with zero rows up to a multiple of `multiple`."""
+    rows, width = weight.shape
+    padded = torch.zeros(-(-rows // multiple) * multiple, width, dtype=weight.dtype)
+    padded[:rows] = weight.detach()
+    return padded
+
+
 def column_packed(weight: torch.Tensor, arena: HugePageArena) -> torch.Tensor:
     """The weight (N, K) in the packed layout: 16 output columns per 64-byte step — fp32
     (N/16, K, 16), bf16 (N/16, K/2, 16, 2) — with N zero-padded to a multiple of 64."""
-    rows, width = weight.shape
-    padded = torch.zeros(-(-rows // 64) * 64, width, dtype=weight.dtype)  # whole 4-group tiles
-    padded[:rows] = weight.detach()
+    width = weight.shape[1]
+    padded = padded_rows(weight, 64)  # whole 4-group tiles
     pair = 2 if weight.dtype == torch.bfloat16 else 1
     return arena.copy(padded.view(-1, 16, width // pair, pair).transpose(1, 2))
 
@@ -144,9 +151,7 @@ LANE_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)  # a step's 
 def lane_packed(weight: torch.Tensor, arena: HugePageArena) -> torch.Tensor:
     """The bf16 weight (N, K), K a multiple of 16, in the lane-packed layout (formats.h's LANE_PACKED):
     (N/16, 16 lanes, K/16 steps, 16 columns in LANE_ORDER), with N zero-padded to a multiple of 16."""
-    rows, width = weight.shape
+    width = weight.shape[1]
     assert weight.dtype == torch.bfloat16 and width % 16 == 0, (weight.dtype, width)
-    padded = torch.zeros(-(-rows // 16) * 16, width, dtype=weight.dtype)
-    padded[:rows] = weight.detach()
-    blocks = padded.view(-1, 16, width // 16, 16)[:, list(LANE_ORDER)]  # (block, column, step, lane)
+    blocks = padded_rows(weight, 16).view(-1, 16, width // 16, 16)[:, list(LANE_ORDER)]  # (block, column, step, lane)
     return arena.copy(blocks.permute(0, 3, 2, 1))
