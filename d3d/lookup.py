@@ -10,6 +10,14 @@ the lookup drafts the block, elsewhere the diffusion drafter does. Tokens only; 
 does, from dictionaries of every n-gram's latest position updated with the new tokens only — a few
 microseconds per step at any length, where the search took 0.12 ms at 500 tokens and 0.4 ms at
 2,000 (1–4% of a SmolLM2-135M step on the project's CPU, paid on every plain step).
+
+How far to trust a match: the longer the context's suffix agrees with the text before the match
+(`Match.length`, counted back past the n-gram that found it), the likelier the copy goes on.
+`continuation_chances` is that, measured: under greedy decoding a match of L tokens goes on for one
+more with probability 1 − 1.45 / (L + 1.1) — 0.54 at L = 2, 0.87 at 10, 0.98 at 64 (a maximum-
+likelihood fit over 4,425 lookups in SmolLM2-135M-Instruct's own answers to 34 prompts of the
+training sources, never a benchmark prompt; its answers to the benchmark prompts give 1.45 and 1.2).
+After k accepted drafts the match is k tokens longer, so the k + 1-th draft is judged at L + k.
 """
 
 from __future__ import annotations
@@ -31,6 +39,27 @@ class LookupConfig(_JsonMixin):
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ConfigError("lookup needs 1 <= min_ngram <= max_ngram")
+
+
+# The fit above: P(a match of `length` tokens breaks at the next token) = MISS_SCALE / (length + MISS_OFFSET).
+MISS_SCALE, MISS_OFFSET = 1.45, 1.1
+MATCH_REACH = 64  # a match is measured back this far at most: beyond, it changes the chances by < 2%
+
+
+@dataclass(frozen=True)
+class Match:
+    """Where the context's continuation is copied from: `start`, the position after the earlier
+    occurrence of the suffix, and `length`, how many tokens before `start` agree with the suffix
+    (at least the n-gram that found it, at most `MATCH_REACH`)."""
+
+    start: int
+    length: int
+
+
+def continuation_chances(length: int, num_drafts: int) -> list[float]:
+    """[j]: the chance that draft j + 1 copied from a match of `length` tokens is right, drafts
+    1 … j having been (the module's fit, under greedy decoding)."""
+    return [max(0.0, 1.0 - MISS_SCALE / (length + j + MISS_OFFSET)) for j in range(num_drafts)]
 
 
 def lookup_drafts(tokens: list[int] | torch.Tensor, max_drafts: int, config: LookupConfig) -> list[int]:
@@ -72,20 +101,43 @@ class LookupIndex:
 
     def drafts(self, tokens: list[int] | torch.Tensor, max_drafts: int) -> list[int]:
         """`lookup_drafts(tokens, max_drafts, config)`."""
+        tokens = self._indexed(tokens)
+        match = self._match(tokens)
+        if match is None:
+            return []
+        length = len(tokens)
+        drafts: list[int] = []  # the match's continuation, copied like LZ77 (see lookup_drafts)
+        for j in range(match.start, match.start + max_drafts):
+            drafts.append(tokens[j] if j < length else drafts[j - length])
+        return drafts
+
+    def match(self, tokens: list[int] | torch.Tensor) -> Match | None:
+        """The match `drafts` copies from (the latest occurrence of the longest suffix n-gram), with
+        its length counted back; None where `drafts` finds none."""
+        tokens = self._indexed(tokens)
+        match = self._match(tokens)
+        if match is None:
+            return None
+        length, end = len(tokens), match.start
+        agree = match.length
+        while agree < min(end, MATCH_REACH) and tokens[end - 1 - agree] == tokens[length - 1 - agree]:
+            agree += 1
+        return Match(end, agree)
+
+    def _indexed(self, tokens: list[int] | torch.Tensor) -> list[int]:
         tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         if tokens[:len(self.tokens)] != self.tokens:
             self.reset()
         self._extend(tokens)
-        length = len(tokens)
-        for n in range(min(self.config.max_ngram, length - 1), self.config.min_ngram - 1, -1):
+        return tokens
+
+    def _match(self, tokens: list[int]) -> Match | None:
+        """The latest occurrence of the longest suffix n-gram; `length` is the n-gram's."""
+        for n in range(min(self.config.max_ngram, len(tokens) - 1), self.config.min_ngram - 1, -1):
             found = self.latest[n].get(tuple(tokens[-n:]))
             if found is not None:
-                start = found + n  # continuation of the latest match, copied like LZ77 (see lookup_drafts)
-                drafts: list[int] = []
-                for j in range(start, start + max_drafts):
-                    drafts.append(tokens[j] if j < length else drafts[j - length])
-                return drafts
-        return []
+                return Match(found + n, n)
+        return None
 
     def _extend(self, tokens: list[int]) -> None:
         """Index the n-grams of tokens[:-1] that the last call's tokens[:-1] did not hold."""

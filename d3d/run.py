@@ -74,6 +74,7 @@ class Run:
         self.on_commit = on_commit
         self.source, self.drafts, self.draft_probs = "none", _no_drafts(target.device), None
         self.call: DrafterCall | None = None  # the drafter pass `plan` left to its caller
+        self.chances: list[float] | None = None  # what the drafting source said of its drafts (`d3d.gate`)
         self.piece_end = 0  # where the prompt piece `plan` chose ends
 
     @property
@@ -102,15 +103,18 @@ class Run:
                 self.sequence.prompt_length, self.prefilled + max(1, prefill_rows))
             return None
         started = time.perf_counter()
-        self.source, proposal = "none", None
+        self.source, proposal, self.chances = "none", None, None
         for source in self.sources:
             # Never draft past the length limit: the bonus token always needs one slot.
             wanted = min(source.max_drafts, self.sequence.room - 1)
+            chances = None
             if self.gate is not None:
                 pending = source.pending(tokens) if hasattr(source, "pending") else 0
-                wanted = self.gate.num_drafts(source.name, wanted, len(tokens), pending, crowd)
+                chances = source.chances(tokens, wanted) if hasattr(source, "chances") and wanted > 0 else None
+                wanted = self.gate.num_drafts(source.name, wanted, len(tokens), pending, crowd, chances)
             if wanted <= 0:
                 continue
+            self.chances = chances
             if isinstance(source, DrafterSource):  # it always proposes: the call ends the search
                 self.source, self.call = source.name, DrafterCall(source, tokens, wanted, self.config.sampling,
                                                                   self.generator)
@@ -172,7 +176,7 @@ class Run:
             sequence.stats.draft_seconds += states.take_seconds()  # the readers' work is drafting work
         sequence.stats.verify_seconds += seconds + time.perf_counter() - started
         if self.gate is not None:
-            self.gate.record(self.source, len(self.drafts), accepted, len(sequence.tokens))
+            self.gate.record(self.source, len(self.drafts), accepted, len(sequence.tokens), self.chances)
         new_tokens = self.drafts[:accepted].tolist() + [verdict.bonus_token]
         return self._committed(sequence.commit(new_tokens, len(self.drafts), accepted, self.source),
                                logits[:accepted + 1])

@@ -33,7 +33,7 @@ from d3d.config import SamplingConfig
 from d3d.costs import forward_costs
 from d3d.drafter import Drafter
 from d3d.gate import Costs
-from d3d.lookup import LookupConfig, LookupIndex
+from d3d.lookup import LookupConfig, LookupIndex, continuation_chances
 from d3d.models import Decoder
 from d3d.sampling import greedy_ids, probabilities, sample
 
@@ -75,6 +75,10 @@ class DraftSource(Protocol):
     # pass over the prompt): `pending(tokens) -> int`, the tokens its next proposal would read
     # first, and `catch_up_costs(target) -> Costs`, [0] = one such token's cost in one-token steps.
     # The gate weighs them (`SpeculationGate.catch_up`).
+    # Optional, for sources that can tell how good their next drafts are before drafting them:
+    # `chances(tokens, num_drafts) -> list[float]`, [j] the chance that draft j + 1 is accepted once
+    # drafts 1 … j are, under greedy decoding ([] when it has nothing to propose). The gate weighs
+    # them, scaled by how they fared on this request (`SpeculationGate.num_drafts`).
 
 
 def drafts_from_logits(block_logits: torch.Tensor, sampling: SamplingConfig,
@@ -106,6 +110,12 @@ class LookupSource:
     def start(self, max_length: int, device: torch.device) -> None:
         self.device = device
         self.index.reset()
+
+    def chances(self, tokens: list[int], num_drafts: int) -> list[float]:
+        """How likely each of the next drafts is to be right, from the length of the match they
+        would be copied from (`d3d.lookup.continuation_chances`); [] without a match."""
+        match = self.index.match(tokens)
+        return [] if match is None else continuation_chances(match.length, num_drafts)
 
     def propose(self, tokens: list[int], num_drafts: int, sampling: SamplingConfig,
                 generator: torch.Generator) -> Proposal | None:

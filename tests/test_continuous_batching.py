@@ -140,11 +140,11 @@ def test_with_nothing_waiting_only_the_runs_the_batch_waits_on_draft(models, mon
     offers = []  # (run index, waited on, its tokens left, the other's)
     num_drafts = SpeculationGate.num_drafts
 
-    def spy(gate, source, max_drafts, context=0, pending=0, crowd=None):
+    def spy(gate, source, max_drafts, context=0, pending=0, crowd=None, chances=None):
         if crowd is not None:
             i = next(j for j, run in enumerate(runs) if run.gate is gate)  # dataclasses: == compares fields
             offers.append((i, crowd.waited_on, runs[i].sequence.room, runs[1 - i].sequence.room))
-        return num_drafts(gate, source, max_drafts, context, pending, crowd)
+        return num_drafts(gate, source, max_drafts, context, pending, crowd, chances)
 
     monkeypatch.setattr(SpeculationGate, "num_drafts", spy)
     batch = Batch(target, backlog=lambda: waiting)

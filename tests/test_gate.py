@@ -11,6 +11,7 @@ from conftest import make_decoder, tiny_config
 from d3d.drafter import Drafter
 from d3d.costs import fill_in, forward_costs
 from d3d.gate import ByContext, Crowd, SpeculationGate
+from d3d.lookup import continuation_chances
 
 
 def linear(per_draft: float, drafts: int = 15) -> list[float]:
@@ -334,3 +335,47 @@ def test_a_compute_bound_batch_stops_drafting_and_a_memory_bound_one_does_not():
     assert Crowd(40, 0.0, (0.0, 1.0, 1.5, 2.0)).cost(40) == pytest.approx(1.0 + 39 * 0.5)
     flat_ahead = Crowd(16, 15.0, flat, waited_on=False)  # a run the batch does not wait on: never drafts
     assert gate.best_drafts("drafter", 7, crowd=flat_ahead) == gate.num_drafts("drafter", 7, crowd=flat_ahead) == 0
+
+
+# -- a source that tells its chances (context lookup, by its match's length) ---------------------
+
+def test_a_long_match_drafts_far_at_once_and_a_short_one_cautiously():
+    """With the chances a source gives, the gate weighs them, not the source's running averages:
+    after a verdict of 15 drafts all missed, each match drafts the k whose expected tokens per cost
+    are best under its chances — a 40-token match 14 (at 0.2 steps a draft), a 2-token match 2; a
+    source with nothing to propose ([]) is not even tried."""
+    costs = ByContext((256,), (tuple(linear(0.2)),))
+    gate = SpeculationGate({"lookup": [0.0]}, costs)
+    gate.record("lookup", 15, 0)  # the averages alone: lookup does not pay now
+    assert gate.num_drafts("lookup", 15, 256) == 0
+
+    def best(length: int) -> int:
+        def rate(k: int) -> float:
+            reach, tokens = 1.0, 1.0
+            for alpha in continuation_chances(length, 15)[:k]:
+                reach *= alpha
+                tokens += reach
+            return tokens / linear(0.2)[k]
+        return max(range(1, 16), key=rate)
+
+    assert gate.num_drafts("lookup", 15, 256, chances=continuation_chances(40, 15)) == best(40) == 14
+    assert gate.num_drafts("lookup", 15, 256, chances=continuation_chances(2, 15)) == best(2) == 2
+    for step in range(100):  # however long since it last drafted: [] is no try
+        assert gate.num_drafts("lookup", 15, 256, chances=[]) == 0
+        gate.record("none", 0, 0)
+
+
+def test_chances_that_keep_missing_are_scaled_down():
+    """Drafts judged likely that miss (sampled text, say) raise the source's miss scale, and it
+    drafts less for the same match; drafts that hit bring it back."""
+    costs = linear(0.12)
+    gate = SpeculationGate({"lookup": [0.0]}, costs)
+    chances = continuation_chances(12, 15)
+    assert gate.miss_scale("lookup") == 1.0
+    far = gate.num_drafts("lookup", 15, chances=chances)
+    for _ in range(6):
+        gate.record("lookup", 4, 0, chances=chances)
+    assert gate.miss_scale("lookup") > 3 and gate.num_drafts("lookup", 15, chances=chances) < far
+    for _ in range(30):
+        gate.record("lookup", 4, 4, chances=chances)
+    assert gate.miss_scale("lookup") < 1 and gate.num_drafts("lookup", 15, chances=chances) >= far

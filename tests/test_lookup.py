@@ -13,7 +13,7 @@ from conftest import make_decoder, make_oracle, tiny_config
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
 from d3d.engine import reference_generate, speculative_generate
-from d3d.lookup import LookupConfig, LookupIndex, lookup_drafts
+from d3d.lookup import MATCH_REACH, LookupConfig, LookupIndex, Match, continuation_chances, lookup_drafts
 
 
 def tokens_of(steps) -> list[int]:
@@ -293,3 +293,32 @@ def test_sampling_with_lookup_drafts_keeps_target_distribution(small_vocab_targe
         assert tv(empirical.sum(2), pair12) < tv_bound(pair12, NUM_SEEDS)
         assert tv(empirical.sum(0), pair23) < tv_bound(pair23, NUM_SEEDS)
         assert tv(empirical.sum((0, 1)), marginal3) < tv_bound(marginal3, NUM_SEEDS)
+
+
+# -- how far a match goes back, and what that says of its drafts ---------------------------------
+
+def test_a_match_is_measured_back_past_its_ngram():
+    """`LookupIndex.match`: the continuation `drafts` copies starts where the match says, and its
+    length counts every token before it that agrees with the context's end, not only the n-gram
+    that found it — up to MATCH_REACH; no match, None."""
+    config = LookupConfig(max_ngram=2, min_ngram=2)
+    tokens = [9, 5, 6, 7, 8, 1, 5, 6, 7, 8]  # [5, 6, 7, 8] repeats: found by [7, 8], 4 tokens agree
+    match = LookupIndex(config).match(tokens)
+    assert match == Match(start=5, length=4)
+    assert LookupIndex(config).drafts(tokens, 3) == tokens[match.start:match.start + 3] == [1, 5, 6]
+    assert LookupIndex(config).match([1, 2, 3, 4]) is None
+    loop = [3, 4] * 100  # agrees back to the start, but is counted to MATCH_REACH only
+    assert LookupIndex(config).match(loop) == Match(start=len(loop) - 2, length=MATCH_REACH)
+    grown = LookupIndex(config)  # the index follows a growing sequence
+    assert grown.match(tokens[:6]) is None and grown.match(tokens) == Match(5, 4)
+
+
+def test_longer_matches_and_later_drafts_are_likelier():
+    """The fitted chances rise with the match's length, and each draft is judged as a match one
+    longer than the draft before it: a 2-token match's first draft is a coin toss, a 40-token
+    match's fifteenth is right ~97% of the time."""
+    two, forty = continuation_chances(2, 15), continuation_chances(40, 15)
+    assert len(two) == len(forty) == 15
+    assert two == sorted(two) and forty == sorted(forty) and all(a < b for a, b in zip(two, forty))
+    assert 0.5 < two[0] < 0.56 and 0.96 < forty[-1] < 0.99
+    assert continuation_chances(5, 4)[1:] == continuation_chances(6, 3)  # one accepted draft: one longer

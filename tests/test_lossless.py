@@ -49,7 +49,7 @@ from d3d.costs import forward_costs
 from d3d.drafter import Drafter
 from d3d.engine import reference_generate, speculative_generate
 from d3d.gate import SpeculationGate
-from d3d.lookup import LookupConfig, lookup_drafts
+from d3d.lookup import LookupConfig, LookupIndex, continuation_chances, lookup_drafts
 from d3d.sampling import probabilities
 from d3d.verify import Verdict
 
@@ -327,7 +327,9 @@ def speculative_law(target, drafter: Drafter, bug: str | None, lookup: LookupCon
             law[tuple(tokens[len(PROMPT):])] += mass
             return
         num_drafts = min(drafter.block_size - 1, room - 1)
-        wanted = num_drafts if gate is None else gate.num_drafts("lookup", num_drafts)
+        match = LookupIndex(lookup).match(tokens) if lookup is not None else None
+        chances = [] if match is None else continuation_chances(match.length, num_drafts)  # as LookupSource's
+        wanted = num_drafts if gate is None else gate.num_drafts("lookup", num_drafts, chances=chances)
         found = lookup_drafts(tokens, wanted, lookup) if lookup is not None and wanted > 0 else []
         wanted = num_drafts if gate is None else gate.num_drafts("drafter", num_drafts)
         source = "lookup" if found else "drafter" if wanted > 0 else "none"
@@ -341,7 +343,7 @@ def speculative_law(target, drafter: Drafter, bug: str | None, lookup: LookupCon
         def next_step(committed: list[int], mass: float, num_accepted: int) -> None:
             after = copy.deepcopy(gate)
             if after is not None:
-                after.record(source, drawn.shape[0], num_accepted)
+                after.record(source, drawn.shape[0], num_accepted, chances=chances if found else None)
             step(committed, mass, after)
         judge(tokens, drawn, told, mass, next_step)
 
