@@ -15,10 +15,12 @@ context length; lookup itself is free):
 It prints tokens committed per one-token step of cost for each (plain decoding: 1.0), and with
 `--fit` the maximum-likelihood fit of P(a match of L tokens breaks at the next token) = c / (L + d)
 over every lookup along the answers (the module's constants were fitted on `--prompts training`).
-Lookup alone, no drafter. The answers are kept in `--answers` (a JSON file; reused when present).
+Lookup alone, no drafter. The answers are kept in `--answers` (a JSON file, reused when present;
+by default under runs/lookup-policy/, named by the prompts asked for).
 
 Usage: python scripts/lookup_policy.py [--prompts bench|training] [--datasets humaneval,mtbench,math500]
                                        [--num-prompts 16] [--max-new-tokens 256] [--answers FILE] [--fit]
+(the docs' figures: the defaults; --datasets long4k --num-prompts 4; --prompts training --num-prompts 34 --fit)
 """
 
 import argparse
@@ -91,7 +93,9 @@ def replay(run: dict, verify: ByContext, policy: str) -> tuple[int, float]:
         elif policy == "perfect":
             chances = None
             drafts = source.index.drafts(tokens, wanted)
-            k = max(range(wanted + 1), key=lambda k: (common_prefix(drafts[:k], future) + 1) / costs[k]) if drafts else 0
+            def rate(k: int) -> float:
+                return (common_prefix(drafts[:k], future) + 1) / costs[k]
+            k = max(range(wanted + 1), key=rate) if drafts else 0
         else:
             chances = source.chances(tokens, wanted) if policy == "chances" else None
             k = gate.num_drafts("lookup", wanted, len(tokens), 0, None, chances)
@@ -129,9 +133,13 @@ def main() -> None:
     parser.add_argument("--datasets", default="humaneval,mtbench,math500", help="with --prompts bench")
     parser.add_argument("--num-prompts", type=int, default=16, help="per dataset (bench), in all (training: 34)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--answers", default="runs/lookup-policy/answers.json")
+    parser.add_argument("--answers", default="",
+                        help="where the answers are kept (default: runs/lookup-policy/, named by the options)")
     parser.add_argument("--fit", action="store_true", help=f"also fit the chances (matches counted to {MATCH_REACH})")
     args = parser.parse_args()
+    if not args.answers:
+        which = "training" if args.prompts == "training" else args.datasets.replace(",", "-")
+        args.answers = f"runs/lookup-policy/{which}-{args.num_prompts}-{args.max_new_tokens}.json"
     kept = answers(args)
     verify = ByContext(tuple(kept["verify"]["contexts"]), tuple(tuple(row) for row in kept["verify"]["rows"]))
     for policy in ("averages", "chances", "perfect"):
