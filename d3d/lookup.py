@@ -14,7 +14,7 @@ microseconds per step at any length, where the search took 0.12 ms at 500 tokens
 How far to trust a match: the longer the context's suffix agrees with the text before the match
 (`Match.length`, counted back past the n-gram that found it), the likelier the copy goes on.
 `continuation_chances` is that, measured: under greedy decoding a match of L tokens goes on for one
-more with probability 1 − 1.45 / (L + 1.1) — 0.54 at L = 2, 0.87 at 10, 0.98 at 64 (a maximum-
+more with probability 1 − 1.45 / (L + 1.1) — 0.53 at L = 2, 0.87 at 10, 0.98 at 64 (a maximum-
 likelihood fit over 4,425 lookups in SmolLM2-135M-Instruct's own answers to 34 prompts of the
 training sources, never a benchmark prompt; its answers to the benchmark prompts give 1.45 and 1.2).
 After k accepted drafts the match is k tokens longer, so the k + 1-th draft is judged at L + k.
