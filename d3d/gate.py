@@ -227,16 +227,16 @@ class SpeculationGate:
                chances: Sequence[float] | None = None) -> None:
         """After a verification after `context` tokens: drafts 1..num_accepted were accepted, the
         next one (if any) rejected; `chances`: what the source said of them, if it did."""
-        if source in self.draft_costs and num_drafted and chances:
-            judged = min(num_drafted, num_accepted + 1)  # the drafts verification looked at
-            seen, predicted = self.calibration.get(source, (0.5, 0.5))
-            missed = 1.0 if num_accepted < num_drafted else 0.0
-            expected = sum(1.0 - chances[min(i, len(chances) - 1)] for i in range(judged))
-            self.calibration[source] = ((1 - self.weight) * seen + self.weight * missed,
-                                        (1 - self.weight) * predicted + self.weight * expected)
         if source in self.draft_costs and num_drafted:
+            judged = min(num_drafted, num_accepted + 1)  # the drafts verification looked at
+            if chances:
+                seen, predicted = self.calibration.get(source, (0.5, 0.5))
+                missed = 1.0 if num_accepted < num_drafted else 0.0
+                expected = sum(1.0 - chances[min(i, len(chances) - 1)] for i in range(judged))
+                self.calibration[source] = ((1 - self.weight) * seen + self.weight * missed,
+                                            (1 - self.weight) * predicted + self.weight * expected)
             alphas = self.acceptance.setdefault(source, [])
-            for i in range(min(num_drafted, num_accepted + 1)):
+            for i in range(judged):
                 accepted = 1.0 if i < num_accepted else 0.0
                 if i < len(alphas):
                     alphas[i] = (1 - self.weight) * alphas[i] + self.weight * accepted
