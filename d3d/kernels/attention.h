@@ -447,19 +447,25 @@ static inline float ROW_MAX(const float *row, int64_t S) {
 }
 #elif defined(D3D_AVX2)
 #define QUERY_CHUNK 6  /* 6 queries x 2 halves of the tile: 12 chains */
-#define SCORE_CHAINS(kt, qs, D, acc, chunk)                                                          \
+#define SCORE_CHAINS_OF(kt, qs, D, acc, C)                                                           \
     do {                                                                                             \
-        v8 a_[QUERY_CHUNK][2];                                                                       \
-        for (int i_ = 0; i_ < QUERY_CHUNK; i_++) a_[i_][0] = a_[i_][1] = v8_zero();                  \
+        v8 a_[C][2];                                                                                 \
+        for (int i_ = 0; i_ < (C); i_++) a_[i_][0] = a_[i_][1] = v8_zero();                          \
         for (int64_t d = 0; d < (D); d++) {                                                          \
             v8 lo_ = v8_load_reg((kt)[d]), hi_ = v8_load_reg((kt)[d] + 8);  /* each loaded once */     \
-            for (int i_ = 0; i_ < QUERY_CHUNK; i_++) {                                               \
+            for (int i_ = 0; i_ < (C); i_++) {                                                       \
                 v8 q_ = v8_splat_reg(&(qs)[i_ * (D) + d]);                                           \
                 a_[i_][0] = v8_fma(q_, lo_, a_[i_][0]);                                              \
                 a_[i_][1] = v8_fma(q_, hi_, a_[i_][1]);                                              \
             }                                                                                        \
         }                                                                                            \
-        for (int i_ = 0; i_ < QUERY_CHUNK; i_++) v8_store((acc)[i_], a_[i_][0]), v8_store((acc)[i_] + 8, a_[i_][1]); \
+        for (int i_ = 0; i_ < (C); i_++) v8_store((acc)[i_], a_[i_][0]), v8_store((acc)[i_] + 8, a_[i_][1]); \
+    } while (0)
+/* a chunk of at most half runs half the chains (the rest would be queries of zeros) */
+#define SCORE_CHAINS(kt, qs, D, acc, chunk)                                                          \
+    do {                                                                                             \
+        if ((chunk) <= QUERY_CHUNK / 2) SCORE_CHAINS_OF(kt, qs, D, acc, QUERY_CHUNK / 2);            \
+        else SCORE_CHAINS_OF(kt, qs, D, acc, QUERY_CHUNK);                                           \
     } while (0)
 #define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out)                                           \
     for (int64_t d = 0; d < (D); d++) (out)[d] = (live) ? LOAD((qr)[d]) * (scale) : 0.0f;
