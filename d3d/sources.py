@@ -33,7 +33,7 @@ from d3d.config import SamplingConfig
 from d3d.costs import forward_costs
 from d3d.drafter import Drafter
 from d3d.gate import Costs
-from d3d.lookup import LookupConfig, LookupIndex, continuation_chances
+from d3d.lookup import LookupConfig, LookupIndex
 from d3d.models import Decoder
 from d3d.sampling import greedy_ids, probabilities, sample
 
@@ -112,10 +112,9 @@ class LookupSource:
         self.index.reset()
 
     def chances(self, tokens: list[int], num_drafts: int) -> list[float]:
-        """How likely each of the next drafts is to be right, from the length of the match they
-        would be copied from (`d3d.lookup.continuation_chances`); [] without a match."""
-        match = self.index.match(tokens)
-        return [] if match is None else continuation_chances(match.length, num_drafts)
+        """How likely each of the next drafts is to be right, from the match they would be copied
+        from (`d3d.lookup.LookupIndex.chances`); [] without a match."""
+        return self.index.chances(tokens, num_drafts)
 
     def propose(self, tokens: list[int], num_drafts: int, sampling: SamplingConfig,
                 generator: torch.Generator) -> Proposal | None:

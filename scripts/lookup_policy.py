@@ -34,7 +34,7 @@ import torch
 from d3d.costs import forward_costs
 from d3d.gate import ByContext, SpeculationGate
 from d3d.generation import Pipeline
-from d3d.lookup import MATCH_REACH, LookupConfig, LookupIndex
+from d3d.lookup import MATCH_REACH, MISS_FIT, LookupConfig, LookupIndex
 from d3d.prompts import load_dataset, sample_prompts
 from d3d.sources import LOOKUP_MAX_DRAFTS, LookupSource, common_prefix, default_sources, verify_reach
 
@@ -107,9 +107,10 @@ def replay(run: dict, verify: ByContext, policy: str) -> tuple[int, float]:
     return len(output) - 1, cost
 
 
-def fit(runs: list[dict]) -> tuple[int, float, float]:
-    """(lookups, c, d): P(a match of L tokens breaks at the next token) = c / (L + d), by maximum likelihood."""
-    points = []
+def fit(runs: list[dict]) -> dict[str, tuple[int, float, float]]:
+    """By precedent (and over all lookups, "any"): (lookups, c, d), P(a match of L tokens breaks at
+    the next token) = c / (L + d), by maximum likelihood."""
+    points: dict[str, list[tuple[int, bool]]] = {precedent: [] for precedent in MISS_FIT}
     for run in runs:
         prompt, output = run["prompt"], run["output"]
         index = LookupIndex(LookupConfig())
@@ -117,14 +118,19 @@ def fit(runs: list[dict]) -> tuple[int, float, float]:
             tokens = prompt + output[:position]
             match = index.match(tokens)
             if match is not None:
-                points.append((match.length, tokens[match.start] == output[position]))
+                point = (match.length, tokens[match.start] == output[position])
+                points["any"].append(point)
+                points[index.precedent(tokens)].append(point)
 
-    def likelihood(c: float, d: float) -> float:
-        return sum(math.log(1 - min(0.999, c / (length + d))) if right else math.log(min(0.999, c / (length + d)))
-                   for length, right in points)
+    def likelihood(some: list[tuple[int, bool]], c: float, d: float) -> float:
+        chance = [min(0.999, max(0.001, c / (length + d))) if length + d > 0 else 0.999 for length, _ in some]
+        return sum(math.log(1 - p) if right else math.log(p) for p, (_, right) in zip(chance, some))
 
-    c, d = max(((c / 20, d / 10) for c in range(10, 60) for d in range(0, 40)), key=lambda cd: likelihood(*cd))
-    return len(points), c, d
+    fits = {}
+    for precedent, some in points.items():
+        grid = ((c / 20, d / 10) for c in range(1, 160) for d in range(0, 60))
+        fits[precedent] = (len(some), *max(grid, key=lambda cd: likelihood(some, *cd)))
+    return fits
 
 
 def main() -> None:
@@ -146,8 +152,8 @@ def main() -> None:
         tokens, cost = map(sum, zip(*(replay(run, verify, policy) for run in kept["runs"])))
         print(f"{policy:9s} {tokens / cost:.4f} tokens per one-token step of cost ({tokens} tokens)")
     if args.fit:
-        lookups, c, d = fit(kept["runs"])
-        print(f"fit over {lookups} lookups: P(miss) = {c} / (L + {d})")
+        for precedent, (lookups, c, d) in fit(kept["runs"]).items():
+            print(f"fit, precedent {precedent!r}, {lookups} lookups: P(miss) = {c} / (L + {d})")
 
 
 if __name__ == "__main__":

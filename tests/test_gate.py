@@ -342,24 +342,26 @@ def test_a_compute_bound_batch_stops_drafting_and_a_memory_bound_one_does_not():
 def test_a_long_match_drafts_far_at_once_and_a_short_one_cautiously():
     """With the chances a source gives, the gate weighs them, not the source's running averages:
     after a verdict of 15 drafts all missed, each match drafts the k whose expected tokens per cost
-    are best under its chances — a 40-token match 14 (at 0.2 steps a draft), a 2-token match 2; a
-    source with nothing to propose ([]) is not even tried."""
+    are best under its chances — at 0.2 steps a draft, a 40-token match 14, a 2-token match 2, or 3
+    where its n-gram always went on alike before and 1 where it went on differently; a source with
+    nothing to propose ([]) is not even tried."""
     costs = ByContext((256,), (tuple(linear(0.2)),))
     gate = SpeculationGate({"lookup": [0.0]}, costs)
     gate.record("lookup", 15, 0)  # the averages alone: lookup does not pay now
     assert gate.num_drafts("lookup", 15, 256) == 0
 
-    def best(length: int) -> int:
+    def best(length: int, precedent: str) -> int:
         def rate(k: int) -> float:
             reach, tokens = 1.0, 1.0
-            for alpha in continuation_chances(length, 15)[:k]:
+            for alpha in continuation_chances(length, 15, precedent)[:k]:
                 reach *= alpha
                 tokens += reach
             return tokens / linear(0.2)[k]
         return max(range(1, 16), key=rate)
 
-    assert gate.num_drafts("lookup", 15, 256, chances=continuation_chances(40, 15)) == best(40) == 14
-    assert gate.num_drafts("lookup", 15, 256, chances=continuation_chances(2, 15)) == best(2) == 2
+    for length, precedent, drafts in ((40, "any", 14), (2, "any", 2), (2, "agreed", 3), (2, "split", 1)):
+        chances = continuation_chances(length, 15, precedent)
+        assert gate.num_drafts("lookup", 15, 256, chances=chances) == best(length, precedent) == drafts
     for step in range(100):  # however long since it last drafted: [] is no try
         assert gate.num_drafts("lookup", 15, 256, chances=[]) == 0
         gate.record("none", 0, 0)

@@ -13,7 +13,8 @@ from conftest import make_decoder, make_oracle, tiny_config
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig
 from d3d.drafter import Drafter
 from d3d.engine import reference_generate, speculative_generate
-from d3d.lookup import MATCH_REACH, LookupConfig, LookupIndex, Match, continuation_chances, lookup_drafts
+from d3d.lookup import (MATCH_REACH, LookupConfig, LookupIndex, Match, continuation_chance, continuation_chances,
+                        lookup_drafts)
 
 
 def tokens_of(steps) -> list[int]:
@@ -84,10 +85,21 @@ def test_tensor_and_list_inputs_agree():
     assert lookup_drafts(torch.tensor(tokens), 7, config) == lookup_drafts(tokens, 7, config) == [6, 4, 5, 6, 4, 5, 6]
 
 
+def searched_precedent(tokens: list[int], config: LookupConfig) -> str:
+    """`LookupIndex.precedent` by a search: the longest suffix n-gram seen before the last token, and
+    the tokens that followed each of its occurrences."""
+    for n in range(min(config.max_ngram, len(tokens)), config.min_ngram - 1, -1):
+        followers = [tokens[s + n] for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if followers:
+            return "once" if len(followers) == 1 else "agreed" if len(set(followers)) == 1 else "split"
+    return "once"
+
+
 @pytest.mark.parametrize("ngrams", [(1, 1), (2, 4), (1, 3), (3, 3)])
 def test_the_index_drafts_what_the_search_drafts(ngrams):
     """`LookupIndex` on sequences growing by 1–16 tokens a call (a small vocabulary, so matches
-    and loops abound), restarting with other sequences: the very drafts `lookup_drafts` finds."""
+    and loops abound), restarting with other sequences: the very drafts `lookup_drafts` finds, and
+    the precedent a search finds."""
     config = LookupConfig(min_ngram=ngrams[0], max_ngram=ngrams[1])
     index = LookupIndex(config)
     generator = torch.Generator().manual_seed(sum(ngrams))
@@ -99,6 +111,7 @@ def test_the_index_drafts_what_the_search_drafts(ngrams):
             max_drafts = int(torch.randint(1, 16, (1,), generator=generator))
             drafts = index.drafts(tokens, max_drafts)
             assert drafts == lookup_drafts(tokens, max_drafts, config)
+            assert index.precedent(tokens) == searched_precedent(tokens, config)
             found += bool(drafts)
             tokens = tokens + torch.randint(0, 5, (int(torch.randint(1, 17, (1,), generator=generator)),),
                                             generator=generator).tolist()
@@ -322,3 +335,19 @@ def test_longer_matches_and_later_drafts_are_likelier():
     assert two == sorted(two) and forty == sorted(forty) and all(a < b for a, b in zip(two, forty))
     assert 0.5 < two[0] < 0.56 and 0.96 < forty[-1] < 0.99
     assert continuation_chances(5, 4)[1:] == continuation_chances(6, 3)  # one accepted draft: one longer
+
+
+def test_an_ngram_that_always_went_on_alike_is_trusted_and_one_that_split_is_not():
+    """The first draft's chance comes from the precedent of the n-gram before it — [1, 2, 3] went on
+    with 4 all three times (agreed), [1, 2, 3, 4] with 9, 9 and 7 (split) —, the later drafts' from
+    the match's length plus the drafts before them."""
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 3, 4, 7, 1, 2, 3]
+    index = LookupIndex(LookupConfig())
+    assert index.match(tokens) == Match(start=13, length=3) and index.drafts(tokens, 4) == [4, 7, 1, 2]
+    assert index.precedent(tokens) == "agreed" and index.precedent([1, 2, 3, 4]) == "split"
+    assert index.chances(tokens, 4) == [continuation_chance(3, "agreed"), continuation_chance(4, "any"),
+                                        continuation_chance(5, "any"), continuation_chance(6, "any")]
+    assert index.chances(tokens[:-3] + [1, 2, 3, 4], 2)[0] == continuation_chance(4, "split")
+    assert index.chances([5, 6, 7], 3) == []  # no match
+    two = {precedent: continuation_chance(2, precedent) for precedent in ("agreed", "once", "split")}
+    assert 0.8 < two["agreed"] < 0.87 and 0.5 < two["once"] < 0.56 and 0.25 < two["split"] < 0.31

@@ -49,7 +49,7 @@ from d3d.costs import forward_costs
 from d3d.drafter import Drafter
 from d3d.engine import reference_generate, speculative_generate
 from d3d.gate import SpeculationGate
-from d3d.lookup import LookupConfig, LookupIndex, continuation_chances, lookup_drafts
+from d3d.lookup import LookupConfig, LookupIndex, lookup_drafts
 from d3d.sampling import probabilities
 from d3d.verify import Verdict
 
@@ -327,8 +327,7 @@ def speculative_law(target, drafter: Drafter, bug: str | None, lookup: LookupCon
             law[tuple(tokens[len(PROMPT):])] += mass
             return
         num_drafts = min(drafter.block_size - 1, room - 1)
-        match = LookupIndex(lookup).match(tokens) if lookup is not None else None
-        chances = [] if match is None else continuation_chances(match.length, num_drafts)  # as LookupSource's
+        chances = LookupIndex(lookup).chances(tokens, num_drafts) if lookup is not None else []  # as LookupSource's
         wanted = num_drafts if gate is None else gate.num_drafts("lookup", num_drafts, chances=chances)
         found = lookup_drafts(tokens, wanted, lookup) if lookup is not None and wanted > 0 else []
         wanted = num_drafts if gate is None else gate.num_drafts("drafter", num_drafts)
