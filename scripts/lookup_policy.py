@@ -128,7 +128,7 @@ def fit(runs: list[dict]) -> dict[str, tuple[int, float, float]]:
 
     fits = {}
     for precedent, some in points.items():
-        grid = ((c / 20, d / 10) for c in range(1, 160) for d in range(0, 60))
+        grid = ((c / 20, d / 10) for c in range(1, 160) for d in range(0, 100))
         fits[precedent] = (len(some), *max(grid, key=lambda cd: likelihood(some, *cd)))
     return fits
 
