@@ -8,19 +8,23 @@ context length; lookup itself is free):
 
 - `averages`: the gate weighing lookup by its running acceptance averages (before lookup told its
   chances);
-- `chances`: the gate weighing the chances lookup gives from its match's length (`d3d.lookup`), as
-  the engine now does;
+- `chances`: the gate weighing the chances lookup gives from its match's length and its n-gram's
+  precedent (`d3d.lookup`), as the engine now does;
 - `perfect`: each step the k with the most accepted tokens per cost, known in advance (a bound).
 
 It prints tokens committed per one-token step of cost for each (plain decoding: 1.0), and with
-`--fit` the maximum-likelihood fit of P(a match of L tokens breaks at the next token) = c / (L + d)
-over every lookup along the answers (the module's constants were fitted on `--prompts training`).
+`--fit` the maximum-likelihood fits of P(a match of L tokens breaks at the next token) = c / (L + d)
+over every lookup along the answers, by the precedent of the match's n-gram and over all (the
+module's constants were fitted on `--prompts training`); `--plot` draws the first drafts' hit rates
+by match length and precedent beside the module's curves.
 Lookup alone, no drafter. The answers are kept in `--answers` (a JSON file, reused when present;
 by default under runs/lookup-policy/, named by the prompts asked for).
 
 Usage: python scripts/lookup_policy.py [--prompts bench|training] [--datasets humaneval,mtbench,math500]
                                        [--num-prompts 16] [--max-new-tokens 256] [--answers FILE] [--fit]
-(the docs' figures: the defaults; --datasets long4k --num-prompts 4; --prompts training --num-prompts 34 --fit)
+                                       [--plot PNG]
+(the docs' figures: the defaults; --datasets long4k --num-prompts 4; --prompts training --num-prompts 34 --fit
+--plot docs/lookup-chances.png)
 """
 
 import argparse
@@ -34,7 +38,7 @@ import torch
 from d3d.costs import forward_costs
 from d3d.gate import ByContext, SpeculationGate
 from d3d.generation import Pipeline
-from d3d.lookup import MATCH_REACH, MISS_FIT, LookupConfig, LookupIndex
+from d3d.lookup import MATCH_REACH, MISS_FIT, LookupConfig, LookupIndex, continuation_chance
 from d3d.prompts import load_dataset, sample_prompts
 from d3d.sources import LOOKUP_MAX_DRAFTS, LookupSource, common_prefix, default_sources, verify_reach
 
@@ -107,9 +111,9 @@ def replay(run: dict, verify: ByContext, policy: str) -> tuple[int, float]:
     return len(output) - 1, cost
 
 
-def fit(runs: list[dict]) -> dict[str, tuple[int, float, float]]:
-    """By precedent (and over all lookups, "any"): (lookups, c, d), P(a match of L tokens breaks at
-    the next token) = c / (L + d), by maximum likelihood."""
+def lookups(runs: list[dict]) -> dict[str, list[tuple[int, bool]]]:
+    """Every lookup along the answers, (match length, first draft right), by the precedent of the
+    match's n-gram, and all of them under "any"."""
     points: dict[str, list[tuple[int, bool]]] = {precedent: [] for precedent in MISS_FIT}
     for run in runs:
         prompt, output = run["prompt"], run["output"]
@@ -121,6 +125,13 @@ def fit(runs: list[dict]) -> dict[str, tuple[int, float, float]]:
                 point = (match.length, tokens[match.start] == output[position])
                 points["any"].append(point)
                 points[index.precedent(tokens)].append(point)
+    return points
+
+
+def fit(runs: list[dict]) -> dict[str, tuple[int, float, float]]:
+    """By precedent (and over all lookups, "any"): (lookups, c, d), P(a match of L tokens breaks at
+    the next token) = c / (L + d), by maximum likelihood."""
+    points = lookups(runs)
 
     def likelihood(some: list[tuple[int, bool]], c: float, d: float) -> float:
         chance = [min(0.999, max(0.001, c / (length + d))) if length + d > 0 else 0.999 for length, _ in some]
@@ -133,6 +144,35 @@ def fit(runs: list[dict]) -> dict[str, tuple[int, float, float]]:
     return fits
 
 
+def plot(runs: list[dict], path: str, title: str) -> None:
+    """The first drafts' hit rates by match length (bins) and precedent, and the module's curves."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    bins = [(2, 2), (3, 3), (4, 4), (5, 8), (9, 16), (17, 32), (33, MATCH_REACH)]
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for (precedent, points), color in zip(lookups(runs).items(), ("black", "tab:blue", "tab:green", "tab:red")):
+        xs, ys, ns = [], [], []
+        for low, high in bins:
+            hits = [right for length, right in points if low <= length <= high]
+            if hits:
+                xs.append((low + high) / 2), ys.append(sum(hits) / len(hits)), ns.append(len(hits))
+        axes.scatter(xs, ys, s=[8 + n / 4 for n in ns], color=color, alpha=0.6)
+        lengths = range(2, MATCH_REACH + 1)
+        axes.plot(lengths, [continuation_chance(length, precedent) for length in lengths], color=color,
+                  label=f"{precedent} ({len(points)} lookups)")
+    axes.set(xscale="log", xlabel="match length L (tokens agreeing, to 64)", ylabel="first draft right",
+             ylim=(0, 1.02), title=title)
+    ticks = [2, 3, 4, 8, 16, 32, 64]
+    axes.set_xticks(ticks, [str(tick) for tick in ticks])
+    axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axes.legend(title="n-gram's precedent: fit (line), data (dots)", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", default="bench", choices=["bench", "training"])
@@ -142,6 +182,7 @@ def main() -> None:
     parser.add_argument("--answers", default="",
                         help="where the answers are kept (default: runs/lookup-policy/, named by the options)")
     parser.add_argument("--fit", action="store_true", help=f"also fit the chances (matches counted to {MATCH_REACH})")
+    parser.add_argument("--plot", default="", help="write a PNG of the first drafts' hit rates and the fits here")
     args = parser.parse_args()
     if not args.answers:
         which = "training" if args.prompts == "training" else args.datasets.replace(",", "-")
@@ -151,9 +192,11 @@ def main() -> None:
     for policy in ("averages", "chances", "perfect"):
         tokens, cost = map(sum, zip(*(replay(run, verify, policy) for run in kept["runs"])))
         print(f"{policy:9s} {tokens / cost:.4f} tokens per one-token step of cost ({tokens} tokens)")
+    if args.plot:
+        plot(kept["runs"], args.plot, f"lookups along SmolLM2-135M-Instruct's greedy answers ({Path(args.answers).stem})")
     if args.fit:
-        for precedent, (lookups, c, d) in fit(kept["runs"]).items():
-            print(f"fit, precedent {precedent!r}, {lookups} lookups: P(miss) = {c} / (L + {d})")
+        for precedent, (count, c, d) in fit(kept["runs"]).items():
+            print(f"fit, precedent {precedent!r}, {count} lookups: P(miss) = {c} / (L + {d})")
 
 
 if __name__ == "__main__":
