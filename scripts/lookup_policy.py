@@ -33,6 +33,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from d3d.costs import forward_costs
@@ -132,15 +133,18 @@ def fit(runs: list[dict]) -> dict[str, tuple[int, float, float]]:
     """By precedent (and over all lookups, "any"): (lookups, c, d), P(a match of L tokens breaks at
     the next token) = c / (L + d), by maximum likelihood."""
     points = lookups(runs)
-
-    def likelihood(some: list[tuple[int, bool]], c: float, d: float) -> float:
-        chance = [min(0.999, max(0.001, c / (length + d))) if length + d > 0 else 0.999 for length, _ in some]
-        return sum(math.log(1 - p) if right else math.log(p) for p, (_, right) in zip(chance, some))
-
+    scales = np.arange(1, 301) / 20  # c in steps of 0.05 to 15, d in steps of 0.1 to 15: the whole grid
     fits = {}
     for precedent, some in points.items():
-        grid = ((c / 20, d / 10) for c in range(1, 160) for d in range(0, 100))
-        fits[precedent] = (len(some), *max(grid, key=lambda cd: likelihood(some, *cd)))
+        lengths = np.array([length for length, _ in some], dtype=float)
+        right = np.array([r for _, r in some])
+        best, best_likelihood = (0.0, 0.0), -math.inf
+        for d in np.arange(0, 151) / 10:
+            miss = np.clip(scales[:, None] / (lengths[None, :] + d), 0.001, 0.999)
+            likelihood = np.where(right[None, :], np.log1p(-miss), np.log(miss)).sum(axis=1)
+            if likelihood.max() > best_likelihood:
+                best_likelihood, best = likelihood.max(), (float(scales[likelihood.argmax()]), float(d))
+        fits[precedent] = (len(some), *best)
     return fits
 
 
