@@ -113,8 +113,8 @@ class LookupIndex:
         self.tokens: list[int] = []  # the sequence indexed so far
         self.latest: dict[int, dict[tuple[int, ...], int]] = {
             n: {} for n in range(self.config.min_ngram, self.config.max_ngram + 1)}
-        # each n-gram's latest follower and its precedent so far ("once", "agreed", "split")
-        self.followers: dict[int, dict[tuple[int, ...], tuple[int, str]]] = {n: {} for n in self.latest}
+        # how each n-gram's occurrences so far went on: "once", "agreed" or "split" (`precedent`)
+        self.precedents: dict[int, dict[tuple[int, ...], str]] = {n: {} for n in self.latest}
 
     def drafts(self, tokens: list[int] | torch.Tensor, max_drafts: int) -> list[int]:
         """`lookup_drafts(tokens, max_drafts, config)`."""
@@ -152,9 +152,9 @@ class LookupIndex:
         "once", "agreed" or "split" ("once" where none is indexed). Read from what the last call
         indexed (the n-grams of its tokens but the last)."""
         for n in range(min(self.config.max_ngram, len(tokens)), self.config.min_ngram - 1, -1):
-            found = self.followers[n].get(tuple(tokens[-n:]))
+            found = self.precedents[n].get(tuple(tokens[-n:]))
             if found is not None:
-                return found[1]
+                return found
         return "once"
 
     def _indexed(self, tokens: list[int] | torch.Tensor) -> list[int]:
@@ -177,12 +177,11 @@ class LookupIndex:
         searched = max(len(tokens) - 1, 0)  # n-grams must end before the last token
         known = max(len(self.tokens) - 1, 0)
         for n, latest in self.latest.items():
-            followers = self.followers[n]
+            precedents = self.precedents[n]
             for start in range(max(known - n + 1, 0), searched - n + 1):
-                gram, follower = tuple(tokens[start:start + n]), tokens[start + n]
+                gram = tuple(tokens[start:start + n])
+                before = latest.get(gram)  # the previous occurrence, its follower at before + n
+                precedents[gram] = ("once" if before is None else "split" if precedents[gram] == "split"
+                                    or tokens[before + n] != tokens[start + n] else "agreed")
                 latest[gram] = start
-                before = followers.get(gram)
-                precedent = ("once" if before is None else "split" if before[1] == "split" or before[0] != follower
-                             else "agreed")
-                followers[gram] = (follower, precedent)
         self.tokens = tokens
