@@ -362,14 +362,17 @@ def tiled_cache_tensors(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor,
     return tiled, values
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (10, 2)])
 @pytest.mark.parametrize("length,mask_on", [(1, False), (2, False), (17, False), (17, True), (40, False), (40, True)])
-def test_tiled_keys_give_the_bits_of_rows(avx2, length, mask_on):
+def test_tiled_keys_give_the_bits_of_rows(avx2, length, mask_on, heads, kv_heads):
     """The AVX2 build's attention over a tiled cache's keys — a one-token step's scores, a few
     queries', a verification's and a long call's (past QUERY_BLOCK), causal and masked, on 1 and 2
-    threads — gives the bits it gives over the same keys as rows; its KV store writes them alike."""
+    threads, in chunks of every size the tiles are read in (groups of 3 and 5 query heads: 1-6) —
+    gives the bits it gives over the same keys as rows (stored transposed); its KV store writes them
+    alike."""
     assert avx2.tiles_keys(torch.bfloat16, 64) and not avx2.tiles_keys(torch.float32, 64)
     assert not avx2.tiles_keys(torch.bfloat16, 24)  # whole pairs of 8 keys' 16 values of d only
-    heads, kv_heads, keys, dim = 9, 3, 530, 64
+    keys, dim = 530, 64
     q = randn(1, length, heads, dim, seed=0, dtype=torch.bfloat16)
     k = randn(1, kv_heads, keys, dim, seed=1, dtype=torch.bfloat16, scale=3.0)
     v = randn(1, kv_heads, keys, dim, seed=2, dtype=torch.bfloat16)

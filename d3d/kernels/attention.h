@@ -533,6 +533,47 @@ static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16
     }
     for (int i = 0; i < C; i++) v8_store(acc[i], a[i][0]), v8_store(acc[i] + 8, a[i][1]);
 }
+/* SCORE_CHAINS for C ≤ QUERY_CHUNK queries straight from a tiled bf16 tile (a verification's or a
+ * prefill's chunks): the same chains, d in order, over the same widened values, without the
+ * transposed copy each chunk would otherwise read. Each pair of d is read twice from the tile (L1)
+ * — shifted up for d, masked with a constant from memory for d + 1 — so that 2C accumulators, two
+ * key vectors and a broadcast fit the 16 registers (with the mask held in a register, GCC spilled 5
+ * accumulators and every FMA of theirs waited on a store and a load). */
+static const uint32_t HIGH_HALVES[8] __attribute__((aligned(32))) = {
+    0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
+static inline __attribute__((always_inline)) v8 pair_low_reg(const uint16_t *p) {
+    return PAIR_LOW8(v8_load_reg((const float *)p));
+}
+static inline __attribute__((always_inline)) v8 pair_high_reg(const uint16_t *p) {
+#if defined(__GNUC__) && defined(__x86_64__)
+    v8 x;
+    __asm__ volatile("vmovups %1, %0\n\tvandps %2, %0, %0"
+                     : "=&x"(x) : "m"(*(const float (*)[8])p), "m"(*(const float (*)[8])HIGH_HALVES));
+    return x;
+#else
+    return PAIR_HIGH8(v8_load((const float *)p));
+#endif
+}
+static inline __attribute__((always_inline)) void tiled_scores_bf16(const uint16_t *kb, int64_t D, const float *qs,
+                                                                    const int C, float (*acc)[KEY_TILE]) {
+    v8 a[QUERY_CHUNK][2];
+    for (int i = 0; i < C; i++) a[i][0] = a[i][1] = v8_zero();
+    for (int64_t p = 0; p < D / 2; p++) {
+        const uint16_t *pair = kb + p * 2 * KEY_TILE;  /* keys 0-7, then 8-15 */
+        v8 k0 = pair_low_reg(pair), k1 = pair_low_reg(pair + KEY_TILE);
+        for (int i = 0; i < C; i++) {
+            v8 q = v8_splat_reg(qs + i * D + 2 * p);
+            a[i][0] = v8_fma(q, k0, a[i][0]), a[i][1] = v8_fma(q, k1, a[i][1]);
+        }
+        k0 = pair_high_reg(pair), k1 = pair_high_reg(pair + KEY_TILE);
+        for (int i = 0; i < C; i++) {
+            v8 q = v8_splat_reg(qs + i * D + 2 * p + 1);
+            a[i][0] = v8_fma(q, k0, a[i][0]), a[i][1] = v8_fma(q, k1, a[i][1]);
+        }
+    }
+    for (int i = 0; i < C; i++) v8_store(acc[i], a[i][0]), v8_store(acc[i] + 8, a[i][1]);
+}
+#define READS_TILES 1
 #define FUSES_bf16(D) ((D) % 16 == 0)
 /* kt[d][l0 + j] = key l0 + j's element d0 + i for an 8 x 8 block r[j] (key j's elements d0 … d0+7). */
 static inline void transpose8_store(v8 r[8], float (*kt)[KEY_TILE], int64_t d0, int l0) {
@@ -599,16 +640,24 @@ static inline float ROW_MAX(const float *row, int64_t S) {
 
 /* row[l] = acc[l] where key s0 + l is visible (its mask byte is 1; causal: l < visible), else
  * -inf, for l < n. */
-/* FUSED_SCORES: a chunk of at most 4 queries straight from a bf16 key tile, by the ISA's
- * fused_scores_bf16 (above), one copy per chunk size so that its accumulators stay in registers;
- * fp32 tiles are always stored transposed. */
+/* FUSED_SCORES: a chunk of queries straight from a bf16 key tile, one copy per chunk size so that
+ * its accumulators stay in registers: at most 4 by the ISA's fused_scores_bf16 (above), or — where
+ * the build reads key tiles (READS_TILES: AVX2) and the cache's keys are tiled — any chunk, 5 or 6
+ * by tiled_scores_bf16; fp32 tiles are always stored transposed. */
+#ifndef READS_TILES
+#define READS_TILES 0
+#define tiled_scores_bf16(kb, D, qs, C, acc) (void)0
+#endif
+#define FUSES_ANY_CHUNK(tiled) (READS_TILES && (tiled))
 #if defined(__AVX512F__) || defined(D3D_AVX2)
 #define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled)                                           \
     switch (chunk) {                                                                                 \
         case 1: fused_scores_bf16(kb, n, D, qs, 1, acc, tiled); break;                               \
         case 2: fused_scores_bf16(kb, n, D, qs, 2, acc, tiled); break;                               \
         case 3: fused_scores_bf16(kb, n, D, qs, 3, acc, tiled); break;                               \
-        default: fused_scores_bf16(kb, n, D, qs, 4, acc, tiled); break;                              \
+        case 4: fused_scores_bf16(kb, n, D, qs, 4, acc, tiled); break;                               \
+        case 5: tiled_scores_bf16(kb, D, qs, 5, acc); break;                                         \
+        default: tiled_scores_bf16(kb, D, qs, 6, acc); break;                                        \
     }
 #else
 #define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled)
@@ -755,8 +804,9 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         const T_ELEM *kb = k + b * kv_batch + g * kv_head + s0 * D;                                  \
         float kt[MAX_HEAD_DIM][KEY_TILE];                                                            \
         int transposed = 0;                                                                          \
-        /* one chunk of at most 4 queries (a one-token step's job) reads the tile without storing it */ \
-        int fused = FUSES_##SUFFIX(D) && (t1 - first_t) * group <= 4;                                \
+        /* one chunk of at most 4 queries (a one-token step's job), or any chunks of a tiled cache    \
+         * where the build reads tiles, read the tile without storing it transposed */                \
+        int fused = FUSES_##SUFFIX(D) && ((t1 - first_t) * group <= 4 || FUSES_ANY_CHUNK(k_tiled));  \
         /* the group's queries (t, h), QUERY_CHUNK at a time: their chains interleave, each unchanged */ \
         int64_t tq_ = first_t, jq_ = 0;  /* query i0's t and place in the group, carried (no division) */ \
         for (int64_t i0 = first_t * group; i0 < t1 * group; i0 += QUERY_CHUNK) {                    \
