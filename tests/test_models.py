@@ -310,6 +310,35 @@ def test_one_token_steps_on_the_avx2_build_give_the_per_op_bits(avx2):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (10, 2)])
+@torch.no_grad()
+def test_verifications_on_the_avx2_build_give_the_per_op_bits(avx2, heads, kv_heads):
+    """On the AVX2 build, forwards of a few rows over a tiled cache — whose scores run over each
+    thread's tiles, every chunk of up to 6 query heads straight from the tile into its rows, the
+    tiles some row sees only in part by the per-tile jobs — give the bits of one kernel per operation
+    over a cache of rows (scores from transposed tiles), on 1 and 2 threads, groups of 3 and 5."""
+    config = tiny_config("llama", head_dim=64, num_heads=heads, num_kv_heads=kv_heads)
+    decoder = make_decoder(config, dtype=torch.bfloat16)
+    decoder.row_exact = avx2
+    c = decoder.config
+    prompt, block = random_ids(37, seed=1), random_ids(17, seed=2)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (2, 3, 5, 17):
+                tiled = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 61, 1, torch.bfloat16, split=True, tile_keys=True)
+                reference = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 61, 1, torch.bfloat16, split=True)
+                decoder(prompt, cache=tiled)
+                tiled.commit()
+                per_op_forward(decoder, prompt, reference)
+                reference.commit()
+                want = per_op_forward(decoder, block[:, :rows], reference)
+                assert torch.equal(decoder(block[:, :rows], cache=tiled), want)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_split_values_need_whole_slices():
     with pytest.raises(ValueError, match="multiple of 32"):
         KVCache(1, 1, 48, 8, split=True)

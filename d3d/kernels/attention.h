@@ -11,7 +11,8 @@
  * v_part = C*V_PART), so that a weighted-sum item, which reads one V_PART slice of d for every key,
  * streams contiguous memory (KVCache's split values); out (B, T, H, D). Query t of a causal call
  * (mask NULL) sees keys 0 … S-T+t; with a mask (B, T, S) bytes, the keys whose byte is 1. In fp32:
- *  1. scores: a tile of 16 keys is transposed once and serves every query of its KV head; a
+ *  1. scores: a tile of 16 keys serves every query of its KV head — transposed once, or read as
+ *     it is where its layout allows (a few queries; every chunk of a tiled tile on AVX2); a
  *     score is one FMA chain over d = 0 … D-1 (q pre-scaled), whatever the tile or query count
  *     (QUERY_CHUNK chains run interleaved: the same operations, in the same order, per chain);
  *  2. per query: max, exp and sum over the visible keys in 16 lanes, then the weighted sum of V
@@ -555,7 +556,7 @@ static inline __attribute__((always_inline)) v8 pair_high_reg(const uint16_t *p)
 #endif
 }
 static inline __attribute__((always_inline)) void tiled_scores_bf16(const uint16_t *kb, int64_t D, const float *qs,
-                                                                    const int C, float (*acc)[KEY_TILE]) {
+                                                                    const int C, float *const *out) {
     v8 a[QUERY_CHUNK][2];
     for (int i = 0; i < C; i++) a[i][0] = a[i][1] = v8_zero();
     for (int64_t p = 0; p < D / 2; p++) {
@@ -571,7 +572,7 @@ static inline __attribute__((always_inline)) void tiled_scores_bf16(const uint16
             a[i][0] = v8_fma(q, k0, a[i][0]), a[i][1] = v8_fma(q, k1, a[i][1]);
         }
     }
-    for (int i = 0; i < C; i++) v8_store(acc[i], a[i][0]), v8_store(acc[i] + 8, a[i][1]);
+    for (int i = 0; i < C; i++) v8_store(out[i], a[i][0]), v8_store(out[i] + 8, a[i][1]);
 }
 #define READS_TILES 1
 #define FUSES_bf16(D) ((D) % 16 == 0)
@@ -646,9 +647,19 @@ static inline float ROW_MAX(const float *row, int64_t S) {
  * by tiled_scores_bf16; fp32 tiles are always stored transposed. */
 #ifndef READS_TILES
 #define READS_TILES 0
-#define tiled_scores_bf16(kb, D, qs, C, acc) (void)0
+#define tiled_scores_bf16(kb, D, qs, C, out) (void)0
 #endif
 #define FUSES_ANY_CHUNK(tiled) (READS_TILES && (tiled))
+/* tiled_scores_bf16 for a chunk of 1 … 6 queries, one copy per size; `out` the chunk's score rows */
+#define TILED_SCORES(kb, D, qs, chunk, out)                                                          \
+    switch (chunk) {                                                                                 \
+        case 1: tiled_scores_bf16(kb, D, qs, 1, out); break;                                         \
+        case 2: tiled_scores_bf16(kb, D, qs, 2, out); break;                                         \
+        case 3: tiled_scores_bf16(kb, D, qs, 3, out); break;                                         \
+        case 4: tiled_scores_bf16(kb, D, qs, 4, out); break;                                         \
+        case 5: tiled_scores_bf16(kb, D, qs, 5, out); break;                                         \
+        default: tiled_scores_bf16(kb, D, qs, 6, out); break;                                        \
+    }
 #if defined(__AVX512F__) || defined(D3D_AVX2)
 #define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled)                                           \
     switch (chunk) {                                                                                 \
@@ -656,8 +667,10 @@ static inline float ROW_MAX(const float *row, int64_t S) {
         case 2: fused_scores_bf16(kb, n, D, qs, 2, acc, tiled); break;                               \
         case 3: fused_scores_bf16(kb, n, D, qs, 3, acc, tiled); break;                               \
         case 4: fused_scores_bf16(kb, n, D, qs, 4, acc, tiled); break;                               \
-        case 5: tiled_scores_bf16(kb, D, qs, 5, acc); break;                                         \
-        default: tiled_scores_bf16(kb, D, qs, 6, acc); break;                                        \
+        default: {                                                                                   \
+            float *rows_[6] = {acc[0], acc[1], acc[2], acc[3], acc[4], acc[5]};                      \
+            TILED_SCORES(kb, D, qs, chunk, rows_)                                                    \
+        }                                                                                            \
     }
 #else
 #define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled)
@@ -1033,6 +1046,40 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
         qs_of = NULL;  /* qs_kept now holds this run's queries */                                    \
     }
 
+/* A verification's or a few rows' scores over a tiled cache where the build reads tiles (causal, B = 1,
+ * the group's queries of every row kept scaled): a thread's span of jobs as one run, each chunk of
+ * QUERY_CHUNK queries scored straight from the tile into the queries' rows; a tile that some query
+ * sees only in part (the last one or two) goes through ATTENTION_SCORE_JOB. The same chains. */
+#define TILE_RUN_FITS(SUFFIX) (FUSES_ANY_CHUNK(k_tiled) && FUSES_##SUFFIX(D) && !mask && T > 1 &&     \
+                               (T * group + QUERY_CHUNK) * D + 16 <= QS_FLOATS)
+#define ATTENTION_TILE_RUN(SUFFIX, T_ELEM, LOAD, first, end)                                         \
+    for (int64_t job = (first), job_step_ = 1, job_end_ = (end); job < job_end_; job++) {            \
+        int64_t g_ = job / tiles, s0_ = (job % tiles) * KEY_TILE, all_ = T * group;                   \
+        if (s0_ + KEY_TILE > S - T + 1) {                                                            \
+            ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                \
+            continue;                                                                                \
+        }                                                                                            \
+        if (job + TILES_AHEAD < job_end_)                                                            \
+            PREFETCH_TILE(T_ELEM, k + ((job + TILES_AHEAD) / tiles) * kv_head + ((job + TILES_AHEAD) % tiles) * KEY_TILE * D); \
+        const T_ELEM *q0_ = q + g_ * group * D;  /* row 0's heads of the group: ATTENTION_SCORE_JOB's kept queries */ \
+        if (q0_ != qs_of || all_ != qs_count) {                                                      \
+            for (int64_t i = 0; i < all_ + QUERY_CHUNK; i++) {                                       \
+                const T_ELEM *qr = i < all_ ? q + ((i / group) * H + g_ * group + i % group) * D : q; \
+                SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, i < all_, qs_kept + i * D);                  \
+            }                                                                                        \
+            qs_of = q0_, qs_count = all_;                                                            \
+        }                                                                                            \
+        for (int64_t i0 = 0, t_ = 0, j_ = 0; i0 < all_; i0 += QUERY_CHUNK) {                         \
+            int chunk = all_ - i0 < QUERY_CHUNK ? (int)(all_ - i0) : QUERY_CHUNK;                    \
+            float *rows_[QUERY_CHUNK];                                                               \
+            for (int i = 0; i < chunk; i++) {  /* query i0 + i is (t_, head g_ · group + j_) */       \
+                rows_[i] = ROW(0, t_, g_ * group + j_) + s0_;                                        \
+                if (++j_ == group) j_ = 0, t_++;                                                     \
+            }                                                                                        \
+            TILED_SCORES((const uint16_t *)(k + g_ * kv_head + s0_ * D), D, qs_kept + i0 * D, chunk, rows_) \
+        }                                                                                            \
+    }
+
 /* A thread's share of a segment's n jobs or items: a contiguous block, so that each thread streams
  * its own run of K tiles and V rows (round-robin shares, each thread every other 2 KB tile or every
  * other half row, made both threads' prefetchers fetch what the other one reads); which thread gets
@@ -1080,6 +1127,8 @@ static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
         if (SCORE_RUN_FITS(SUFFIX))                                                                  \
             ATTENTION_SCORE_RUN(SUFFIX, T_ELEM, LOAD, SPAN_FIRST(jobs), SPAN_END(jobs))              \
+        else if (TILE_RUN_FITS(SUFFIX))                                                              \
+            ATTENTION_TILE_RUN(SUFFIX, T_ELEM, LOAD, SPAN_FIRST(jobs), SPAN_END(jobs))               \
         else                                                                                         \
             for (int64_t job = SPAN_FIRST(jobs), job_step_ = 1, job_end_ = SPAN_END(jobs); job < job_end_; job++) \
                 ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                            \
