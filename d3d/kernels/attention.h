@@ -1079,6 +1079,12 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
                 PREFETCH_TILE(T_ELEM, next_);                                                        \
             }                                                                                        \
             int64_t n = S - s0_ < KEY_TILE ? S - s0_ : KEY_TILE;                                     \
+            if (FUSES_ANY_CHUNK(k_tiled) && n == KEY_TILE) {  /* a whole tiled tile: into the rows */  \
+                float *rows_[QUERY_CHUNK];                                                           \
+                for (int64_t i = 0; i < group; i++) rows_[i] = ROW(0, 0, g_ * group + i) + s0_;       \
+                TILED_SCORES((const uint16_t *)(k + g_ * kv_head + s0_ * D), D, qs_kept, (int)group, rows_) \
+                continue;                                                                            \
+            }                                                                                        \
             float acc[QUERY_CHUNK][KEY_TILE];                                                        \
             FUSED_SCORES_##SUFFIX(k + g_ * kv_head + s0_ * D, n, D, qs_kept, (int)group, acc, k_tiled) \
             for (int64_t i = 0; i < group; i++)                                                      \
