@@ -2,10 +2,13 @@
 after that prompt, a one-token step and a verification of 8 drafts.
 
 Usage: python scripts/context_costs.py [--contexts 256,1024,2048,4096,7168] [--dtype bfloat16]
-       [--weights stored|dequantized|…] [--repeats 7] [--plot docs/context-costs.png]
+       [--weights stored|dequantized|…] [--repeats 7] [--plot docs/context-costs.png] [--interleaved 60]
 Prints one JSON line per context. Works on any d3d checkout (PYTHONPATH=OTHER_CHECKOUT times
 another version on the same machine), so before/after figures come from the same script. The
-prompt is random token ids: a forward's cost does not depend on which tokens it reads.
+prompt is random token ids: a forward's cost does not depend on which tokens it reads. With
+`--interleaved N`, N more rounds of one one-token step after each context in turn end it: each
+context's median step and its decoding speed against the first context's (on a shared, noisy machine
+the per-context lines above are minutes apart; these are not).
 """
 
 import argparse
@@ -62,6 +65,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="repeats of each decoding forward")
     parser.add_argument("--prefill-repeats", type=int, default=1)
     parser.add_argument("--plot", default="", help="write a PNG of the curves here")
+    parser.add_argument("--interleaved", type=int, default=0,
+                        help="then this many rounds of a one-token step after each context in turn")
     args = parser.parse_args()
     try:
         target = load_target(dtype=getattr(torch, args.dtype), weights=args.weights)
@@ -73,7 +78,7 @@ def main() -> None:
     prompt = torch.randint(0, decoder.config.vocab_size, (1, max(contexts)), generator=generator)
     block = torch.randint(0, decoder.config.vocab_size, (1, 9), generator=generator)
     decoder(prompt[:, :64], cache=decoder.new_cache(80), last_only=True)  # warm-up: kernels, streams, pages
-    rows = []
+    rows, caches = [], []
     for context in contexts:
         cache = decoder.new_cache(context + 9)
 
@@ -96,6 +101,20 @@ def main() -> None:
                "verify8_ms": round(verify, 2), "verify8_in_steps": round(verify / step, 2)}
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if args.interleaved:
+            caches.append(cache)
+    if args.interleaved:
+        times: list[list[float]] = [[] for _ in contexts]
+        for _ in range(args.interleaved):
+            for cache, kept in zip(caches, times):
+                started = time.perf_counter()
+                decoder(block[:, :1], cache=cache)
+                cache.commit(0)
+                kept.append(1000 * (time.perf_counter() - started))
+        steps = [sorted(kept)[len(kept) // 2] for kept in times]
+        print(json.dumps({"interleaved_rounds": args.interleaved,
+                          "step_ms": {c: round(ms, 2) for c, ms in zip(contexts, steps)},
+                          "speed_vs_first": {c: round(steps[0] / ms, 3) for c, ms in zip(contexts, steps)}}))
     if args.plot:
         plot(rows, args.plot)
 
