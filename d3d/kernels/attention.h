@@ -539,7 +539,8 @@ static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16
  * transposed copy each chunk would otherwise read. Each pair of d is read twice from the tile (L1)
  * — shifted up for d, masked with a constant from memory for d + 1 — so that 2C accumulators, two
  * key vectors and a broadcast fit the 16 registers (with the mask held in a register, GCC spilled 5
- * accumulators and every FMA of theirs waited on a store and a load). */
+ * accumulators and every FMA of theirs waited on a store and a load; with it from memory, still 2
+ * of 12 within the attention body: tiled_scores6_bf16 below names its registers). */
 static const uint32_t HIGH_HALVES[8] __attribute__((aligned(32))) = {
     0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
 static inline __attribute__((always_inline)) v8 pair_low_reg(const uint16_t *p) {
