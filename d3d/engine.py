@@ -30,7 +30,7 @@ from d3d.sampling import make_generator
 from d3d.sequence import Sequence, Step
 from d3d.run import OnCommit, Run
 from d3d.sources import DraftSource, default_sources
-from d3d.target_step import pick, prefill, score_rows
+from d3d.target_step import next_token, prefill, score_rows
 
 
 @torch.no_grad()
@@ -43,9 +43,9 @@ def reference_generate(target: Decoder, prompt_ids: list[int], config: Generatio
     while sequence.finish_reason is None:
         started = time.perf_counter()
         ids = torch.tensor([[sequence.tokens[-1]]], device=target.device)
-        logits = target(ids, cache=cache)[0, -1]
+        hidden, _ = target.final_hidden(ids, cache=cache)
         cache.commit()
-        token = pick(logits, config.sampling, generator)
+        token = next_token(target, hidden[0], config.sampling, generator)
         sequence.stats.verify_seconds += time.perf_counter() - started
         yield sequence.commit([token], 0, 0)
 

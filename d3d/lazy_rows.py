@@ -29,12 +29,14 @@ class LazyRows:
     """
 
     def __init__(self, length: int, compute: Callable[[int, int], torch.Tensor], computed: torch.Tensor | None = None,
-                 ready: Callable[[], int] = lambda: 0) -> None:
+                 ready: Callable[[], int] = lambda: 0,
+                 argmax: Callable[[int, int], torch.Tensor] | None = None) -> None:
         assert computed is None or computed.shape[0] <= length, "more rows computed than there are"
         self.length = length
         self._compute = compute
         self._rows = computed
         self._ready = ready
+        self._argmax = argmax  # rows [begin, end)'s argmax without their rows, where cheaper (see `argmaxes`)
 
     def __len__(self) -> int:
         return self.length
@@ -71,6 +73,27 @@ class LazyRows:
         """Rows of `function` applied to these rows, computed as they are read, over whole computed
         prefixes of these (`function` must treat each row on its own: argmax, probabilities)."""
         return LazyRows(self.length, lambda begin, end: function(self[begin:end]), ready=lambda: self.num_computed)
+
+
+    def argmaxes(self, argmax: Callable[[torch.Tensor], torch.Tensor]) -> LazyRows:
+        """Each row's `argmax` (a function of rows, e.g. `greedy_ids`), as read: from the computed rows
+        where they are, past them from this object's own `argmax` of a range of rows where it has one
+        (a certified greedy head, `d3d.models.Decoder.greedy_ids`: the same ids without the rows), one
+        row at a time — the rows are then never computed."""
+        if self._argmax is None:
+            return self.map(argmax)
+
+        def ids(begin: int, end: int) -> torch.Tensor:
+            have = min(self.num_computed, end)
+            known = [argmax(self._rows[begin:have])] if begin < have else []
+            return torch.cat(known + [self._argmax(row, row + 1) for row in range(max(begin, have), end)])
+
+        return LazyRows(self.length, ids)
+
+
+def argmax_rows(rows: torch.Tensor | LazyRows, argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | LazyRows:
+    """`each_row(rows, argmax)`, through `LazyRows.argmaxes` for rows computed as read."""
+    return rows.argmaxes(argmax) if isinstance(rows, LazyRows) else argmax(rows)
 
 
 def each_row(rows: torch.Tensor | LazyRows, function: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | LazyRows:

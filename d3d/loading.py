@@ -247,6 +247,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") ->
         report = quantize_weights(decoder.row_exact, decoder.linear_weights(), QUANTIZE_TO[weights])
         described = f"{report.summary()}, quantized at load"
     decoder.pack_weights()
+    decoder.prepare_greedy_head()
     return Target(decoder, tokenizer, str(folder), eos, str(folder), described)
 
 
@@ -295,6 +296,7 @@ def load_gguf(gguf: Path, dtype: torch.dtype, weights: str = "stored") -> Target
         report = use_gguf_streams(decoder.row_exact, decoder.linear_weights(), gguf, decoder.config, destination)
         target.weights = report.summary()
         decoder.pack_weights()  # the rest: packed or plain, as before
+        decoder.prepare_greedy_head()  # over the GGUF's own head blocks
     return target
 
 

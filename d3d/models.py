@@ -30,6 +30,7 @@ from d3d.config import ConfigError, ModelConfig
 from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKernels, Segment, TorchKernels,
                          row_exact_kernels)
 from d3d.lazy_rows import LazyRows
+from d3d.sampling import greedy_ids
 
 # "auto": row-exact kernels where they build (CPU inference), else PyTorch's; "row-exact": required
 # (fails loudly where they cannot build); "torch": PyTorch's ops everywhere.
@@ -73,12 +74,17 @@ def chunk_bounds(length: int, cached: int, mask: torch.Tensor | None, chunk: int
 class SequenceRows:
     """One sequence's share of a batched forward (`Decoder.forward_rows`): new token ids (T,) after
     its own `cache` (batch size 1), seen causally or through `mask` (T, cache.length + T); with
-    `last_only`, only the last row's logits are wanted (a prompt's prefill)."""
+    `last_only`, only the last row's logits are wanted (a prompt's prefill); with `greedy`, only each
+    row's argmax is (a plain step of greedy decoding whose logits nobody reads): the head computes no
+    row with the forward, and a row read for its argmax takes `Decoder.greedy_ids`
+    (`LazyRows.argmaxes`) — one row at a time, so for one-row parts (a verification's rows are
+    cheaper through the head's multi-row path)."""
 
     ids: torch.Tensor
     cache: KVCache
     mask: torch.Tensor | None = None
     last_only: bool = False
+    greedy: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -279,6 +285,12 @@ class Decoder(nn.Module):
             self.layer_table(self.row_exact)
         return time.perf_counter() - started
 
+    def prepare_greedy_head(self) -> None:
+        """The certified greedy head of this (target's) vocabulary head (`greedy_ids`), prepared now —
+        checked and timed on this machine, ~0.4 s for SmolLM2-135M — rather than at the first greedy token."""
+        if self.row_exact is not None and self.device.type == "cpu":
+            self.row_exact.greedy_head(self.head_weight)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
@@ -405,9 +417,9 @@ class Decoder(nn.Module):
         (T, len · hidden; None without). With the row-exact kernels every linear layer runs once over
         all parts' rows and attention per part, and each row's bits are those of its sequence's
         forward alone; elsewhere the parts run one after another — the same bits by definition.
-        With `head_rows` (row-exact kernels), a part's logits past its first `head_rows` rows are
-        computed when read (`LazyRows`; one head call over every part's first rows now): the
-        same bits, the head being row-exact."""
+        With `head_rows` (row-exact kernels), a part's logits past its first `head_rows` rows — past
+        none for a `greedy` part — are computed when read (`LazyRows`; one head call over every
+        part's first rows now): the same bits, the head being row-exact."""
         if not parts:
             return []
         table = self._fused_table()
@@ -418,14 +430,16 @@ class Decoder(nn.Module):
         ends = torch.tensor([len(part.ids) for part in parts]).cumsum(0).tolist()
         wanted = [range(end - 1, end) if part.last_only else range(end - len(part.ids), end)
                   for part, end in zip(parts, ends)]
-        now = [rows if head_rows is None else rows[:head_rows] for rows in wanted]
-        logits = self.logits(hidden[[row for rows in now for row in rows]])
+        now = [rows[:0] if part.greedy and head_rows is not None and not part.last_only
+               else rows if head_rows is None else rows[:head_rows] for part, rows in zip(parts, wanted)]
+        picked = [row for rows in now for row in rows]
+        logits = self.logits(hidden[picked]) if picked else hidden.new_empty(0, self.head_weight.shape[0])
         out, begin = [], 0
         for part, rows, first, end in zip(parts, wanted, now, ends):
             computed = logits[begin:begin + len(first)]
             if len(first) < len(rows):
                 computed = LazyRows(len(rows), lambda b, e, rows=rows: self.logits(hidden[rows[b]:rows[b] + e - b]),
-                                    computed)
+                                    computed, argmax=lambda b, e, rows=rows: self.greedy_ids(hidden[rows[b]:rows[b] + e - b]))
             out.append((computed, None if features is None else features[end - len(part.ids):end]))
             begin += len(first)
         return out
@@ -489,12 +503,31 @@ class Decoder(nn.Module):
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, and the residual stream after each of `feature_layers` at every position
         (B, T, len · hidden; `hidden_and_features`) — what a DFlash-style drafter reads."""
+        hidden, features = self.final_hidden(input_ids, feature_layers, positions, cache, mask, last_only)
+        return self.logits(hidden), features
+
+    def final_hidden(self, input_ids: torch.Tensor, feature_layers: Sequence[int] = (),
+                     positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                     mask: torch.Tensor | None = None, last_only: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final-normed hidden states (B, T, hidden) — (B, 1, hidden) with `last_only` — that
+        `logits_and_features` takes its logits from, and its features."""
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
             positions = positions[None].expand(input_ids.shape[0], -1)
         hidden, features = self.hidden_and_features(self.embed_tokens(input_ids), positions, cache, mask,
                                                     feature_layers)
-        if last_only:
-            hidden = hidden[:, -1:]
-        return self.logits(hidden), features
+        return (hidden[:, -1:] if last_only else hidden), features
+
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of its logits (M,) from final hidden states (M, hidden): the first of the
+        largest, as `d3d.sampling.greedy_ids` takes it from `logits` — computing the exact logits of
+        only the vocabulary rows that can hold it where the row-exact kernels have a certified greedy
+        head for this head (`d3d.kernels.greedy`), else from the full logits. The same ids either way."""
+        kernels = self.kernels_for(hidden)
+        if kernels is self.row_exact and kernels is not None:
+            ids = kernels.greedy_ids(hidden, self.head_weight)
+            if ids is not None:
+                return ids
+        return greedy_ids(self.logits(hidden))

@@ -20,6 +20,7 @@ from d3d.config import GenerationConfig
 from d3d.costs import forward_costs
 from d3d.exactness import verify_mode
 from d3d.gate import Crowd, SpeculationGate
+from d3d.lazy_rows import LazyRows
 from d3d.models import Decoder, SequenceRows
 from d3d.prefix_cache import PrefixCache
 from d3d.sampling import make_generator
@@ -144,7 +145,9 @@ class Run:
             self.sequence.stats.draft_seconds += seconds
             self.call = None
         anchor = torch.tensor([tokens[-1]], device=self.target.device)
-        return SequenceRows(torch.cat([anchor, self.drafts]), self.cache)
+        # a plain greedy step whose logits nobody reads wants only its argmax (`SequenceRows.greedy`)
+        greedy = self.config.sampling.greedy and self.on_commit is None and not len(self.drafts)
+        return SequenceRows(torch.cat([anchor, self.drafts]), self.cache, greedy=greedy)
 
     def _take(self, proposal: Proposal | None) -> None:
         self.drafts, self.draft_probs = ((_no_drafts(self.target.device), None) if proposal is None
@@ -166,7 +169,7 @@ class Run:
             if self.prefixes is not None:  # requests sharing this prompt need not wait for its answer
                 self.prefixes.keep(sequence.tokens, self.cache)
             return self._committed(sequence.commit([pick(logits[-1], self.config.sampling, self.generator)], 0, 0),
-                                   logits[-1:])
+                                   logits, last=True)
         started = time.perf_counter()
         verdict = judge(logits, self.drafts, self.draft_probs, self.config.sampling, self.generator)
         accepted = verdict.num_accepted
@@ -178,8 +181,7 @@ class Run:
         if self.gate is not None:
             self.gate.record(self.source, len(self.drafts), accepted, len(sequence.tokens), self.chances)
         new_tokens = self.drafts[:accepted].tolist() + [verdict.bonus_token]
-        return self._committed(sequence.commit(new_tokens, len(self.drafts), accepted, self.source),
-                               logits[:accepted + 1])
+        return self._committed(sequence.commit(new_tokens, len(self.drafts), accepted, self.source), logits)
 
     def release(self) -> None:
         """The generation is over (finished, failed or dropped): leave the positions it committed to
@@ -188,9 +190,11 @@ class Run:
             prefixes, self.prefixes = self.prefixes, None
             prefixes.keep(self.sequence.tokens, self.cache)
 
-    def _committed(self, step: Step, logits: torch.Tensor) -> Step:
+    def _committed(self, step: Step, logits: torch.Tensor | LazyRows, last: bool = False) -> Step:
+        """`step`, after `on_commit` got the logits its tokens were chosen from — the first rows, or
+        with `last` the last (a prompt's) — read only then (a greedy step's rows may never be computed)."""
         if self.on_commit is not None:
-            self.on_commit(logits[:len(step.tokens)], step.tokens)
+            self.on_commit(logits[-1:] if last else logits[:len(step.tokens)], step.tokens)
         return step
 
 

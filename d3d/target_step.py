@@ -1,6 +1,7 @@
 """The target's half of a speculative step: the prefill, scoring a block and verifying it.
 
-`prefill` runs the prompt through the target into a fresh KV cache and picks the first new token;
+`prefill` runs the prompt through the target into a fresh KV cache and picks the first new token
+(`next_token`: greedily from the few vocabulary rows that can hold the argmax, where it can);
 `score_block` gives the target's logits for a block after the cache in one forward where the target
 is row-count invariant on this machine (always, with the row-exact kernels), else row by row — the
 same bits as plain decoding either way; `score_rows` scores several sequences' blocks, each after its
@@ -26,7 +27,7 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import SamplingConfig
 from d3d.exactness import verify_mode
-from d3d.lazy_rows import LazyRows, each_row
+from d3d.lazy_rows import LazyRows, argmax_rows, each_row
 from d3d.models import Decoder, SequenceRows
 from d3d.sampling import greedy_ids, probabilities, sample
 from d3d.sequence import Sequence, Step
@@ -52,6 +53,15 @@ def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Genera
     if sampling.greedy:
         return int(greedy_ids(logits))
     return int(sample(probabilities(logits, sampling), generator))
+
+
+def next_token(target: Decoder, hidden: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
+    """`pick` over the logits of the last of final hidden states (T, hidden): when greedy, the argmax
+    through `Decoder.greedy_ids` (the same token, from the few vocabulary rows that can hold it where
+    the kernels can tell them)."""
+    if sampling.greedy:
+        return int(target.greedy_ids(hidden[-1:])[0])
+    return pick(target.logits(hidden[-1:])[0], sampling, generator)
 
 
 def reads_target_states(source: Any) -> bool:
@@ -92,10 +102,9 @@ def prefill(target: Decoder, sequence: Sequence, sampling: SamplingConfig, gener
     cache = target.new_cache(sequence.max_length)
     started = time.perf_counter()
     ids = torch.tensor([sequence.tokens], device=target.device)
-    logits, features = target.logits_and_features(ids, states.layers if states else (), cache=cache,
-                                                   last_only=True)
+    hidden, features = target.final_hidden(ids, states.layers if states else (), cache=cache, last_only=True)
     cache.commit()
-    token = pick(logits[0, -1], sampling, generator)
+    token = next_token(target, hidden[0], sampling, generator)
     sequence.stats.verify_seconds += time.perf_counter() - started
     if states is not None:
         states.commit(features[0])
@@ -149,7 +158,7 @@ def judge(target_logits: torch.Tensor | LazyRows, draft_tokens: torch.Tensor, dr
     matching, or rejection sampling with the drafts' q (a point mass for deterministic drafts);
     rows are read in order, none past the first rejection (computed as read where `LazyRows`)."""
     if sampling.greedy:
-        return verify_greedy(draft_tokens, each_row(target_logits, greedy_ids))
+        return verify_greedy(draft_tokens, argmax_rows(target_logits, greedy_ids))
     if draft_probs is None:  # deterministic drafts (none: a plain sampling step): q is a point mass
         draft_probs = one_hot(draft_tokens, target_logits[0].shape[-1])
     return verify_sampling(draft_tokens, draft_probs, each_row(target_logits, lambda rows: probabilities(rows, sampling)),

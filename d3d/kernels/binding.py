@@ -26,6 +26,7 @@ import torch
 
 from d3d.cache import V_PART, covering_tiles, is_split, is_tiled, slots_of
 from d3d.config import MAX_HEAD_DIM
+from d3d.kernels import greedy
 from d3d.kernels.build import KernelBuildError, build
 from d3d.kernels.packing import WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks, column_packed, lane_packed
 from d3d.kernels.structs import LAYER_SLOTS, LINEAR_SLOTS, ForwardArgs, Layer, SegmentArgs, Weight
@@ -111,6 +112,7 @@ class RowExactKernels:
         library.d3d_dequantize_reference.argtypes = [ptr, i64, ptr, i64, i64]
         for suffix in ("bf16", "f32"):
             getattr(library, f"d3d_linear_reference_{suffix}").argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
+        library.d3d_greedy_candidates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32]
         library.d3d_struct_sizes.argtypes = [i32]
         library.d3d_struct_sizes.restype = i64
         if tuple(map(library.d3d_struct_sizes, range(3))) != tuple(map(ctypes.sizeof, (ForwardArgs, Layer, SegmentArgs))):
@@ -136,6 +138,10 @@ class RowExactKernels:
         self.grouped_rows = bool(library.d3d_grouped_linear())
         self._grouped: dict[tuple[int, bool], tuple[weakref.ref, int, WeightStream | None]] = {}  # (id, amx)
         self.arena = HugePageArena()
+        # Greedy heads (d3d.kernels.greedy), by weight: id → (weakref, version, the head or None where
+        # the path does not apply or lost its check or its timing). D3D_GREEDY_HEAD=0 turns it off.
+        self._greedy: dict[int, tuple[weakref.ref, tuple[int, int], greedy.GreedyHead | None]] = {}
+        self.greedy_heads = os.environ.get("D3D_GREEDY_HEAD", "1") != "0"
         library.d3d_amx.argtypes = [i32]
         library.d3d_amx.restype = i32
         library.d3d_kernel_path.restype = ctypes.c_char_p
@@ -378,6 +384,63 @@ class RowExactKernels:
                                     out.data_ptr(), x2.shape[0], weight.shape[0], width, scratch.data_ptr(),
                                     torch.get_num_threads())
         return out
+
+    def greedy_ids(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax (M,) of `linear(x, weight, None)`'s logits — the index `greedy_ids` takes,
+        ties included — for x (M, K), from the exact logits of the few vocabulary rows that can hold it
+        (`d3d.kernels.greedy`); None where that path is not used for this weight or this many rows
+        (the caller then takes the argmax of the full logits: the same ids)."""
+        head = self.greedy_head(weight)
+        if head is None or x.shape[0] > head.max_rows or x.dtype != weight.dtype:
+            return None
+        return self._greedy_ids(head, x, weight)
+
+    def greedy_head(self, weight: torch.Tensor) -> greedy.GreedyHead | None:
+        """`weight`'s greedy head, prepared once (checked against the full head and timed against it on
+        this machine), or None where its stream gives no runs of rows or the path lost either."""
+        entry = self._greedy.get(id(weight))
+        if entry is not None and entry[0]() is weight and entry[1] == (weight._version, self.epoch):
+            return entry[2]
+        head = None
+        stream = self.stream(weight)
+        if self.greedy_heads and len(stream.parts) == 1 and greedy.supports(stream.parts[0], weight):
+            head = greedy.GreedyHead.of(weight, stream.parts[0])
+            # in huge pages, as the streams: 35 MB read per call on SmolLM2-135M
+            head.codes, head.scale, head.error = (self.arena.copy(head.codes), self.arena.copy(head.scale),
+                                                  self.arena.copy(head.error))
+            width = weight.shape[1]
+            def full(x: torch.Tensor) -> torch.Tensor:
+                return self.linear(x, weight, None).float().max(-1).indices
+            def certified(x: torch.Tensor) -> torch.Tensor:
+                return self._greedy_ids(head, x, weight)
+            if not greedy.check(certified, full, width):
+                print("d3d: the greedy head's argmax differs from the full head's on this machine; "
+                      "the full head instead", file=sys.stderr)
+                head = None
+            else:  # kept even at 0 rows: `greedy_ids` then declines every call
+                head.max_rows = greedy.fastest_rows(certified, full, width)
+        key = id(weight)
+        self._greedy[key] = (weakref.ref(weight, lambda _, key=key: self._greedy.pop(key, None)),
+                             (weight._version, self.epoch), head)  # a new stream for any weight: prepared again
+        return head
+
+    def _greedy_ids(self, head: greedy.GreedyHead, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        width = weight.shape[1]
+        function = self._fn("linear", x.dtype)
+
+        scratch = torch.empty(self.library.d3d_linear_scratch(1, width, 1), dtype=torch.float32)
+
+        def linear_run(row: torch.Tensor, run: Weight, rows: int) -> list[float]:
+            out = torch.empty(rows, dtype=row.dtype)
+            # one thread: a run of 4 rows is too little work to share (threads never change a result)
+            function(row.data_ptr(), row.stride(0), ctypes.byref(run), None, None, out.data_ptr(), 1, rows, width,
+                     scratch.data_ptr(), 1)
+            return out.float().tolist()
+
+        def full_ids(rows: torch.Tensor) -> torch.Tensor:
+            return self.linear(rows, weight, None).float().max(-1).indices
+
+        return greedy.argmax_ids(head, self.library, linear_run, full_ids, x)
 
     def linear_reference(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (M, K) @ weight (N, K)ᵀ by the reference lanes (rowexact's portable C), whatever this

@@ -34,6 +34,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -147,6 +148,7 @@ static inline __attribute__((always_inline)) v8 exp_fixed8(v8 x) {
 #include "attention.h"
 #include "elementwise.h"
 #include "attention_amx.h"
+#include "greedy.h"
 
 /* ---------------------------------------------------------------------------------------------
  * The whole decoder in one call: every layer, then the final norm, over a KV cache, in one

@@ -1,0 +1,110 @@
+"""The certified greedy head (d3d.kernels.greedy, greedy.h): each row's argmax of the vocabulary
+head's logits from the exact logits of only the vocabulary rows that can hold it — the full head's
+argmax on every row, ties included, and a model decoding through it decodes the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_decoder, tiny_config
+from d3d.config import GenerationConfig
+from d3d.engine import generate_from_sources, reference_generate
+from d3d.kernels import greedy, row_exact_kernels
+from d3d.lookup import LookupConfig
+from d3d.quantized import quantize_weights
+from d3d.sources import LookupSource
+from test_quantized import loader_values, random_blocks, stream_of
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return row_exact_kernels()
+
+
+def q8_head(kernels, rows: int, width: int, seed: int, copies: dict[int, int] | None = None) -> torch.Tensor:
+    """A bf16 head of random Q8_0 blocks streamed as stored; `copies` {row: source row}: rows made
+    equal to others (their logits then tie exactly)."""
+    raw = random_blocks("Q8_0", rows, width, seed=seed)
+    for row, source in (copies or {}).items():
+        raw[row] = raw[source]
+    weight = loader_values("Q8_0", raw)
+    kernels.use_stream(weight, stream_of(kernels, "Q8_0", raw))
+    return weight
+
+
+def full_ids(kernels, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return kernels.linear(x, weight, None).float().max(-1).indices
+
+
+def test_the_certified_argmax_is_the_full_heads(kernels):
+    """Rows at scales from 0.01 to 100, a row of zeros (every logit 0: too many candidates, the full
+    head's first index) and rows aimed at two equal vocabulary rows (exact ties: the lower index)."""
+    width = 128
+    weight = q8_head(kernels, 1024, width, seed=3, copies={700: 37, 901: 37})
+    head = kernels.greedy_head(weight)
+    assert head is not None, "a Q8_0 head of one stream part has a greedy head"
+    generator = torch.Generator().manual_seed(1)
+    rows = [torch.randn(width, generator=generator) * scale for scale in (0.01, 0.1, 1.0, 3.0, 10.0, 100.0)
+            for _ in range(8)]
+    rows += [torch.zeros(width), weight[37].float(), -weight[700].float() * 0.5, weight[901].float() * 3]
+    x = torch.stack(rows).to(torch.bfloat16)
+    found, counts = head.candidates(kernels.library, x.float().contiguous())
+    assert counts[-4] == -1 and (counts[:-4] > 0).all()  # zeros: every row a candidate; else a few
+    assert 37 in found[-3, :counts[-3]].tolist() and 700 in found[-3, :counts[-3]].tolist()
+    got = kernels._greedy_ids(head, x, weight)
+    assert torch.equal(got, full_ids(kernels, x, weight))
+    assert got[-3] == 37 and got[-1] == 37  # the first of the tied rows
+
+
+def test_a_head_of_other_codes_fails_the_check(kernels):
+    """Negative control: a head prepared from another weight's codes gives other argmaxes, and the
+    check a head passes before use says so."""
+    width = 64
+    weight = q8_head(kernels, 256, width, seed=4)
+    other = q8_head(kernels, 256, width, seed=5)
+    wrong = greedy.GreedyHead.of(other, kernels.stream(weight).parts[0])
+    assert not greedy.check(lambda x: kernels._greedy_ids(wrong, x, weight), lambda x: full_ids(kernels, x, weight),
+                            width)
+    right = greedy.GreedyHead.of(weight, kernels.stream(weight).parts[0])
+    assert greedy.check(lambda x: kernels._greedy_ids(right, x, weight), lambda x: full_ids(kernels, x, weight),
+                        width)
+
+
+def test_heads_without_runs_of_rows_have_none(kernels):
+    """A bf16 head read as its own values (no quantized stream) takes the full head: `greedy_ids`
+    declines and `Decoder.greedy_ids` takes the logits' argmax."""
+    weight = torch.randn(64, 32).to(torch.bfloat16)
+    assert kernels.greedy_head(weight) is None
+    assert kernels.greedy_ids(torch.randn(2, 32).to(torch.bfloat16), weight) is None
+
+
+def test_decoding_through_the_greedy_head_gives_the_same_tokens(kernels):
+    """A tiny bf16 model whose weights are Q8_0 blocks: plain decoding and lookup-drafted decoding with
+    the greedy head forced on (every one-row argmax through it) give the tokens of plain decoding
+    with it off."""
+    target = make_decoder(tiny_config(tie_word_embeddings=False), seed=6, dtype=torch.bfloat16)
+    if target.row_exact is None:
+        pytest.skip("the row-exact kernels did not build here")
+    quantize_weights(target.row_exact, target.linear_weights(), "Q8_0")
+    target.pack_weights()
+    prompt, config = [3, 9, 27, 17, 51, 25, 3, 9, 27], GenerationConfig(max_new_tokens=40)
+    exact = target.row_exact
+    exact.greedy_heads = False
+    want = [t for step in reference_generate(target, prompt, config) for t in step.tokens]
+    exact.greedy_heads = True
+    exact._greedy.clear()
+    head = exact.greedy_head(target.head_weight)
+    assert head is not None
+    head.max_rows = greedy.ROWS  # whatever this machine's timing said
+    calls = []
+    real = exact.greedy_ids
+    exact.greedy_ids = lambda x, weight: calls.append(x.shape[0]) or real(x, weight)
+    try:
+        plain = [t for step in reference_generate(target, prompt, config) for t in step.tokens]
+        sources = [LookupSource(LookupConfig())]
+        drafted = [t for step in generate_from_sources(target, sources, prompt, config) for t in step.tokens]
+    finally:
+        del exact.greedy_ids
+    assert plain == want and drafted == want
+    assert calls and set(calls) == {1}  # one row at a time: the prefill's last, each plain step's
