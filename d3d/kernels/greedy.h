@@ -68,22 +68,31 @@ static inline __attribute__((always_inline)) void greedy_bounds(
         const float *sv = scale + v * blocks, *ev = error + v * blocks;
         float a[GREEDY_ROWS] = {0.0f}, e[GREEDY_ROWS] = {0.0f};
 #ifdef __AVX2__
-        __m256 acc[GREEDY_ROWS];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b++) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(row + b * GREEDY_BLOCK));
-            __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-            __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
-            for (int r = 0; r < R; r++) {
-                const int16_t *xr = xc + r * K + b * GREEDY_BLOCK;
-                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xr)),
-                                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xr + 16))));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sv[b] * s[r * blocks + b]), acc[r]);
-            }
+        /* two chains a row, even and odd blocks: with one, an FMA's latency a block was the bound */
+        __m256 even[GREEDY_ROWS], odd[GREEDY_ROWS];
+        for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+#define GREEDY_BLOCK_SUM(b, chains)                                                                   \
+        {                                                                                            \
+            __m256i w_ = _mm256_loadu_si256((const __m256i *)(row + (b) * GREEDY_BLOCK));            \
+            __m256i lo_ = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w_));                          \
+            __m256i hi_ = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w_, 1));                     \
+            for (int r = 0; r < R; r++) {                                                            \
+                const int16_t *xr_ = xc + r * K + (b) * GREEDY_BLOCK;                                \
+                __m256i p_ = _mm256_add_epi32(_mm256_madd_epi16(lo_, _mm256_loadu_si256((const __m256i *)xr_)), \
+                                              _mm256_madd_epi16(hi_, _mm256_loadu_si256((const __m256i *)(xr_ + 16)))); \
+                chains[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), _mm256_set1_ps(sv[b] * s[r * blocks + (b)]), chains[r]); \
+            }                                                                                        \
         }
+        int64_t b2 = 0;
+        for (; b2 + 2 <= blocks; b2 += 2) {
+            GREEDY_BLOCK_SUM(b2, even)
+            GREEDY_BLOCK_SUM(b2 + 1, odd)
+        }
+        if (b2 < blocks) GREEDY_BLOCK_SUM(b2, even)
+#undef GREEDY_BLOCK_SUM
         for (int r = 0; r < R; r++) {
             float lanes[8];
-            _mm256_storeu_ps(lanes, acc[r]);
+            _mm256_storeu_ps(lanes, _mm256_add_ps(even[r], odd[r]));
             for (int l = 0; l < 8; l++) a[r] += lanes[l];
         }
 #else
