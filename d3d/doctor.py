@@ -95,6 +95,23 @@ def describe_weights(decoder: Decoder) -> str:
             f"(bf16 copies: {copies / 1e6:.1f} MB; --weights dequantized)")
 
 
+def describe_greedy_head(decoder: Decoder) -> str:
+    """How a greedy row's argmax is taken (d3d.kernels.greedy): certified from a few exact logits, or
+    from the full head's logits, and why."""
+    kernels = decoder.row_exact
+    if kernels is None:
+        return "the full head's logits (no row-exact kernels)"
+    if not kernels.greedy_heads:
+        return "the full head's logits (D3D_GREEDY_HEAD=0)"
+    head = kernels.greedy_head(decoder.head_weight)
+    if head is None:
+        return "the full head's logits (its weights are not a quantized stream, or the check failed)"
+    if not head.max_rows:
+        return "the full head's logits (the certified head was not faster here, timed at load)"
+    return (f"certified: the exact logits of the few vocabulary rows that can hold the argmax, calls of up "
+            f"to {head.max_rows} row(s) (checked against the full head at load)")
+
+
 def describe_machine() -> dict:
     try:
         started = time.perf_counter()
@@ -116,6 +133,8 @@ def format_report(machine: dict, results: dict[str, list[PathCost]]) -> str:
                                            for k, v in machine.items() if k.startswith("pack_seconds_"))
              + " (once per load)",
              *(f"weights        {k.removeprefix('weights_')}: {v}" for k, v in machine.items() if k.startswith("weights_")),
+             *(f"greedy argmax  {k.removeprefix('greedy_head_')}: {v}" for k, v in machine.items()
+               if k.startswith("greedy_head_")),
              f"rows checked   1 … {MAX_ROWS}: each k-row forward against k one-token steps, bit for bit", ""]
     header = f"{'dtype':<9} {'path':<58} {'check':<22} {'step ms':>8} {'verify-17 ms':>13} {'verify/step':>12}"
     lines += [header, "-" * len(header)]
@@ -157,6 +176,7 @@ def doctor(target_source: str | None, dtypes: list[torch.dtype], drafter_source:
         machine[f"pack_seconds_{name}"] = round(fresh.pack_weights(), 3)
         del fresh
         machine[f"weights_{name}"] = describe_weights(decoder)
+        machine[f"greedy_head_{name}"] = describe_greedy_head(decoder)
         results[name] = measure_paths(decoder)
         drafter, _ = resolve_drafter(target, drafter_source, target_source, None)
         # Exactly the costs the default method's gate asks for (`engine.generate_from_sources`), so that
