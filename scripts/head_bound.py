@@ -1,18 +1,11 @@
-"""How many vocabulary rows a certified greedy head would have to compute exactly.
+"""How many vocabulary rows the certified greedy head computes exactly, on the target's real rows.
 
-Greedy decoding needs only the argmax of each row's logits. A cheap approximate head — the head's
-weights as 8-bit codes per block of 32 (`d = max|w| / 127`, `q = round(w / d)`), the hidden state as
-16-bit codes per block, exact integer block sums scaled in fp32 — gives every logit within a bound
-that follows from the codes' errors (`max|w - d q|` per block, stored; half a step of the hidden
-state's codes) and fp32's rounding. A vocabulary row whose approximate logit plus its bound falls
-below the best row's approximate logit minus its bound, minus two bf16 steps, cannot be the argmax of
-the exact bf16 logits; the rest (the candidates) would be computed exactly, with the kernels' own
-chains, so the argmax — ties included — is the exact head's by construction.
-
-This measures the candidates per row on the target's real final hidden states (greedy answers to a
-few prompts of each dataset), checks that the exact argmax is always among them and that every
-exact logit lies within its bound, and prints the bytes the approximate head reads against the
-exact one. No kernel here: the arithmetic is PyTorch's, in fp64 where the bound needs it.
+Greedy decoding needs only the argmax of each row's logits. The certified greedy head
+(`d3d/kernels/greedy.h`, `d3d.kernels.greedy`) bounds every logit from an approximate head and
+computes exactly only the vocabulary rows whose bound reaches the best row's (the candidates). This
+runs the kernels' own candidate pass over the target's real final hidden states (greedy answers to a
+few prompts of each dataset) and reports how many candidates a row has, whether the exact argmax —
+the full head's — was always among them, and what the certified argmax gave against it.
 
 Usage: python scripts/head_bound.py [--datasets mtbench,humaneval,long4k] [--num-prompts 2]
                                    [--max-new-tokens 64]
@@ -27,9 +20,6 @@ import torch
 from d3d.generation import Pipeline
 from d3d.prompts import load_dataset, sample_prompts
 
-BLOCK = 32
-UNIT = 2.0 ** -24  # fp32's unit roundoff
-
 
 @torch.no_grad()
 def main() -> None:
@@ -40,55 +30,45 @@ def main() -> None:
     args = parser.parse_args()
     pipeline = Pipeline.load()
     decoder = pipeline.target.decoder
-    weight = decoder.head_weight.double()  # (V, K): the exact weights (bf16 values)
-    vocab, width = weight.shape
-    assert width % BLOCK == 0, f"hidden size {width} is not a multiple of {BLOCK}"
+    kernels, weight = decoder.row_exact, decoder.head_weight
+    head = kernels.greedy_head(weight) if kernels is not None else None
+    if head is None:
+        raise SystemExit("this target's head has no certified greedy head here (see `d3d doctor`)")
     hidden_rows = []
-    head = decoder.logits
+    full_head = decoder.logits
 
     def capture(hidden: torch.Tensor) -> torch.Tensor:
-        hidden_rows.append(hidden.detach().reshape(-1, width).clone())
-        return head(hidden)
+        hidden_rows.append(hidden.detach().reshape(-1, hidden.shape[-1]).clone())
+        return full_head(hidden)
 
     decoder.logits = capture
-    for dataset in args.datasets.split(","):
-        for prompt in sample_prompts(load_dataset(dataset), args.num_prompts):
-            ids = pipeline.encode(prompt.messages) if prompt.messages else pipeline.encode(prompt.text, chat=False)
-            list(pipeline.steps(ids, pipeline.generation_config(args.max_new_tokens, 0.0, seed=0), "ar"))
-    decoder.logits = head
-    x = torch.cat(hidden_rows)  # (N, K), bf16
-    exact = (x.float() @ decoder.head_weight.float().T).to(x.dtype).double()  # bf16 logits, as the head gives
-    blocks = width // BLOCK
-    # the weights' 8-bit codes and their errors, per block (what would be stored once at load)
-    w = weight.view(vocab, blocks, BLOCK)
-    scale = (w.abs().amax(-1) / 127).float().double()  # stored as fp32
-    codes = torch.round(w / scale.clamp_min(1e-300)[..., None]).clamp(-127, 127)
-    w_error = (w - codes * scale[..., None]).abs().amax(-1)  # (V, blocks)
-    # the hidden state's 16-bit codes, per block (computed each step)
-    xb = x.double().view(-1, blocks, BLOCK)
-    x_scale = (xb.abs().amax(-1) / 32767).float().double()
-    x_codes = torch.round(xb / x_scale.clamp_min(1e-300)[..., None])
-    sums = torch.einsum("vbi,nbi->nvb", codes, x_codes)  # exact integer block sums
-    approx = (sums * (scale[None] * x_scale[:, None, :])).sum(-1)  # (N, V)
-    x_abs = xb.abs().sum(-1)  # (N, blocks)
-    bound = x_abs @ w_error.T + (x_scale / 2) @ (scale * codes.abs().sum(-1)).T  # the codes' errors
-    magnitude = x_abs @ (scale * 127 + w_error).T  # >= sum |w| |x| per row and logit
-    bound = bound + (width + 64) * UNIT * magnitude  # fp32 rounding of the exact chain and of the approximation
-    floor = (approx - bound).amax(-1, keepdim=True)
-    margin = floor.abs() * 2.0 ** -7  # two bf16 steps at the best logit: ties after rounding stay candidates
-    candidates = approx + bound >= floor - margin
-    counts = candidates.sum(-1).double()
-    argmax = exact.max(-1).indices
-    exact_bytes = vocab * width * 2
+    kernels.greedy_heads = False  # every row through the full head, captured
+    try:
+        for dataset in args.datasets.split(","):
+            for prompt in sample_prompts(load_dataset(dataset), args.num_prompts):
+                ids = pipeline.encode(prompt.messages) if prompt.messages else pipeline.encode(prompt.text, chat=False)
+                list(pipeline.steps(ids, pipeline.generation_config(args.max_new_tokens, 0.0, seed=0), "ar"))
+    finally:
+        decoder.logits = full_head
+        kernels.greedy_heads = True
+    x = torch.cat(hidden_rows)
+    exact = torch.cat([full_head(x[i:i + 64]).float().max(-1).indices for i in range(0, len(x), 64)])
+    found, counts = [], []
+    for i in range(0, len(x), 4):
+        f, c = head.candidates(kernels.library, x[i:i + 4].float().contiguous())
+        found.append(f), counts.append(c)
+    found, counts = torch.cat(found), torch.cat(counts)
+    among = [counts[m] < 0 or int(exact[m]) in found[m, :counts[m]].tolist() for m in range(len(x))]
+    certified = torch.cat([kernels._greedy_ids(head, x[i:i + 1], weight) for i in range(len(x))])
+    sized = counts[counts >= 0].double()
     print(json.dumps({
-        "rows": x.shape[0], "vocab": vocab, "hidden": width,
-        "candidates_median": counts.median().item(), "candidates_mean": round(counts.mean().item(), 2),
-        "candidates_p90": counts.quantile(0.9).item(), "candidates_max": counts.max().item(),
-        "argmax_always_candidate": bool(candidates[torch.arange(x.shape[0]), argmax].all()),
-        "within_bound": bool(((exact - approx).abs() <= bound + exact.abs() * 2.0 ** -8).all()),
-        "bound_median": round(bound.median().item(), 4),
-        "approximate_head_mb": round((vocab * width + 2 * vocab * blocks * 4) / 1e6, 1),
-        "bf16_head_mb": round(exact_bytes / 1e6, 1),
+        "rows": len(x), "datasets": args.datasets,
+        "candidates_median": sized.median().item(), "candidates_mean": round(sized.mean().item(), 2),
+        "candidates_p90": sized.quantile(0.9).item(), "candidates_max": sized.max().item(),
+        "rows_with_too_many": int((counts < 0).sum()),
+        "exact_argmax_always_a_candidate": all(among),
+        "certified_equals_full": bool(torch.equal(certified, exact)),
+        "approximate_head_mb": round((head.codes.numel() + 4 * (head.scale.numel() + head.error.numel())) / 1e6, 1),
     }))
 
 

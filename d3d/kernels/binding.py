@@ -390,6 +390,8 @@ class RowExactKernels:
         ties included — for x (M, K), from the exact logits of the few vocabulary rows that can hold it
         (`d3d.kernels.greedy`); None where that path is not used for this weight or this many rows
         (the caller then takes the argmax of the full logits: the same ids)."""
+        if not self.greedy_heads:
+            return None
         head = self.greedy_head(weight)
         if head is None or x.shape[0] > head.max_rows or x.dtype != weight.dtype:
             return None
@@ -398,12 +400,14 @@ class RowExactKernels:
     def greedy_head(self, weight: torch.Tensor) -> greedy.GreedyHead | None:
         """`weight`'s greedy head, prepared once (checked against the full head and timed against it on
         this machine), or None where its stream gives no runs of rows or the path lost either."""
+        if not self.greedy_heads:
+            return None
         entry = self._greedy.get(id(weight))
         if entry is not None and entry[0]() is weight and entry[1] == (weight._version, self.epoch):
             return entry[2]
         head = None
         stream = self.stream(weight)
-        if self.greedy_heads and len(stream.parts) == 1 and greedy.supports(stream.parts[0], weight):
+        if len(stream.parts) == 1 and greedy.supports(stream.parts[0], weight):
             head = greedy.GreedyHead.of(weight, stream.parts[0])
             # in huge pages, as the streams: 35 MB read per call on SmolLM2-135M
             head.codes, head.scale, head.error = (self.arena.copy(head.codes), self.arena.copy(head.scale),
