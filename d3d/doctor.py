@@ -9,6 +9,7 @@ what is guaranteed here, which path runs, and what exactness costs. It only repo
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -102,7 +103,9 @@ def describe_greedy_head(decoder: Decoder) -> str:
     if kernels is None:
         return "the full head's logits (no row-exact kernels)"
     if not kernels.greedy_heads:
-        return "the full head's logits (D3D_GREEDY_HEAD=0)"
+        return ("the full head's logits (D3D_GREEDY_HEAD=0)" if os.environ.get("D3D_GREEDY_HEAD") == "0" else
+                "the full head's logits (the certified head is on by default where the linears take the fp32 "
+                "lanes; D3D_GREEDY_HEAD=1 tries it on this build, checked at load)")
     head = kernels.greedy_head(decoder.head_weight)
     if head is None:
         return "the full head's logits (its weights are not a quantized stream, or the check failed)"

@@ -138,10 +138,6 @@ class RowExactKernels:
         self.grouped_rows = bool(library.d3d_grouped_linear())
         self._grouped: dict[tuple[int, bool], tuple[weakref.ref, int, WeightStream | None]] = {}  # (id, amx)
         self.arena = HugePageArena()
-        # Greedy heads (d3d.kernels.greedy), by weight: id → (weakref, version, the head or None where
-        # the path does not apply or lost its check or its timing). D3D_GREEDY_HEAD=0 turns it off.
-        self._greedy: dict[int, tuple[weakref.ref, tuple[int, int], greedy.GreedyHead | None]] = {}
-        self.greedy_heads = os.environ.get("D3D_GREEDY_HEAD", "1") != "0"
         library.d3d_amx.argtypes = [i32]
         library.d3d_amx.restype = i32
         library.d3d_kernel_path.restype = ctypes.c_char_p
@@ -155,6 +151,14 @@ class RowExactKernels:
                 self.amx = bool(library.d3d_amx(0))
                 print(f"d3d: AMX tiles not used: {self.amx_refused}; the AVX-512 path instead", file=sys.stderr)
         self.path_name = library.d3d_kernel_path().decode()
+        # Greedy heads (d3d.kernels.greedy), by weight: id → (weakref, (version, epoch), the head or None
+        # where the path does not apply or lost its check). On by default where the linears take the
+        # fp32 lanes (AVX2, or portable C): measured there (AMD EPYC Zen 3); the AVX-512 BF16 and AMX
+        # builds read a run of a quantized stream's rows through other bodies, not yet run on such a
+        # machine — D3D_GREEDY_HEAD=1 turns it on there (checked at load as everywhere), 0 off everywhere.
+        self._greedy: dict[int, tuple[weakref.ref, tuple[int, int], greedy.GreedyHead | None]] = {}
+        wanted = os.environ.get("D3D_GREEDY_HEAD", "")
+        self.greedy_heads = wanted == "1" or wanted != "0" and not self.path_name.startswith(("amx", "avx512: packed"))
 
     def tiles_keys(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether this build reads a cache's keys tiled (d3d.cache; attention.h), for keys of this
