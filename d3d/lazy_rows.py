@@ -74,7 +74,6 @@ class LazyRows:
         prefixes of these (`function` must treat each row on its own: argmax, probabilities)."""
         return LazyRows(self.length, lambda begin, end: function(self[begin:end]), ready=lambda: self.num_computed)
 
-
     def argmaxes(self, argmax: Callable[[torch.Tensor], torch.Tensor]) -> LazyRows:
         """Each row's `argmax` (a function of rows, e.g. `greedy_ids`), as read: from the computed rows
         where they are, past them from this object's own `argmax` of a range of rows where it has one

@@ -439,7 +439,8 @@ class Decoder(nn.Module):
             computed = logits[begin:begin + len(first)]
             if len(first) < len(rows):
                 computed = LazyRows(len(rows), lambda b, e, rows=rows: self.logits(hidden[rows[b]:rows[b] + e - b]),
-                                    computed, argmax=lambda b, e, rows=rows: self.greedy_ids(hidden[rows[b]:rows[b] + e - b]))
+                                    computed, argmax=(lambda b, e, rows=rows: self.greedy_ids(hidden[rows[b]:rows[b] + e - b]))
+                                    if part.greedy else None)
             out.append((computed, None if features is None else features[end - len(part.ids):end]))
             begin += len(first)
         return out
