@@ -289,7 +289,7 @@ class Decoder(nn.Module):
         """The certified greedy head of this (target's) vocabulary head (`greedy_ids`), prepared now —
         checked and timed on this machine, ~0.4 s for SmolLM2-135M — rather than at the first greedy token."""
         if self.row_exact is not None and self.device.type == "cpu":
-            self.row_exact.greedy_head(self.head_weight)
+            self.row_exact.greedy.head(self.head_weight)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -31,7 +31,7 @@ def main() -> None:
     pipeline = Pipeline.load()
     decoder = pipeline.target.decoder
     kernels, weight = decoder.row_exact, decoder.head_weight
-    head = kernels.greedy_head(weight) if kernels is not None else None
+    head = kernels.greedy.head(weight) if kernels is not None else None
     if head is None:
         raise SystemExit("this target's head has no certified greedy head here (see `d3d doctor`)")
     hidden_rows = []
@@ -42,7 +42,7 @@ def main() -> None:
         return full_head(hidden)
 
     decoder.logits = capture
-    kernels.greedy_heads = False  # every row through the full head, captured
+    kernels.greedy.on = False  # every row through the full head, captured
     try:
         for dataset in args.datasets.split(","):
             for prompt in sample_prompts(load_dataset(dataset), args.num_prompts):
@@ -50,7 +50,7 @@ def main() -> None:
                 list(pipeline.steps(ids, pipeline.generation_config(args.max_new_tokens, 0.0, seed=0), "ar"))
     finally:
         decoder.logits = full_head
-        kernels.greedy_heads = True
+        kernels.greedy.on = True
     x = torch.cat(hidden_rows)
     exact = torch.cat([full_head(x[i:i + 64]).float().max(-1).indices for i in range(0, len(x), 64)])
     found, counts = [], []
@@ -59,7 +59,7 @@ def main() -> None:
         found.append(f), counts.append(c)
     found, counts = torch.cat(found), torch.cat(counts)
     among = [counts[m] < 0 or int(exact[m]) in found[m, :counts[m]].tolist() for m in range(len(x))]
-    certified = torch.cat([kernels._greedy_ids(head, x[i:i + 1], weight) for i in range(len(x))])
+    certified = torch.cat([kernels.greedy.certified_ids(head, x[i:i + 1], weight) for i in range(len(x))])
     sized = counts[counts >= 0].double()
     print(json.dumps({
         "rows": len(x), "datasets": args.datasets,

@@ -20,7 +20,7 @@ from test_quantized import loader_values, random_blocks, stream_of
 @pytest.fixture(scope="module")
 def kernels():
     kernels = row_exact_kernels()
-    if not kernels.greedy_heads:
+    if not kernels.greedy.on:
         pytest.skip(f"the certified greedy head is on where the linears take the fp32 lanes; this build: {kernels.path_name}")
     return kernels
 
@@ -45,7 +45,7 @@ def test_the_certified_argmax_is_the_full_heads(kernels):
     head's first index) and rows aimed at two equal vocabulary rows (exact ties: the lower index)."""
     width = 128
     weight = q8_head(kernels, 1024, width, seed=3, copies={700: 37, 901: 37})
-    head = kernels.greedy_head(weight)
+    head = kernels.greedy.head(weight)
     assert head is not None, "a Q8_0 head of one stream part has a greedy head"
     generator = torch.Generator().manual_seed(1)
     rows = [torch.randn(width, generator=generator) * scale for scale in (0.01, 0.1, 1.0, 3.0, 10.0, 100.0)
@@ -55,7 +55,7 @@ def test_the_certified_argmax_is_the_full_heads(kernels):
     found, counts = head.candidates(kernels.library, x.float().contiguous())
     assert counts[-4] == -1 and (counts[:-4] > 0).all()  # zeros: every row a candidate; else a few
     assert 37 in found[-3, :counts[-3]].tolist() and 700 in found[-3, :counts[-3]].tolist()
-    got = kernels._greedy_ids(head, x, weight)
+    got = kernels.greedy.certified_ids(head, x, weight)
     assert torch.equal(got, full_ids(kernels, x, weight))
     assert got[-3] == 37 and got[-1] == 37  # the first of the tied rows
 
@@ -67,10 +67,10 @@ def test_a_head_of_other_codes_fails_the_check(kernels):
     weight = q8_head(kernels, 256, width, seed=4)
     other = q8_head(kernels, 256, width, seed=5)
     wrong = greedy.GreedyHead.of(other, kernels.stream(weight).parts[0])
-    assert not greedy.check(lambda x: kernels._greedy_ids(wrong, x, weight), lambda x: full_ids(kernels, x, weight),
+    assert not greedy.check(lambda x: kernels.greedy.certified_ids(wrong, x, weight), lambda x: full_ids(kernels, x, weight),
                             width)
     right = greedy.GreedyHead.of(weight, kernels.stream(weight).parts[0])
-    assert greedy.check(lambda x: kernels._greedy_ids(right, x, weight), lambda x: full_ids(kernels, x, weight),
+    assert greedy.check(lambda x: kernels.greedy.certified_ids(right, x, weight), lambda x: full_ids(kernels, x, weight),
                         width)
 
 
@@ -78,7 +78,7 @@ def test_heads_without_runs_of_rows_have_none(kernels):
     """A bf16 head read as its own values (no quantized stream) takes the full head: `greedy_ids`
     declines and `Decoder.greedy_ids` takes the logits' argmax."""
     weight = torch.randn(64, 32).to(torch.bfloat16)
-    assert kernels.greedy_head(weight) is None
+    assert kernels.greedy.head(weight) is None
     assert kernels.greedy_ids(torch.randn(2, 32).to(torch.bfloat16), weight) is None
 
 
@@ -93,11 +93,10 @@ def test_decoding_through_the_greedy_head_gives_the_same_tokens(kernels):
     target.pack_weights()
     prompt, config = [3, 9, 27, 17, 51, 25, 3, 9, 27], GenerationConfig(max_new_tokens=40)
     exact = target.row_exact
-    exact.greedy_heads = False
+    exact.greedy.on = False
     want = [t for step in reference_generate(target, prompt, config) for t in step.tokens]
-    exact.greedy_heads = True
-    exact._greedy.clear()
-    head = exact.greedy_head(target.head_weight)
+    exact.greedy.on = True
+    head = exact.greedy.head(target.head_weight)
     assert head is not None
     head.max_rows = greedy.ROWS  # whatever this machine's timing said
     calls = []

@@ -151,14 +151,7 @@ class RowExactKernels:
                 self.amx = bool(library.d3d_amx(0))
                 print(f"d3d: AMX tiles not used: {self.amx_refused}; the AVX-512 path instead", file=sys.stderr)
         self.path_name = library.d3d_kernel_path().decode()
-        # Greedy heads (d3d.kernels.greedy), by weight: id → (weakref, (version, epoch), the head or None
-        # where the path does not apply or lost its check). On by default where the linears take the
-        # fp32 lanes (AVX2, or portable C): measured there (AMD EPYC Zen 3); the AVX-512 BF16 and AMX
-        # builds read a run of a quantized stream's rows through other bodies, not yet run on such a
-        # machine — D3D_GREEDY_HEAD=1 turns it on there (checked at load as everywhere), 0 off everywhere.
-        self._greedy: dict[int, tuple[weakref.ref, tuple[int, int], greedy.GreedyHead | None]] = {}
-        wanted = os.environ.get("D3D_GREEDY_HEAD", "")
-        self.greedy_heads = wanted == "1" or wanted != "0" and not self.path_name.startswith(("amx", "avx512: packed"))
+        self.greedy = greedy.GreedyHeads(self)  # the certified greedy heads (d3d.kernels.greedy)
 
     def tiles_keys(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether this build reads a cache's keys tiled (d3d.cache; attention.h), for keys of this
@@ -390,65 +383,9 @@ class RowExactKernels:
         return out
 
     def greedy_ids(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax (M,) of `linear(x, weight, None)`'s logits — the index `greedy_ids` takes,
-        ties included — for x (M, K), from the exact logits of the few vocabulary rows that can hold it
-        (`d3d.kernels.greedy`); None where that path is not used for this weight or this many rows
-        (the caller then takes the argmax of the full logits: the same ids)."""
-        if not self.greedy_heads:
-            return None
-        head = self.greedy_head(weight)
-        if head is None or x.shape[0] > head.max_rows or x.dtype != weight.dtype:
-            return None
-        return self._greedy_ids(head, x, weight)
-
-    def greedy_head(self, weight: torch.Tensor) -> greedy.GreedyHead | None:
-        """`weight`'s greedy head, prepared once (checked against the full head and timed against it on
-        this machine), or None where its stream gives no runs of rows or the path lost either."""
-        if not self.greedy_heads:
-            return None
-        entry = self._greedy.get(id(weight))
-        if entry is not None and entry[0]() is weight and entry[1] == (weight._version, self.epoch):
-            return entry[2]
-        head = None
-        stream = self.stream(weight)
-        if len(stream.parts) == 1 and greedy.supports(stream.parts[0], weight):
-            head = greedy.GreedyHead.of(weight, stream.parts[0])
-            # in huge pages, as the streams: 35 MB read per call on SmolLM2-135M
-            head.codes, head.scale, head.error = (self.arena.copy(head.codes), self.arena.copy(head.scale),
-                                                  self.arena.copy(head.error))
-            width = weight.shape[1]
-            def full(x: torch.Tensor) -> torch.Tensor:
-                return self.linear(x, weight, None).float().max(-1).indices
-            def certified(x: torch.Tensor) -> torch.Tensor:
-                return self._greedy_ids(head, x, weight)
-            if not greedy.check(certified, full, width):
-                print("d3d: the greedy head's argmax differs from the full head's on this machine; "
-                      "the full head instead", file=sys.stderr)
-                head = None
-            else:  # kept even at 0 rows: `greedy_ids` then declines every call
-                head.max_rows = greedy.fastest_rows(certified, full, width)
-        key = id(weight)
-        self._greedy[key] = (weakref.ref(weight, lambda _, key=key: self._greedy.pop(key, None)),
-                             (weight._version, self.epoch), head)  # a new stream for any weight: prepared again
-        return head
-
-    def _greedy_ids(self, head: greedy.GreedyHead, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        width = weight.shape[1]
-        function = self._fn("linear", x.dtype)
-
-        scratch = torch.empty(self.library.d3d_linear_scratch(1, width, 1), dtype=torch.float32)
-
-        def linear_run(row: torch.Tensor, run: Weight, rows: int) -> list[float]:
-            out = torch.empty(rows, dtype=row.dtype)
-            # one thread: a run of 4 rows is too little work to share (threads never change a result)
-            function(row.data_ptr(), row.stride(0), ctypes.byref(run), None, None, out.data_ptr(), 1, rows, width,
-                     scratch.data_ptr(), 1)
-            return out.float().tolist()
-
-        def full_ids(rows: torch.Tensor) -> torch.Tensor:
-            return self.linear(rows, weight, None).float().max(-1).indices
-
-        return greedy.argmax_ids(head, self.library, linear_run, full_ids, x)
+        """Each row's argmax of `linear(x, weight, None)`'s logits from a certified greedy head, or None
+        where none is used (`d3d.kernels.greedy.GreedyHeads.ids`)."""
+        return self.greedy.ids(x, weight)
 
     def linear_reference(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (M, K) @ weight (N, K)ᵀ by the reference lanes (rowexact's portable C), whatever this

@@ -8,22 +8,27 @@ the best one's; their exact logits come from the head's own stream, through the 
 kernel over a run of 4 of its rows (a quantized stream holds each row's blocks in place, so a run
 is a pointer into it), and the first of the largest is the argmax — the index `greedy_ids` takes
 from the full logits, ties included. The bound is checked on random rows against the full head
-when a head is prepared (`GreedyHead.check`), and the path is used only where it is faster than the
-exact head on the running machine (`GreedyHead.max_rows`: on an AMD EPYC Zen 3, one row 1.0 ms
-against 1.6 ms over SmolLM2-135M's Q8_0 head).
+when a head is prepared (`check`), and the path is used only where it is faster than the exact
+head on the running machine (`GreedyHead.max_rows`, `fastest_rows`: on an AMD EPYC Zen 3, one row
+1.0 ms against 1.6 ms over SmolLM2-135M's Q8_0 head). `GreedyHeads` holds a kernels object's heads,
+one per head weight, and says where the path is on (`GreedyHeads.on`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from d3d.kernels.packing import BLOCK, BLOCK_BYTES, WEIGHT_FORMATS, StreamPart
+from d3d.kernels.packing import BLOCK, BLOCK_BYTES, WEIGHT_FORMATS, HugePageArena, StreamPart
 from d3d.kernels.structs import Weight
+from d3d.sampling import greedy_ids
 
 CAP = 64  # candidates a row may have before it takes the exact head instead (SmolLM2-135M: 9 at most)
 RUN = 4  # rows of a quantized stream kept together: a run of them is a pointer into it
@@ -39,12 +44,14 @@ class GreedyHead:
     scale: torch.Tensor  # (V, K / 32) fp32
     error: torch.Tensor  # (V, K / 32) fp32, >= |w - scale · code| over each block
     part: StreamPart
-    max_rows: int = ROWS  # calls of more rows take the exact head (set by `time_against`)
+    max_rows: int = ROWS  # calls of more rows take the exact head (set by `fastest_rows`)
 
     @classmethod
-    def of(cls, weight: torch.Tensor, part: StreamPart, chunk: int = 4096) -> "GreedyHead":
+    def of(cls, weight: torch.Tensor, part: StreamPart, arena: HugePageArena | None = None,
+           chunk: int = 4096) -> "GreedyHead":
         """The codes of `weight`'s exact values (bf16): any code per weight will do — each block's
-        error is measured afterwards, exactly (fp64), and rounded up to fp32 — so they are found in fp32."""
+        error is measured afterwards, exactly (fp64), and rounded up to fp32 — so they are found in fp32;
+        in `arena`'s huge pages where given, as the streams (35 MB read per call on SmolLM2-135M)."""
         vocab, width = weight.shape
         blocks = width // BLOCK
         codes = torch.empty(vocab, width, dtype=torch.int8)
@@ -59,6 +66,8 @@ class GreedyHead:
             e = torch.where(e.double() < exact, torch.nextafter(e, torch.full_like(e, float("inf"))), e)
             codes[first:first + chunk] = q.to(torch.int8).view(-1, width)
             scale[first:first + chunk], error[first:first + chunk] = s, e
+        if arena is not None:
+            codes, scale, error = arena.copy(codes), arena.copy(scale), arena.copy(error)
         return cls(codes, scale, error, part)
 
     def candidates(self, library: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,33 +98,92 @@ def supports(part: StreamPart, weight: torch.Tensor) -> bool:
         weight.shape[1] % BLOCK == 0
 
 
-def argmax_ids(head: GreedyHead, library: ctypes.CDLL, linear_run: Callable[[torch.Tensor, Weight, int], list[float]],
-               full_ids: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (M,) over x (M, K) bf16: from its candidates' exact logits, or from the full
-    head (`full_ids`) for rows with too many candidates. `linear_run(x_row, run, rows)`: the exact
-    logits of one row over a run of the head's rows."""
-    found, counts = head.candidates(library, x.float().contiguous())
-    vocab = head.codes.shape[0]
-    counts, ids = counts.tolist(), [0] * len(counts)
-    fallback = [m for m, count in enumerate(counts) if count < 0]
-    if fallback:
-        for m, token in zip(fallback, full_ids(x[fallback]).tolist()):
-            ids[m] = token
-    for m, count in enumerate(counts):
-        if count < 0:
-            continue
-        row = x[m:m + 1]
-        best, best_value, runs = -1, 0.0, {}
-        for v in found[m, :count].tolist():  # ascending: the first of equal maxima wins, as `greedy_ids`
-            first = v - v % RUN
-            if first not in runs:
-                rows = min(RUN, vocab - first)
-                runs[first] = linear_run(row, head.run_of(first, rows), rows)
-            value = runs[first][v - first]
-            if best < 0 or value > best_value:
-                best, best_value = v, value
-        ids[m] = best
-    return torch.tensor(ids, dtype=torch.int64)
+class GreedyHeads:
+    """A kernels object's greedy heads, one per head weight, prepared at its first use and again after
+    the weight or any stream changes. On by default where the linears take the fp32 lanes (AVX2, or
+    portable C): measured there (AMD EPYC Zen 3); the AVX-512 BF16 and AMX builds read a run of a
+    quantized stream's rows through other bodies, not yet run on such a machine — D3D_GREEDY_HEAD=1
+    turns it on there (checked when prepared, as everywhere), 0 off everywhere."""
+
+    def __init__(self, kernels: Any) -> None:  # the RowExactKernels that holds it (binding imports this module)
+        self.kernels = kernels
+        wanted = os.environ.get("D3D_GREEDY_HEAD", "")
+        self.on = wanted == "1" or wanted != "0" and not kernels.path_name.startswith(("amx", "avx512: packed"))
+        # id(weight) → (weakref, (its version, the kernels' stream epoch), its head or None where the
+        # path does not apply or lost its check)
+        self._heads: dict[int, tuple[weakref.ref, tuple[int, int], GreedyHead | None]] = {}
+
+    def ids(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax (M,) of `linear(x, weight, None)`'s logits — `greedy_ids`'s index, ties
+        included — for x (M, K); None where the path is off, or not used for this weight or this many
+        rows (the caller then takes the argmax of the full logits: the same ids)."""
+        head = self.head(weight)
+        if head is None or x.shape[0] > head.max_rows or x.dtype != weight.dtype:
+            return None
+        return self.certified_ids(head, x, weight)
+
+    def head(self, weight: torch.Tensor) -> GreedyHead | None:
+        """`weight`'s greedy head, prepared once (checked against the full head and timed against it on
+        this machine; kept at 0 rows when not faster), or None where the path is off, or the weight's
+        stream gives no runs of rows, or the check failed."""
+        if not self.on:
+            return None
+        kernels, key = self.kernels, id(weight)
+        entry = self._heads.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == (weight._version, kernels.epoch):
+            return entry[2]
+        head, stream = None, kernels.stream(weight)
+        if len(stream.parts) == 1 and supports(stream.parts[0], weight):
+            head = GreedyHead.of(weight, stream.parts[0], kernels.arena)
+            width = weight.shape[1]
+            certified = lambda x: self.certified_ids(head, x, weight)  # noqa: E731
+            full = lambda x: self.full_ids(x, weight)  # noqa: E731
+            if check(certified, full, width):
+                head.max_rows = fastest_rows(certified, full, width)
+            else:
+                print("d3d: the greedy head's argmax differs from the full head's on this machine; "
+                      "the full head instead", file=sys.stderr)
+                head = None
+        self._heads[key] = (weakref.ref(weight, lambda _, key=key: self._heads.pop(key, None)),
+                            (weight._version, kernels.epoch), head)
+        return head
+
+    def full_ids(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The argmax of the full head's logits: what the certified head must give."""
+        return greedy_ids(self.kernels.linear(x, weight, None))
+
+    def certified_ids(self, head: GreedyHead, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax (M,) over x (M, K) bf16 from its candidates' exact logits — each run of 4
+        of the head's rows through the linear kernel, one row, one thread (a run is too little work to
+        share; threads never change a result) — or from the full head for rows with too many."""
+        kernels, width = self.kernels, weight.shape[1]
+        found, counts = head.candidates(kernels.library, x.float().contiguous())
+        vocab = head.codes.shape[0]
+        counts, ids = counts.tolist(), [0] * len(counts)
+        fallback = [m for m, count in enumerate(counts) if count < 0]
+        if fallback:
+            for m, token in zip(fallback, self.full_ids(x[fallback], weight).tolist()):
+                ids[m] = token
+        linear = kernels._fn("linear", x.dtype)
+        scratch = torch.empty(kernels.library.d3d_linear_scratch(1, width, 1), dtype=torch.float32)
+        for m, count in enumerate(counts):
+            if count < 0:
+                continue
+            row = x[m:m + 1]
+            best, best_value, runs = -1, 0.0, {}
+            for v in found[m, :count].tolist():  # ascending: the first of equal maxima wins, as `greedy_ids`
+                first = v - v % RUN
+                if first not in runs:
+                    rows = min(RUN, vocab - first)
+                    out = torch.empty(rows, dtype=x.dtype)
+                    linear(row.data_ptr(), row.stride(0), ctypes.byref(head.run_of(first, rows)), None, None,
+                           out.data_ptr(), 1, rows, width, scratch.data_ptr(), 1)
+                    runs[first] = out.float().tolist()
+                value = runs[first][v - first]
+                if best < 0 or value > best_value:
+                    best, best_value = v, value
+            ids[m] = best
+        return torch.tensor(ids, dtype=torch.int64)
 
 
 def check(ids_of: Callable[[torch.Tensor], torch.Tensor], full_ids: Callable[[torch.Tensor], torch.Tensor],
