@@ -363,7 +363,7 @@ def tiled_cache_tensors(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor,
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (10, 2)])
-@pytest.mark.parametrize("length,mask_on", [(1, False), (2, False), (17, False), (17, True), (40, False), (40, True)])
+@pytest.mark.parametrize("length,mask_on", [(1, False), (2, False), (17, False), (17, True), (40, False), (40, True), (50, False)])
 def test_tiled_keys_give_the_bits_of_rows(avx2, length, mask_on, heads, kv_heads):
     """The AVX2 build's attention over a tiled cache's keys — a one-token step's scores, a few
     queries', a verification's and a long call's (past QUERY_BLOCK), causal and masked, on 1 and 2

@@ -1015,9 +1015,15 @@ static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads)
 /* the scratch row of query (b, t, h), t in the block t0 … t1-1 */
 #define ROW(b, t, h) (scores + (((b) * rows + (t) - t0) * H + (h)) * S)
 #define ATTENTION_PASSES(SUFFIX, T_ELEM, LOAD, STORE)                                                \
-    /* 1. scores. Jobs go round-robin (causal tiles late in S serve fewer queries), and each thread   \
+    /* 1. scores. Over a tiled cache (AVX2), each thread's span of the block's tiles as one run      \
+     * (ATTENTION_TILE_RUN: a prefill chunk's scores after 3,584 tokens 0.89 -> 0.41 s, AMD EPYC Zen 3); \
+     * else jobs go round-robin (causal tiles late in S serve fewer queries), and each thread        \
      * prefetches the key tile of its job TILES_AHEAD on (a long context streams K from memory). */   \
     PASS_CLOCK                                                                                       \
+    if (TILE_RUN_FITS(SUFFIX)) {                                                                     \
+        int64_t first_ = me;                                                                         \
+        ATTENTION_TILE_RUN(SUFFIX, T_ELEM, LOAD, SPAN_FIRST(jobs), SPAN_END(jobs))                   \
+    } else                                                                                           \
     for (int64_t job = me, job_step_ = threads, job_end_ = jobs; job < jobs; job += threads)         \
         ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                    \
     _Pragma("omp barrier")                                                                           \
@@ -1031,9 +1037,6 @@ static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads)
     for (int64_t item = me; item < SUM_ITEMS(B, nt); item += threads) ATTENTION_SUM_ITEM(SUFFIX, T_ELEM, LOAD, STORE)\
     _Pragma("omp barrier")                                                                           \
     PASS_DONE(PASS_SUMS);
-
-ATTENTION(d3d_attention_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-ATTENTION(d3d_attention_f32, f32, float, IDENTITY, IDENTITY)
 
 /* The sequences of one batched forward (rowexact.c's d3d_forward), each after its own KV cache:
  * `rows` new queries at slots start … start+rows-1, keys/values of layer l at
@@ -1102,19 +1105,20 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
         qs_of = NULL;  /* qs_kept now holds this run's queries */                                    \
     }
 
-/* Scores of a few rows over a tiled cache where the build reads tiles (causal, B = 1, T > 1: a
- * one-token step's run above scores its tiles the same way with less bookkeeping a tile — through
- * here it took 1.04-1.06x as long after 4K tokens, AMD EPYC Zen 3; the group's queries of every row
- * kept scaled): a thread's span of jobs
+/* Scores of a block of rows t0 … t1-1 (a few rows' whole call, or one QUERY_BLOCK of a prefill's)
+ * over a tiled cache where the build reads tiles (causal, B = 1, T > 1: a one-token step's run above
+ * scores its tiles the same way with less bookkeeping a tile — through here it took 1.04-1.06x as
+ * long after 4K tokens, AMD EPYC Zen 3; the group's queries of every row kept scaled): a thread's
+ * span of jobs
  * as one run, each chunk of QUERY_CHUNK queries scored straight from the tile into the queries' rows;
- * a tile that some query sees only in part (the last one or two) goes through ATTENTION_SCORE_JOB.
- * The same chains. */
-#define TILE_RUN_FITS(SUFFIX) (FUSES_ANY_CHUNK(k_tiled) && FUSES_##SUFFIX(D) && !mask && T > 1 && KEEPS_BLOCK(T * group))
+ * a tile that the block's first query sees only in part (the last one or two) goes through
+ * ATTENTION_SCORE_JOB. The same chains. */
+#define TILE_RUN_FITS(SUFFIX) (FUSES_ANY_CHUNK(k_tiled) && FUSES_##SUFFIX(D) && !mask && T > 1 && B == 1 && KEEPS_BLOCK(nt * group))
 #define ATTENTION_TILE_RUN(SUFFIX, T_ELEM, LOAD, first, end)                                         \
     for (int64_t job = (first), job_step_ = 1, job_end_ = (end), g_ = job / tiles, s0_ = job % tiles * KEY_TILE, \
-                 all_ = T * group; job < job_end_; job++, s0_ += KEY_TILE) {                         \
+                 all_ = nt * group; job < job_end_; job++, s0_ += KEY_TILE) {                        \
         if (s0_ >= tiles * KEY_TILE) g_++, s0_ = 0;                                                  \
-        if (s0_ + KEY_TILE > S - T + 1) {                                                            \
+        if (s0_ + KEY_TILE > S - T + t0 + 1) {  /* a tile the block's first query sees only in part */ \
             ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                \
             continue;                                                                                \
         }                                                                                            \
@@ -1124,7 +1128,7 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
                 : k + ((job + TILES_AHEAD) / tiles) * kv_head + ((job + TILES_AHEAD) % tiles) * KEY_TILE * D); \
         }                                                                                            \
         KEEP_BLOCK_QUERIES(SUFFIX, T_ELEM, LOAD, 0, g_, all_)                                                \
-        for (int64_t i0 = 0, t_ = 0, j_ = 0; i0 < all_; i0 += QUERY_CHUNK) {                         \
+        for (int64_t i0 = 0, t_ = t0, j_ = 0; i0 < all_; i0 += QUERY_CHUNK) {                        \
             int chunk = all_ - i0 < QUERY_CHUNK ? (int)(all_ - i0) : QUERY_CHUNK;                    \
             float *rows_[QUERY_CHUNK];                                                               \
             for (int i = 0; i < chunk; i++) {  /* query i0 + i is (t_, head g_ · group + j_) */       \
@@ -1167,6 +1171,9 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
             area_ += rows * H * (S + 1);                                                             \
         }                                                                                            \
     }
+
+ATTENTION(d3d_attention_bf16, bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+ATTENTION(d3d_attention_f32, f32, float, IDENTITY, IDENTITY)
 
 #define ATTENTION_SEGMENTS(NAME, SUFFIX, T_ELEM, LOAD, STORE)                                        \
 static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d_segment *segments,  \
