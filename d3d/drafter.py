@@ -90,10 +90,11 @@ def layer_selection(text: str, depth: int | None = None, option: str = "layers")
 
 
 class Drafter(nn.Module):
-    def __init__(self, config: DrafterConfig, target: Decoder) -> None:
+    def __init__(self, config: DrafterConfig, target: Decoder, *, loading: bool = False) -> None:
+        """`loading`: every own weight is loaded next (`from_pretrained`), so none is drawn at random."""
         super().__init__()
         self.config = config
-        self.decoder = Decoder(config.model)
+        self.decoder = Decoder.for_weights(config.model) if loading else Decoder(config.model)
         if config.shared_embeddings:
             # Shared modules, not copies: the target's embedding and head are stored once.
             self.decoder.embed_tokens = target.embed_tokens
@@ -284,7 +285,7 @@ class Drafter(nn.Module):
         except ConfigError as error:
             raise LoadError(f"{config_file}: {error}") from None
         check_compatible(config, target, tokenizer_fingerprint, str(folder))
-        drafter = cls(config, target)
+        drafter = cls(config, target, loading=True)
         state = read_safetensors(weights_file)
         if version == DELTA_FORMAT_VERSION:
             bases = delta.bases(state, target.state_dict(), config.target_layers)

@@ -236,7 +236,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") ->
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(read_safetensors(file))
-    decoder = Decoder(config)
+    decoder = Decoder.for_weights(config)
     load_state(decoder, state, str(folder))
     tokenizer, eos = read_tokenizer(folder)
     # A target never trains: frozen weights let every forward of it run the row-exact kernels,

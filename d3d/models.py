@@ -221,6 +221,19 @@ class Decoder(nn.Module):
         self._rope_tables: dict[tuple, torch.Tensor] = {}  # the table in other dtypes
         self._layer_table: tuple[tuple[nn.Module, ...], LayerTable | None] | None = None
 
+    @classmethod
+    def for_weights(cls, config: ModelConfig, kernels: KernelChoice = "auto") -> Decoder:
+        """A decoder whose every weight is loaded next: built on the meta device and given
+        uninitialised memory, so that nothing is drawn at random only to be overwritten (~1 s of the
+        embedded target's load on 2 cores). The caller loads every parameter (`loading.load_state`
+        refuses weights that miss one)."""
+        cls._load_row_exact(kernels)  # built or found outside the meta device (cached: the call below reuses it)
+        with torch.device("meta"):
+            decoder = cls(config, kernels)
+        decoder.to_empty(device="cpu")
+        decoder.rope_table = rope_table(config)  # computed, never loaded
+        return decoder
+
     def __getstate__(self) -> dict:
         # copies (deepcopy, pickling) rebuild their own caches: the table points at this decoder's weights
         return {**self.__dict__, "_rope_tables": {}, "_layer_table": None}

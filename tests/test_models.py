@@ -570,3 +570,19 @@ def test_default_target_matches_transformers():
         actual = target.decoder(ids)
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-5)
         assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@torch.no_grad()
+def test_a_decoder_built_for_loaded_weights_computes_as_one_built_at_random(family):
+    """`Decoder.for_weights` draws nothing at random; with the same weights loaded it has the same
+    RoPE table, parameters and logits as a decoder built the usual way."""
+    config = tiny_config(family)
+    reference = make_decoder(config, seed=3)
+    loaded = Decoder.for_weights(config)
+    assert all(p.device.type == "cpu" for p in loaded.parameters())
+    assert torch.equal(loaded.rope_table, Decoder(config).rope_table)
+    load_state(loaded, reference.state_dict(), "test")
+    loaded.eval()
+    ids = torch.tensor([[5, 9, 2, 7, 1]])
+    assert torch.equal(loaded(ids), reference(ids))
