@@ -542,7 +542,7 @@ class Decoder(nn.Module):
         head for this head (`d3d.kernels.greedy`), else from the full logits. The same ids either way."""
         kernels = self.kernels_for(hidden)
         if kernels is self.row_exact and kernels is not None:
-            ids = kernels.greedy_ids(hidden, self.head_weight)
+            ids = kernels.greedy.ids(hidden, self.head_weight)
             if ids is not None:
                 return ids
         return greedy_ids(self.logits(hidden))

@@ -75,11 +75,11 @@ def test_a_head_of_other_codes_fails_the_check(kernels):
 
 
 def test_heads_without_runs_of_rows_have_none(kernels):
-    """A bf16 head read as its own values (no quantized stream) takes the full head: `greedy_ids`
+    """A bf16 head read as its own values (no quantized stream) takes the full head: `GreedyHeads.ids`
     declines and `Decoder.greedy_ids` takes the logits' argmax."""
     weight = torch.randn(64, 32).to(torch.bfloat16)
     assert kernels.greedy.head(weight) is None
-    assert kernels.greedy_ids(torch.randn(2, 32).to(torch.bfloat16), weight) is None
+    assert kernels.greedy.ids(torch.randn(2, 32).to(torch.bfloat16), weight) is None
 
 
 def test_decoding_through_the_greedy_head_gives_the_same_tokens(kernels):
@@ -100,13 +100,13 @@ def test_decoding_through_the_greedy_head_gives_the_same_tokens(kernels):
     assert head is not None
     head.max_rows = greedy.ROWS  # whatever this machine's timing said
     calls = []
-    real = exact.greedy_ids
-    exact.greedy_ids = lambda x, weight: calls.append(x.shape[0]) or real(x, weight)
+    real = exact.greedy.ids
+    exact.greedy.ids = lambda x, weight: calls.append(x.shape[0]) or real(x, weight)
     try:
         plain = [t for step in reference_generate(target, prompt, config) for t in step.tokens]
         sources = [LookupSource(LookupConfig())]
         drafted = [t for step in generate_from_sources(target, sources, prompt, config) for t in step.tokens]
     finally:
-        del exact.greedy_ids
+        del exact.greedy.ids
     assert plain == want and drafted == want
     assert calls and set(calls) == {1}  # one row at a time: the prefill's last, each plain step's

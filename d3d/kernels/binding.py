@@ -382,11 +382,6 @@ class RowExactKernels:
                                     torch.get_num_threads())
         return out
 
-    def greedy_ids(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax of `linear(x, weight, None)`'s logits from a certified greedy head, or None
-        where none is used (`d3d.kernels.greedy.GreedyHeads.ids`)."""
-        return self.greedy.ids(x, weight)
-
     def linear_reference(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (M, K) @ weight (N, K)ᵀ by the reference lanes (rowexact's portable C), whatever this
         build's own path: where a weight takes the lanes, every lanes kernel must give these bits."""
