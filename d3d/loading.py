@@ -10,6 +10,7 @@ half-written cache is never read. Weights are read from safetensors only — nev
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -125,13 +126,17 @@ def native_to_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     return out
 
 
-def load_state(decoder: Decoder, state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy weights into the decoder, refusing missing, unexpected or mis-shaped tensors."""
-    state = hf_to_native(state)
+def load_state(decoder: Decoder, state: dict[str, torch.Tensor], source: str, dtype: torch.dtype | None = None) -> None:
+    """Give the decoder these weights — converted to `dtype` first (None: the decoder's), then
+    fused and assigned, not copied: each weight is written once —, refusing missing, unexpected or
+    mis-shaped tensors."""
+    dtype = dtype or decoder.dtype
+    state = hf_to_native({key: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                          for key, tensor in state.items()})
     if decoder.lm_head is None:
         state.pop("lm_head.weight", None)
     check_state(decoder.state_dict(), state, source)
-    decoder.load_state_dict(state)
+    decoder.load_state_dict(state, assign=True)
 
 
 def check_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], source: str) -> None:
@@ -170,13 +175,33 @@ def _eos_ids(tokenizer: Any, generation_config: dict[str, Any] | None) -> list[i
     return ids
 
 
-def read_tokenizer(folder: Path) -> tuple[Any, list[int]]:
-    """A Hugging Face folder's tokenizer and end-of-sequence ids (generation_config.json's and the tokenizer's)."""
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # tokenizer.json alone, no model's own code
+
+
+def tokenizer_class(folder: Path) -> Any:
+    """The class that reads the folder's tokenizer: AutoTokenizer, or, where tokenizer_config.json names
+    transformers' generic tokenizers.json reader, that class itself — the one AutoTokenizer would pick,
+    without importing its model registry (~1.1 s of a 2-core load)."""
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+        import transformers
+
+        generic = getattr(transformers, named, None)
+        if generic is not None:
+            return generic
     from transformers import AutoTokenizer
 
+    return AutoTokenizer
+
+
+def read_tokenizer(folder: Path) -> tuple[Any, list[int]]:
+    """A Hugging Face folder's tokenizer and end-of-sequence ids (generation_config.json's and the tokenizer's)."""
     generation = folder / "generation_config.json"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = tokenizer_class(folder).from_pretrained(folder)
     except Exception as error:  # as for the config: whatever transformers raises, the folder is at fault
         raise LoadError(f"{folder} holds no tokenizer transformers can read "
                         f"({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
@@ -211,24 +236,47 @@ def build_kernels_meanwhile() -> None:
 _kernels_build: threading.Thread | None = None  # build_kernels_meanwhile's thread, once started
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") -> Target:
-    """A local Hugging Face folder: config.json, *.safetensors (single or sharded), tokenizer files."""
-    from transformers import AutoConfig
-
-    if not (folder / "config.json").is_file():
-        raise LoadError(f"{folder} has no config.json: not a Hugging Face model folder")
+def read_config(folder: Path) -> ModelConfig:
+    """A Hugging Face folder's config.json as a ModelConfig: read by transformers' AutoConfig, whose
+    import alone takes ~1.8 s (2 cores), the first time; then from a cache keyed by the file's bytes
+    and transformers' version, which hold everything AutoConfig's answer depends on."""
     for name in ("config.json", "generation_config.json"):  # transformers' own errors are 50-line tracebacks
         try:
             if (folder / name).is_file():
                 json.loads((folder / name).read_text(encoding="utf-8"))
         except (ValueError, OSError) as error:
             raise LoadError(f"{folder / name} is not readable JSON ({error})") from None
+    key = hashlib.sha256((folder / "config.json").read_bytes() + importlib.metadata.version("transformers").encode())
+    cached = cache_root() / "configs" / f"{key.hexdigest()[:20]}.json"
+    try:
+        return ModelConfig.from_json(cached.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable (ConfigError is a ValueError): read it again
+        pass
+    from transformers import AutoConfig
+
     try:
         hf_config = AutoConfig.from_pretrained(folder)
     except Exception as error:  # transformers raises many types here (OSError, ValueError, hub validation errors)
         raise LoadError(f"{folder / 'config.json'} is not a model config transformers can read "
                         f"({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
     config = ModelConfig.from_hf(hf_config)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = cached.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(config.to_json())
+        os.replace(staging, cached)  # atomic: a concurrent reader never sees half a file
+    except OSError:
+        pass  # a read-only cache: AutoConfig again next time
+    return config
+
+
+def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored", *, gguf: Path | None = None) -> Target:
+    """A local Hugging Face folder: config.json, *.safetensors (single or sharded), tokenizer files.
+    `gguf`: the file the folder was converted from (`load_gguf`), whose own blocks a bf16 target's
+    kernels then read (they decode to the folder's values, bit for bit)."""
+    if not (folder / "config.json").is_file():
+        raise LoadError(f"{folder} has no config.json: not a Hugging Face model folder")
+    config = read_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise LoadError(f"{folder} holds no .safetensors weights (d3d never unpickles .bin files)")
@@ -237,7 +285,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") ->
     for file in files:
         state.update(read_safetensors(file))
     decoder = Decoder.for_weights(config)
-    load_state(decoder, state, str(folder))
+    load_state(decoder, state, str(folder), dtype)
+    del state
     tokenizer, eos = read_tokenizer(folder)
     # A target never trains: frozen weights let every forward of it run the row-exact kernels,
     # in any thread, grad mode or not (see Decoder.kernels_for).
@@ -246,8 +295,10 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored") ->
     if weights in QUANTIZE_TO and decoder.row_exact is not None:
         report = quantize_weights(decoder.row_exact, decoder.linear_weights(), QUANTIZE_TO[weights])
         described = f"{report.summary()}, quantized at load"
-    decoder.pack_weights()
-    decoder.prepare_greedy_head()
+    if gguf is not None and weights == "stored" and dtype == torch.bfloat16 and decoder.row_exact is not None:
+        described = use_gguf_streams(decoder.row_exact, decoder.linear_weights(), gguf, config, folder).summary()
+    decoder.pack_weights()  # the rest: packed or plain
+    decoder.prepare_greedy_head()  # over the streams the head has now
     return Target(decoder, tokenizer, str(folder), eos, str(folder), described)
 
 
@@ -289,14 +340,9 @@ def load_gguf(gguf: Path, dtype: torch.dtype, weights: str = "stored") -> Target
     if not (destination / "model.safetensors").is_file():
         build_kernels_meanwhile()  # beside the conversion, the first time
         convert_gguf(gguf, destination)
-    target = load_hf_folder(destination, dtype, "stored" if weights == "dequantized" else weights)
+    target = load_hf_folder(destination, dtype, "stored" if weights == "dequantized" else weights,
+                            gguf=gguf if weights == "stored" else None)
     target.name = str(gguf)
-    decoder = target.decoder
-    if weights == "stored" and dtype == torch.bfloat16 and decoder.row_exact is not None:
-        report = use_gguf_streams(decoder.row_exact, decoder.linear_weights(), gguf, decoder.config, destination)
-        target.weights = report.summary()
-        decoder.pack_weights()  # the rest: packed or plain, as before
-        decoder.prepare_greedy_head()  # over the GGUF's own head blocks
     return target
 
 

@@ -203,21 +203,24 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """A causal decoder: token ids (or embeddings) + positions + cache + mask → logits."""
 
-    def __init__(self, config: ModelConfig, kernels: KernelChoice = "auto") -> None:
+    def __init__(self, config: ModelConfig, kernels: KernelChoice = "auto", *, draw: bool = True) -> None:
+        """`draw`: draw the embedding at random as nn.Embedding does, and compute the RoPE table (False:
+        `for_weights`, which builds on the meta device, where both would import torch._dynamo: ~1.5 s)."""
         super().__init__()
         if kernels not in ("auto", "row-exact", "torch"):
             raise ConfigError(f"unknown kernels {kernels!r} (auto, row-exact or torch)")
         self.config = config
         self.kernel_choice = kernels
         self.row_exact = self._load_row_exact(kernels)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=None if draw else torch.empty(
+            config.vocab_size, config.hidden_size))  # a given weight is not drawn
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         # cos/sin of every position, computed once: a position's rotation is then one table row,
         # the same bits in any forward (a fresh cos() call may round lanes differently).
-        self.register_buffer("rope_table", rope_table(config), persistent=False)
+        self.register_buffer("rope_table", rope_table(config) if draw else torch.empty(0), persistent=False)
         self._rope_tables: dict[tuple, torch.Tensor] = {}  # the table in other dtypes
         self._layer_table: tuple[tuple[nn.Module, ...], LayerTable | None] | None = None
 
@@ -230,8 +233,12 @@ class Decoder(nn.Module):
         (`loading.load_state` refuses weights that miss one)."""
         cls._load_row_exact(kernels)  # built or found outside the meta device (cached: the call below reuses it)
         with torch.device("meta"):
-            decoder = cls(config, kernels)
-        decoder.to_empty(device="cpu")
+            decoder = cls(config, kernels, draw=False)
+        # Module.to_empty would run PyTorch's Python reference of empty_like, which imports sympy (~0.9 s)
+        for module in decoder.modules():
+            for name, weight in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype),
+                                                             requires_grad=weight.requires_grad))
         decoder.rope_table = rope_table(config)  # computed, never loaded
         return decoder
 

@@ -1,0 +1,95 @@
+"""What a target's load reads: config.json once through transformers and then from d3d's cache, and a
+generic tokenizer through its own class — each giving what transformers' Auto classes give."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+import d3d.loading
+from d3d.config import ModelConfig
+from d3d.loading import read_config, read_tokenizer, tokenizer_class
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("D3D_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def auto_config_reads(monkeypatch) -> list:
+    """Each folder transformers' AutoConfig reads from here on."""
+    reads, read = [], transformers.AutoConfig.from_pretrained
+
+    def counted(folder, *args, **kwargs):
+        reads.append(folder)
+        return read(folder, *args, **kwargs)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", counted)
+    return reads
+
+
+def write_config(folder, **overrides) -> None:
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, **overrides).save_pretrained(folder)
+
+
+def test_a_config_is_read_by_transformers_once_then_from_the_cache(tmp_path, cache, auto_config_reads):
+    folder = tmp_path / "model"
+    write_config(folder, rms_norm_eps=1e-5)
+    first = read_config(folder)
+    assert auto_config_reads == [folder] and first == ModelConfig.from_hf(LlamaConfig.from_pretrained(folder))
+    assert read_config(folder) == first and len(auto_config_reads) == 1  # from the cache
+    write_config(folder, rms_norm_eps=1e-6)  # another file, another key
+    assert read_config(folder).rms_norm_eps == 1e-6 and len(auto_config_reads) == 2
+    for stored in (cache / "configs").iterdir():  # a damaged cache entry is read again, not trusted
+        stored.write_text("{")
+    assert read_config(folder).rms_norm_eps == 1e-6 and len(auto_config_reads) == 3
+
+
+def test_an_unreadable_cache_still_loads(tmp_path, cache, auto_config_reads):
+    cache.write_text("a file where the cache folder would be")
+    folder = tmp_path / "model"
+    write_config(folder)
+    assert read_config(folder) == read_config(folder) and len(auto_config_reads) == 2
+
+
+def tokenizer_folder(folder):
+    vocab = {word: i for i, word in enumerate(["<unk>", "</s>", "<|user|>", "hello", "world", "there", "!"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_generic_tokenizer_is_read_by_its_class_as_auto_tokenizer_reads_it(tmp_path):
+    folder = tokenizer_folder(tmp_path / "model")
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] in d3d.loading.GENERIC_TOKENIZERS
+    assert tokenizer_class(folder) is PreTrainedTokenizerFast
+    auto, (ours, eos) = AutoTokenizer.from_pretrained(folder), read_tokenizer(folder)
+    assert type(ours) is type(auto) and eos == [auto.eos_token_id] == [1]
+    text, messages = "hello world there !", [{"role": "user", "content": "hello there"}]
+    assert ours.encode(text) == auto.encode(text) and ours.get_vocab() == auto.get_vocab()
+    assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(messages, tokenize=False)
+    assert ours.init_kwargs == auto.init_kwargs
+
+
+@pytest.mark.parametrize("named", ["LlamaTokenizer", None])
+def test_other_tokenizers_go_through_auto_tokenizer(tmp_path, named):
+    """A class with a model's own code, or none named (AutoTokenizer then asks the config): AutoTokenizer."""
+    folder = tokenizer_folder(tmp_path / "model")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    if named is None:
+        del settings["tokenizer_class"]
+    else:
+        settings["tokenizer_class"] = named
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert tokenizer_class(folder) is AutoTokenizer
