@@ -29,7 +29,7 @@ from d3d.config import ModelConfig
 from d3d.files import current_umask, save_tensors
 from d3d.kernels import row_exact_kernels
 from d3d.models import Decoder
-from d3d.quantized import QUANTIZE_TO, WEIGHTS, quantize_weights, use_gguf_streams
+from d3d.quantized import QUANTIZE_TO, STREAMS_FILE, WEIGHTS, quantize_weights, use_gguf_streams
 
 DEFAULT_TARGET = "default"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -270,6 +270,19 @@ def read_config(folder: Path) -> ModelConfig:
     return config
 
 
+def reserve_copies(decoder: Decoder, dtype: torch.dtype, streams: Path | None) -> None:
+    """Have the kernels' arena fault in now, beside the rest of the load, the memory of the copies it
+    will hold: the weights' packed copies, and the GGUF's repacked blocks where `streams` (their
+    cache file) exists."""
+    if decoder.row_exact is None:
+        return
+    shapes = [tuple(weight.shape) for weight in decoder.linear_weights().values()]
+    size = decoder.row_exact.copied_bytes(shapes, dtype)
+    if streams is not None and streams.is_file():
+        size += streams.stat().st_size
+    decoder.row_exact.arena.reserve(size)
+
+
 def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored", *, gguf: Path | None = None) -> Target:
     """A local Hugging Face folder: config.json, *.safetensors (single or sharded), tokenizer files.
     `gguf`: the file the folder was converted from (`load_gguf`), whose own blocks a bf16 target's
@@ -285,6 +298,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored", *,
     for file in files:
         state.update(read_safetensors(file))
     decoder = Decoder.for_weights(config)
+    streams = folder / STREAMS_FILE if gguf is not None and weights == "stored" and dtype == torch.bfloat16 else None
+    reserve_copies(decoder, dtype, streams)
     load_state(decoder, state, str(folder), dtype)
     del state
     tokenizer, eos = read_tokenizer(folder)

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,22 +262,29 @@ class RowExactKernels:
             return entry[2]
         return self._own_stream(weight)
 
+    def _copied_form(self, dtype: torch.dtype, width: int) -> tuple[str, Callable, int] | None:
+        """How this build copies a (N, width) weight of `dtype` — format, packing, the multiple N is
+        padded to —, or None where its kernels read the weight as it is."""
+        if self.packs[dtype] and not (dtype == torch.bfloat16 and width % 2):
+            return "packed", column_packed, 64
+        return ("lane_packed", lane_packed, 16) if self.lane_packs and dtype == torch.bfloat16 and width % 16 == 0 else None
+
+    def copied_bytes(self, shapes: Iterable[tuple[int, int]], dtype: torch.dtype) -> int:
+        """The bytes of the copies made of weights of these shapes (`HugePageArena.reserve` ahead of them)."""
+        forms = [(rows, width, self._copied_form(dtype, width)) for rows, width in shapes]
+        return sum(-(-rows // form[2]) * form[2] * width * dtype.itemsize for rows, width, form in forms if form)
+
     def _own_stream(self, weight: torch.Tensor) -> WeightStream:
         """The weight's own values as the kernels read them: column-packed where this build packs its
         dtype, lane-packed where its bf16 lanes read them so (each cached like any stream), else the
         weight itself."""
         rows, width = weight.shape
-        bf16 = weight.dtype == torch.bfloat16
-        if self.packs[weight.dtype] and not (bf16 and width % 2):
-            format, pack = "packed", column_packed
-        elif self.lane_packs and bf16 and width % 16 == 0:
-            format, pack = "lane_packed", lane_packed
-        else:
+        if (form := self._copied_form(weight.dtype, width)) is None:
             return WeightStream.whole("plain", weight, rows)
         entry = self._dense.get(id(weight))
         if entry is not None and entry[0]() is weight and entry[1] == weight._version:
             return entry[2]
-        packed = WeightStream.whole(format, pack(weight, self.arena), rows)
+        packed = WeightStream.whole(form[0], form[1](weight, self.arena), rows)
         key = id(weight)
         self._dense[key] = (weakref.ref(weight, lambda _, key=key: self._dense.pop(key, None)),
                             weight._version, packed)
