@@ -66,12 +66,40 @@ def test_a_head_of_other_codes_fails_the_check(kernels):
     width = 64
     weight = q8_head(kernels, 256, width, seed=4)
     other = q8_head(kernels, 256, width, seed=5)
-    wrong = greedy.GreedyHead.of(other, kernels.stream(weight).parts[0])
+    wrong = greedy.GreedyHead.of(other, kernels.stream(weight).parts[0], kernels.library)
     assert not greedy.check(lambda x: kernels.greedy.certified_ids(wrong, x, weight), lambda x: full_ids(kernels, x, weight),
                             width)
-    right = greedy.GreedyHead.of(weight, kernels.stream(weight).parts[0])
+    right = greedy.GreedyHead.of(weight, kernels.stream(weight).parts[0], kernels.library)
     assert greedy.check(lambda x: kernels.greedy.certified_ids(right, x, weight), lambda x: full_ids(kernels, x, weight),
                         width)
+
+
+def reference_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """greedy.h's codes, scales and errors as PyTorch computes them (how they were first made)."""
+    blocks = weight.shape[1] // greedy.BLOCK
+    w = weight.float().view(-1, blocks, greedy.BLOCK)
+    s = w.abs().amax(-1) / 127
+    q = torch.round(w / torch.where(s > 0, s, torch.ones_like(s))[..., None]).clamp(-127, 127)
+    exact = (w.double() - q.double() * s.double()[..., None]).abs().amax(-1)
+    e = exact.float()
+    e = torch.where(e.double() < exact, torch.nextafter(e, torch.full_like(e, float("inf"))), e)
+    return q.to(torch.int8).view(weight.shape), s, e
+
+
+def test_the_heads_codes_and_bounds_are_made_as_defined(kernels):
+    """d3d_greedy_weights gives PyTorch's codes, scales and errors bit for bit — on blocks of zeros,
+    of one value, of bf16's smallest and largest normal values, and random ones at many scales —
+    and every error bounds its block's |w - scale·code|, exactly."""
+    generator = torch.Generator().manual_seed(7)
+    rows = [torch.randn(96, generator=generator) * 10.0 ** p for p in range(-30, 31, 3)]
+    rows += [torch.zeros(96), torch.full((96,), -0.37), torch.full((96,), 1.2e-38), torch.full((96,), 3.0e38),
+             torch.tensor([5.0, -5.0] * 48)]
+    weight = torch.stack(rows).to(torch.bfloat16)
+    made = greedy.GreedyHead.of(weight, None, kernels.library)
+    codes, scale, error = reference_codes(weight)
+    assert torch.equal(made.codes, codes) and torch.equal(made.scale, scale) and torch.equal(made.error, error)
+    off = (weight.double().view(len(rows), -1, 32) - codes.double().view(len(rows), -1, 32) * scale.double()[..., None])
+    assert bool((off.abs().amax(-1) <= error.double()).all())
 
 
 def test_heads_without_runs_of_rows_have_none(kernels):

@@ -194,3 +194,36 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
         }
     }
 }
+
+/* The approximate head of a bf16 head weight w (V, K), K a multiple of 32, made once: per block of
+ * 32, scale = max|w| / 127, codes = w / scale rounded to nearest even (0 where the block is 0),
+ * error = max |w - scale·code| computed exactly in double and rounded up to fp32 — any code would
+ * do, the error being measured afterwards. Rows split between the threads. */
+void d3d_greedy_weights(const uint16_t *w, int64_t V, int64_t K, int8_t *codes, float *scale, float *error,
+                        int threads) {
+    int64_t blocks = K / GREEDY_BLOCK;
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t v = 0; v < V; v++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint16_t *wb = w + v * K + b * GREEDY_BLOCK;
+            float values[GREEDY_BLOCK], top = 0.0f;
+            for (int i = 0; i < GREEDY_BLOCK; i++) {
+                uint32_t bits = (uint32_t)wb[i] << 16;
+                memcpy(&values[i], &bits, sizeof bits);
+                top = fabsf(values[i]) > top ? fabsf(values[i]) : top;
+            }
+            float s = top / 127.0f, divisor = s > 0.0f ? s : 1.0f;
+            double worst = 0.0;
+            for (int i = 0; i < GREEDY_BLOCK; i++) {
+                float q = rintf(values[i] / divisor);
+                q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+                codes[v * K + b * GREEDY_BLOCK + i] = (int8_t)q;
+                double off = fabs((double)values[i] - (double)q * (double)s);
+                worst = off > worst ? off : worst;
+            }
+            float e = (float)worst;
+            scale[v * blocks + b] = s;
+            error[v * blocks + b] = (double)e < worst ? nextafterf(e, INFINITY) : e;
+        }
+    }
+}

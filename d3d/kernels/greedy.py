@@ -47,27 +47,18 @@ class GreedyHead:
     max_rows: int = ROWS  # calls of more rows take the exact head (set by `fastest_rows`)
 
     @classmethod
-    def of(cls, weight: torch.Tensor, part: StreamPart, arena: HugePageArena | None = None,
-           chunk: int = 4096) -> "GreedyHead":
-        """The codes of `weight`'s exact values (bf16): any code per weight will do — each block's
-        error is measured afterwards, exactly (fp64), and rounded up to fp32 — so they are found in fp32;
-        in `arena`'s huge pages where given, as the streams (35 MB read per call on SmolLM2-135M)."""
+    def of(cls, weight: torch.Tensor, part: StreamPart, library: ctypes.CDLL, arena: HugePageArena | None = None) -> "GreedyHead":
+        """The codes of `weight`'s exact values (bf16), made by `greedy.h` (d3d_greedy_weights): any code
+        per weight will do — each block's error is measured afterwards, exactly, and rounded up to
+        fp32; in `arena`'s huge pages where given, as the streams (35 MB read per call on SmolLM2-135M)."""
         vocab, width = weight.shape
         blocks = width // BLOCK
-        codes = torch.empty(vocab, width, dtype=torch.int8)
-        scale = torch.empty(vocab, blocks, dtype=torch.float32)
-        error = torch.empty(vocab, blocks, dtype=torch.float32)
-        for first in range(0, vocab, chunk):  # bounded temporaries
-            w = weight[first:first + chunk].detach().float().view(-1, blocks, BLOCK)
-            s = w.abs().amax(-1) / 127
-            q = torch.round(w / torch.where(s > 0, s, torch.ones_like(s))[..., None]).clamp(-127, 127)
-            exact = (w.double() - q.double() * s.double()[..., None]).abs().amax(-1)
-            e = exact.float()
-            e = torch.where(e.double() < exact, torch.nextafter(e, torch.full_like(e, float("inf"))), e)
-            codes[first:first + chunk] = q.to(torch.int8).view(-1, width)
-            scale[first:first + chunk], error[first:first + chunk] = s, e
-        if arena is not None:
-            codes, scale, error = arena.copy(codes), arena.copy(scale), arena.copy(error)
+        empty = arena.empty if arena is not None else lambda shape, dtype: torch.empty(shape, dtype=dtype)
+        codes, scale, error = empty((vocab, width), torch.int8), empty((vocab, blocks), torch.float32), \
+            empty((vocab, blocks), torch.float32)
+        values = weight.detach().contiguous()
+        library.d3d_greedy_weights(values.data_ptr(), vocab, width, codes.data_ptr(), scale.data_ptr(),
+                                   error.data_ptr(), torch.get_num_threads())
         return cls(codes, scale, error, part)
 
     def candidates(self, library: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +125,7 @@ class GreedyHeads:
             return entry[2]
         head, stream = None, kernels.stream(weight)
         if len(stream.parts) == 1 and supports(stream.parts[0], weight):
-            head = GreedyHead.of(weight, stream.parts[0], kernels.arena)
+            head = GreedyHead.of(weight, stream.parts[0], kernels.library, kernels.arena)
             width = weight.shape[1]
             certified = lambda x: self.certified_ids(head, x, weight)  # noqa: E731
             full = lambda x: self.full_ids(x, weight)  # noqa: E731
