@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -238,15 +239,16 @@ _kernels_build: threading.Thread | None = None  # build_kernels_meanwhile's thre
 
 def read_config(folder: Path) -> ModelConfig:
     """A Hugging Face folder's config.json as a ModelConfig: read by transformers' AutoConfig, whose
-    import alone takes ~1.8 s (2 cores), the first time; then from a cache keyed by the file's bytes
-    and transformers' version, which hold everything AutoConfig's answer depends on."""
+    import alone takes ~1.8 s (2 cores), the first time; then from a cache keyed by what the answer
+    depends on: the file's bytes, transformers' version and d3d/config.py."""
     for name in ("config.json", "generation_config.json"):  # transformers' own errors are 50-line tracebacks
         try:
             if (folder / name).is_file():
                 json.loads((folder / name).read_text(encoding="utf-8"))
         except (ValueError, OSError) as error:
             raise LoadError(f"{folder / name} is not readable JSON ({error})") from None
-    key = hashlib.sha256((folder / "config.json").read_bytes() + importlib.metadata.version("transformers").encode())
+    key = hashlib.sha256((folder / "config.json").read_bytes() + importlib.metadata.version("transformers").encode()
+                         + Path(sys.modules[ModelConfig.__module__].__file__).read_bytes())  # from_hf's code
     cached = cache_root() / "configs" / f"{key.hexdigest()[:20]}.json"
     try:
         return ModelConfig.from_json(cached.read_text())
