@@ -300,8 +300,9 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored", *,
     for file in files:
         state.update(read_safetensors(file))
     decoder = Decoder.for_weights(config)
-    streams = folder / STREAMS_FILE if gguf is not None and weights == "stored" and dtype == torch.bfloat16 else None
-    reserve_copies(decoder, dtype, streams)
+    if weights != "stored" or dtype != torch.bfloat16 or decoder.row_exact is None:
+        gguf = None  # the kernels read the GGUF's blocks only for a bf16 target's weights as stored
+    reserve_copies(decoder, dtype, None if gguf is None else folder / STREAMS_FILE)
     load_state(decoder, state, str(folder), dtype)
     del state
     tokenizer, eos = read_tokenizer(folder)
@@ -312,7 +313,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored", *,
     if weights in QUANTIZE_TO and decoder.row_exact is not None:
         report = quantize_weights(decoder.row_exact, decoder.linear_weights(), QUANTIZE_TO[weights])
         described = f"{report.summary()}, quantized at load"
-    if gguf is not None and weights == "stored" and dtype == torch.bfloat16 and decoder.row_exact is not None:
+    if gguf is not None:
         described = use_gguf_streams(decoder.row_exact, decoder.linear_weights(), gguf, config, folder).summary()
     decoder.pack_weights()  # the rest: packed or plain
     decoder.prepare_greedy_head()  # over the streams the head has now
