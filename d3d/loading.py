@@ -18,6 +18,8 @@ import shutil
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -326,12 +328,35 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "targets" / f"{gguf.stem}-{key}"
 
 
+@contextmanager
+def each_gguf_parsed_once() -> Iterator[None]:
+    """Within the block a GGUF file is parsed once, however often it is opened: transformers parses it
+    for the config, again for the weights and again for the tokenizer, and d3d once more for its
+    blocks — gguf-py's reader makes a numpy view of every string of the vocabulary and merges, ~5.6 s
+    a time for the embedded file on 2 cores (AMD EPYC Zen 3): 22 s of a machine's first load."""
+    import gguf
+
+    parse, parsed = gguf.GGUFReader, {}
+
+    def reader(path: str | os.PathLike, mode: str = "r") -> Any:  # read-only views, shared
+        key = (os.path.realpath(path), mode)
+        if key not in parsed:
+            parsed[key] = parse(path, mode)
+        return parsed[key]
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse
+
+
 def convert_gguf(gguf: Path, destination: Path) -> None:
     """Dequantize a GGUF through transformers and write a Hugging Face folder atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with each_gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=destination.parent))
     try:
@@ -355,11 +380,13 @@ def load_gguf(gguf: Path, dtype: torch.dtype, weights: str = "stored") -> Target
     """A GGUF file, dequantized once into a cached Hugging Face folder; for a bf16 target the
     kernels then read the file's own blocks (`weights` "stored"), which decode to the same values."""
     destination = _gguf_cache_dir(gguf)
-    if not (destination / "model.safetensors").is_file():
-        build_kernels_meanwhile()  # beside the conversion, the first time
-        convert_gguf(gguf, destination)
-    target = load_hf_folder(destination, dtype, "stored" if weights == "dequantized" else weights,
-                            gguf=gguf if weights == "stored" else None)
+    first = not (destination / "model.safetensors").is_file()
+    with each_gguf_parsed_once() if first else nullcontext():  # the conversion's parse serves the blocks too
+        if first:
+            build_kernels_meanwhile()  # beside the conversion, the first time
+            convert_gguf(gguf, destination)
+        target = load_hf_folder(destination, dtype, "stored" if weights == "dequantized" else weights,
+                                gguf=gguf if weights == "stored" else None)
     target.name = str(gguf)
     return target
 

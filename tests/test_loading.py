@@ -93,3 +93,34 @@ def test_other_tokenizers_go_through_auto_tokenizer(tmp_path, named):
         settings["tokenizer_class"] = named
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))
     assert tokenizer_class(folder) is AutoTokenizer
+
+
+def test_a_gguf_is_parsed_once_within_the_block(tmp_path):
+    """Every open of the same file in the block — `from gguf import GGUFReader` at call time, as
+    transformers and d3d.quantized do — gets one parse, with the file's fields and tensors; outside
+    it, gguf-py's own reader again."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_tensor("token_embd.weight", np.arange(64, dtype=np.float32).reshape(4, 16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def open_as_transformers_does(where):
+        from gguf import GGUFReader
+
+        return GGUFReader(where)
+    parse = gguf.GGUFReader
+    with d3d.loading.each_gguf_parsed_once():
+        first, again = open_as_transformers_does(path), open_as_transformers_does(str(path))
+        assert first is again and isinstance(first, parse)
+    assert gguf.GGUFReader is parse and open_as_transformers_does(path) is not first
+    fresh = parse(str(path))
+    assert int(first.fields["llama.block_count"].parts[-1][0]) == 2 == int(fresh.fields["llama.block_count"].parts[-1][0])
+    assert [t.name for t in first.tensors] == ["token_embd.weight"]
+    assert np.array_equal(first.tensors[0].data, fresh.tensors[0].data)
