@@ -249,11 +249,16 @@ def read_config(folder: Path) -> ModelConfig:
                 json.loads((folder / name).read_text(encoding="utf-8"))
         except (ValueError, OSError) as error:
             raise LoadError(f"{folder / name} is not readable JSON ({error})") from None
-    key = hashlib.sha256((folder / "config.json").read_bytes() + importlib.metadata.version("transformers").encode()
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:  # no metadata to key by: AutoConfig every time
+        version = None
+    key = hashlib.sha256((folder / "config.json").read_bytes() + (version or "").encode()
                          + Path(sys.modules[ModelConfig.__module__].__file__).read_bytes())  # from_hf's code
     cached = cache_root() / "configs" / f"{key.hexdigest()[:20]}.json"
     try:
-        return ModelConfig.from_json(cached.read_text())
+        if version is not None:
+            return ModelConfig.from_json(cached.read_text())
     except (OSError, ValueError):  # none yet, or unreadable (ConfigError is a ValueError): read it again
         pass
     from transformers import AutoConfig
@@ -264,6 +269,8 @@ def read_config(folder: Path) -> ModelConfig:
         raise LoadError(f"{folder / 'config.json'} is not a model config transformers can read "
                         f"({str(error).splitlines()[0] if str(error) else type(error).__name__})") from None
     config = ModelConfig.from_hf(hf_config)
+    if version is None:
+        return config
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = cached.with_suffix(f".{os.getpid()}.tmp")

@@ -3,6 +3,7 @@ generic tokenizer through its own class — each giving what transformers' Auto 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import pytest
@@ -124,3 +125,13 @@ def test_a_gguf_is_parsed_once_within_the_block(tmp_path):
     assert int(first.fields["llama.block_count"].parts[-1][0]) == 2 == int(fresh.fields["llama.block_count"].parts[-1][0])
     assert [t.name for t in first.tensors] == ["token_embd.weight"]
     assert np.array_equal(first.tensors[0].data, fresh.tensors[0].data)
+
+
+def test_without_transformers_metadata_the_config_is_read_every_time(tmp_path, cache, auto_config_reads, monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    folder = tmp_path / "model"
+    write_config(folder)
+    assert read_config(folder) == read_config(folder) and len(auto_config_reads) == 2
+    assert not (cache / "configs").exists()
