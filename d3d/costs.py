@@ -76,7 +76,7 @@ BUSY = 1.5  # stored costs whose one-token step was this many times slower than 
 class ForwardCosts:
     """Costs in one-token target steps, as the gate reads them."""
 
-    verify: tuple[float, ...]  # verify[k]: verifying k drafts (a (k+1)-row forward); verify[0] = 1
+    verify: tuple[float, ...]  # verify[k]: verifying k drafts (a (k+1)-row forward); verify[0] = 1; () when drafter_only
     drafter: tuple[float, ...]  # drafter[k]: drafting k drafts (a pass over their rows); all 0.0 without a drafter
     step_ms: float  # the one-token step they are measured in, when measured
     seconds: float = 0.0  # how long the measurement took
@@ -98,9 +98,13 @@ class ForwardCosts:
 
 
 @torch.no_grad()
-def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int = 0) -> ForwardCosts:
+def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int = 0,
+            drafter_only: bool = False) -> ForwardCosts:
     """Time verifications of 0 … max_drafts drafts and drafter passes for 1 … max_drafts drafts,
-    against a one-token step, after each of `CONTEXTS` tokens."""
+    against a one-token step, after each of `CONTEXTS` tokens. `drafter_only`: time of the
+    verifications only the one-token step the passes are counted in (the verify tables stay empty):
+    what a drafting source reads, its verifications being the target's alone (`forward_costs(target,
+    None, …)`) — a machine's first measurement ~7 s shorter on 2 Zen 3 cores."""
     started = time.perf_counter()
     limit = target.config.max_position_embeddings
     max_drafts = min(max_drafts, limit - 2)
@@ -108,7 +112,8 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
     verify, drafting, catch_up, steps_ms = [], [], [], []
     for i, context in enumerate(contexts):
         drafts = range(max_drafts + 1) if i == 0 else sorted({0, *(k for k in LONG_DRAFTS if k < max_drafts), max_drafts})
-        row = _measure_after(target, drafter, context, max_drafts, ROUNDS if i == 0 else LONG_ROUNDS, list(drafts), seed)
+        row = _measure_after(target, drafter, context, max_drafts, ROUNDS if i == 0 else LONG_ROUNDS, list(drafts), seed,
+                             drafter_only)
         verify.append(row[0])
         drafting.append(row[1])
         catch_up.append(row[2])
@@ -118,7 +123,8 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
 
 
 def _measure_after(target: Decoder, drafter: Drafter | None, context: int, max_drafts: int, rounds: int,
-                   drafts: list[int], seed: int) -> tuple[tuple[float, ...], tuple[float, ...], float, float]:
+                   drafts: list[int], seed: int, drafter_only: bool = False
+                   ) -> tuple[tuple[float, ...], tuple[float, ...], float, float]:
     """(verify[k], drafter[k], the drafter's catching up per token, the step in ms) after `context`
     tokens, timing the draft counts `drafts` (0 and max_drafts among them) and interpolating the rest."""
     tokens, cache = _after_context(target, context, max_drafts + 1, seed)
@@ -164,15 +170,17 @@ def _measure_after(target: Decoder, drafter: Drafter | None, context: int, max_d
     ratios: dict[int, list[float]] = {k: [] for k in drafts}
     drafter_ratios: dict[int, list[float]] = {k: [] for k in drafts}
     steps_ms = []
+    verified = {0: blocks[0]} if drafter_only else blocks
     for _ in range(rounds):
-        times = {k: _timed(_verification(target, cache, block), target.device) for k, block in blocks.items()}
+        times = {k: _timed(_verification(target, cache, block), target.device) for k, block in verified.items()}
         steps_ms.append(times[0])
-        for k, ms in times.items():
-            ratios[k].append(ms / times[0])
+        for k in drafts:
+            if k in times:
+                ratios[k].append(times[k] / times[0])
             if draft is not None and k:
                 drafter_ratios[k].append(_timed(draft(k), target.device) / times[0])
     step = median(steps_ms)
-    return (fill_in(non_decreasing([ratios[k] for k in drafts], first=1.0), drafts, max_drafts),
+    return (() if drafter_only else fill_in(non_decreasing([ratios[k] for k in drafts], first=1.0), drafts, max_drafts),
             fill_in(non_decreasing([drafter_ratios[k] for k in drafts], first=0.0), drafts, max_drafts),
             round(catching_up / step, 4), round(step, 3))
 
@@ -265,14 +273,15 @@ def _machine_key(target: Decoder) -> list:
     return held[2]
 
 
-def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int) -> Path:
+def _cache_file(target: Decoder, drafter: Drafter | None, max_drafts: int, drafter_only: bool = False) -> Path:
     drafter_shape = None
     if drafter is not None:
         drafter_shape = [drafter.config.model.to_dict(), drafter.block_size, drafter.config.draft_vocab_size,
                          drafter.config.block_attention, drafter.config.denoising_steps, str(drafter.decoder.dtype)]
         if drafter.config.kind != "d3d":  # appended only for other kinds: D3D drafters keep their stored costs
             drafter_shape.append(drafter.config.kind)
-    key = json.dumps([_machine_key(target), drafter_shape, max_drafts, CONTEXTS, MEASUREMENT], sort_keys=True)
+    key = json.dumps([_machine_key(target), drafter_shape, max_drafts, CONTEXTS, MEASUREMENT]
+                     + (["drafter only"] if drafter_only else []), sort_keys=True)
     return cache_root() / "costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
@@ -281,9 +290,10 @@ _probed: dict[str, float] = {}  # machine_key → the one-token step timed by th
 
 
 def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: int = 15,
-                  remeasure: bool = False) -> ForwardCosts:
-    """The costs for this machine and these models: from memory, from disk, or measured and stored."""
-    path = _cache_file(target, drafter, max_drafts)
+                  remeasure: bool = False, drafter_only: bool = False) -> ForwardCosts:
+    """The costs for this machine and these models: from memory, from disk, or measured and stored.
+    `drafter_only`: the drafter's costs without verify tables (`measure`), as drafting sources read them."""
+    path = _cache_file(target, drafter, max_drafts, drafter_only)
     if not remeasure:
         if path in _measured:
             return _measured[path]
@@ -305,7 +315,7 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
     if target.config.num_layers > 4:  # a real model: a few seconds, worth a word
         print("d3d: measuring this machine's verification and drafting costs for the speculation gate "
               "(once; stored under $D3D_CACHE/costs)", file=sys.stderr)
-    costs = measure(target, drafter, max_drafts)
+    costs = measure(target, drafter, max_drafts, drafter_only=drafter_only)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_suffix(f".{os.getpid()}.tmp")
     staging.write_text(json.dumps(asdict(costs), indent=2))

@@ -189,7 +189,7 @@ def doctor(target_source: str | None, dtypes: list[torch.dtype], drafter_source:
                                     remeasure=recalibrate))
         if drafter is not None:
             gate["drafter"] = forward_costs(decoder, drafter, source_of(drafter).max_drafts,
-                                            remeasure=recalibrate).drafter
+                                            remeasure=recalibrate, drafter_only=True).drafter
         machine[f"gate_costs_{name}"] = gate
     return machine, results
 

@@ -143,11 +143,11 @@ class DrafterSource:
         self.cache: KVCache | None = None
 
     def draft_costs(self, target: Decoder) -> Costs:
-        return forward_costs(target, self.costs_of, self.max_drafts).by_context("drafter")
+        return forward_costs(target, self.costs_of, self.max_drafts, drafter_only=True).by_context("drafter")
 
     def catch_up_costs(self, target: Decoder) -> Costs:
         """[0]: what reading one token of context it lacks costs, in one-token steps."""
-        return forward_costs(target, self.costs_of, self.max_drafts).by_context("catch_up")
+        return forward_costs(target, self.costs_of, self.max_drafts, drafter_only=True).by_context("catch_up")
 
     def pending(self, tokens: list[int]) -> int:
         """Committed tokens its cache lacks beyond what a round commits (a block at most; its
@@ -222,11 +222,11 @@ class ARDrafterSource:
         self.cached: list[int] = []  # the tokens whose KV the cache holds, in order
 
     def draft_costs(self, target: Decoder) -> Costs:
-        return forward_costs(target, self.drafter, self.max_drafts).by_context("drafter")
+        return forward_costs(target, self.drafter, self.max_drafts, drafter_only=True).by_context("drafter")
 
     def catch_up_costs(self, target: Decoder) -> Costs:
         """[0]: what reading one token of context it lacks costs, in one-token steps."""
-        return forward_costs(target, self.drafter, self.max_drafts).by_context("catch_up")
+        return forward_costs(target, self.drafter, self.max_drafts, drafter_only=True).by_context("catch_up")
 
     def pending(self, tokens: list[int]) -> int:
         """Committed tokens its cache lacks beyond what a round commits (a block at most; its
@@ -276,7 +276,7 @@ class DFlashSource:
         self.cache: KVCache | None = None
 
     def draft_costs(self, target: Decoder) -> Costs:
-        return forward_costs(target, self.drafter, self.max_drafts).by_context("drafter")
+        return forward_costs(target, self.drafter, self.max_drafts, drafter_only=True).by_context("drafter")
 
     def start(self, max_length: int, device: torch.device) -> None:
         self.cache = self.drafter.new_cache(max_length)

@@ -164,7 +164,7 @@ def test_forward_costs_are_measured_once_and_stored(tmp_path, monkeypatch):
     import d3d.costs
 
     new_process()  # read from disk, not measured again
-    monkeypatch.setattr(d3d.costs, "measure", lambda *args: pytest.fail("measured twice"))
+    monkeypatch.setattr(d3d.costs, "measure", lambda *args, **kwargs: pytest.fail("measured twice"))
     monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: costs.step_ms)  # as fast as when measured
     assert forward_costs(target, drafter, max_drafts=15) == costs
     other = Drafter.from_target(target, [0, 1], draft_vocab=torch.arange(8))
@@ -209,7 +209,7 @@ def test_costs_measured_on_a_busy_machine_are_measured_again(tmp_path, monkeypat
     first = forward_costs(target, None, max_drafts=3)
     assert 0 < d3d.costs.probe_step_ms(target)
     fresh = d3d.costs.ForwardCosts((1.0, 1.1, 1.2, 1.3), (0.0,) * 4, step_ms=first.step_ms)
-    monkeypatch.setattr(d3d.costs, "measure", lambda *args: fresh)
+    monkeypatch.setattr(d3d.costs, "measure", lambda *args, **kwargs: fresh)
     for probe, expected in ((first.step_ms / 1.4, first), (first.step_ms * 3, first), (first.step_ms / 2, fresh)):
         new_process()
         monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: probe)
@@ -304,6 +304,31 @@ def test_costs_are_measured_after_each_context_and_read_by_it(tmp_path, monkeypa
     # as fast as when measured: a tiny model's step timed on a shared machine can look BUSY times slower
     monkeypatch.setattr(d3d.costs, "probe_step_ms", lambda target: costs.step_ms)
     assert forward_costs(target, drafter, max_drafts=15) == costs  # stored with its contexts
+
+
+@torch.no_grad()
+def test_a_drafting_sources_costs_time_no_verification_but_the_step(tmp_path, monkeypatch):
+    """What drafting sources read (`drafter_only`): the drafter's passes and catching up, each in the
+    one-token step of its round, stored apart from the full measurement — and of the verifications
+    only those one-token steps are timed (the gate's verify tables are the target's alone)."""
+    import d3d.costs
+
+    monkeypatch.setenv("D3D_CACHE", str(tmp_path))
+    monkeypatch.setattr(d3d.costs, "CONTEXTS", (16, 64))
+    target = make_decoder(tiny_config(), seed=0)
+    drafter = Drafter.from_target(target, [0], draft_vocab=torch.arange(8))
+    verified, verification = [], d3d.costs._verification
+    monkeypatch.setattr(d3d.costs, "_verification", lambda t, cache, block: verified.append(block.shape[1])
+                        or verification(t, cache, block))
+    costs = forward_costs(target, drafter, max_drafts=7, drafter_only=True)
+    assert set(verified) == {1} and len(verified) == d3d.costs.ROUNDS + d3d.costs.LONG_ROUNDS
+    assert costs.verify == () and costs.verify_by_context == ((), ())
+    assert len(costs.drafter) == 8 and costs.drafter[0] == 0.0 and costs.drafter[1] > 0 and costs.step_ms > 0
+    assert len(costs.catch_up) == 2 and costs.by_context("drafter").at(16) == costs.drafter
+    verified.clear()
+    full = forward_costs(target, drafter, max_drafts=7)  # the full measurement: its own file, every row count
+    assert sorted(set(verified)) == list(range(1, 9)) and len(full.verify) == 8
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
 
 
 # -- in a batched forward --------------------------------------------------------------------------
