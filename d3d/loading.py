@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from d3d.config import ModelConfig
 from d3d.files import current_umask, save_tensors
 from d3d.kernels import row_exact_kernels
+from d3d.kernels.greedy import GreedyHead
 from d3d.models import Decoder
 from d3d.quantized import QUANTIZE_TO, STREAMS_FILE, WEIGHTS, quantize_weights, use_gguf_streams
 
@@ -283,15 +284,16 @@ def read_config(folder: Path) -> ModelConfig:
 
 def reserve_copies(decoder: Decoder, dtype: torch.dtype, streams: Path | None) -> None:
     """Have the kernels' arena fault in now, beside the rest of the load, the memory of the copies it
-    will hold: the weights' packed copies, and the GGUF's repacked blocks where `streams` (their
-    cache file) exists."""
-    if decoder.row_exact is None:
+    will hold: the weights' packed copies, and where `streams` (the GGUF's repacked blocks' cache
+    file) exists, those blocks and the greedy head made over the head's."""
+    kernels = decoder.row_exact
+    if kernels is None:
         return
     shapes = [tuple(weight.shape) for weight in decoder.linear_weights().values()]
-    size = decoder.row_exact.copied_bytes(shapes, dtype)
+    size = kernels.copied_bytes(shapes, dtype)
     if streams is not None and streams.is_file():
-        size += streams.stat().st_size
-    decoder.row_exact.arena.reserve(size)
+        size += streams.stat().st_size + (GreedyHead.bytes_of(*decoder.head_weight.shape) if kernels.greedy.on else 0)
+    kernels.arena.reserve(size)
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "stored", *, gguf: Path | None = None) -> Target:

@@ -100,6 +100,8 @@ def test_the_heads_codes_and_bounds_are_made_as_defined(kernels):
     assert torch.equal(made.codes, codes) and torch.equal(made.scale, scale) and torch.equal(made.error, error)
     off = (weight.double().view(len(rows), -1, 32) - codes.double().view(len(rows), -1, 32) * scale.double()[..., None])
     assert bool((off.abs().amax(-1) <= error.double()).all())
+    held = sum(t.numel() * t.element_size() for t in (made.codes, made.scale, made.error))
+    assert greedy.GreedyHead.bytes_of(*weight.shape) == held  # what a load reserves for it
 
 
 def test_heads_without_runs_of_rows_have_none(kernels):

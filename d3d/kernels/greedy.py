@@ -61,6 +61,11 @@ class GreedyHead:
                                    error.data_ptr(), torch.get_num_threads())
         return cls(codes, scale, error, part)
 
+    @staticmethod
+    def bytes_of(vocab: int, width: int) -> int:
+        """The arena bytes `of` takes for a (vocab, width) head: the codes, scales and errors."""
+        return vocab * width + 2 * vocab * (width // BLOCK) * 4
+
     def candidates(self, library: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(M, CAP) candidate vocabulary rows and their counts (M,) for x (M, K) fp32; a count of -1:
         the row takes the exact head."""
