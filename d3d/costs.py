@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +54,7 @@ from d3d.cache import KVCache
 from d3d.devices import synchronize
 from d3d.drafter import Drafter
 from d3d.exactness import machine_key
+from d3d.files import write_text
 from d3d.gate import ByContext
 from d3d.loading import cache_root
 from d3d.models import Decoder, SequenceRows
@@ -316,10 +316,7 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
         print("d3d: measuring this machine's verification and drafting costs for the speculation gate "
               "(once; stored under $D3D_CACHE/costs)", file=sys.stderr)
     costs = measure(target, drafter, max_drafts, drafter_only=drafter_only)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
-    staging.write_text(json.dumps(asdict(costs), indent=2))
-    os.replace(staging, path)  # atomic: a concurrent reader never sees half a file
+    write_text(path, json.dumps(asdict(costs), indent=2))
     _measured[path] = costs
     return costs
 
@@ -384,9 +381,6 @@ def batch_costs(target: Decoder) -> tuple[float, ...]:
             print("d3d: measuring what batched forwards cost on this machine (once; stored under "
                   "$D3D_CACHE/costs)", file=sys.stderr)
         costs = measure_batch(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps({"rows_cost": costs}, indent=2))
-        os.replace(staging, path)
+        write_text(path, json.dumps({"rows_cost": costs}, indent=2))
     _batch_measured[path] = costs
     return costs

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Literal
 import torch
 
 from d3d.kernels import cpu_flags_line
+from d3d.files import write_text
 from d3d.loading import cache_root
 from d3d.models import Decoder
 
@@ -130,10 +130,7 @@ def cached_check(decoder: Decoder) -> InvarianceReport:
     except (OSError, ValueError, TypeError):
         pass
     report = check_row_invariance(decoder)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
-    staging.write_text(json.dumps(asdict(report), indent=2))
-    os.replace(staging, path)  # atomic: concurrent checkers never read half a file
+    write_text(path, json.dumps(asdict(report), indent=2))
     return report
 
 

@@ -4,7 +4,7 @@ safetensors' `save_file` writes through a private temporary file and renames it,
 it writes are mode 0600 whatever the umask — an exported model another user or a serving engine
 cannot read, beside a config.json that is 0644. `save_tensors` writes the same file, then gives it
 the mode `open()` would have (0666 less the umask: 0644 under the usual 022). It decides nothing
-about what is stored.
+about what is stored. `write_text` writes a small file whole or not at all.
 """
 
 from __future__ import annotations
@@ -33,3 +33,12 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: d
     """`safetensors.torch.save_file`, the file then given a normal file's mode."""
     save_file(tensors, str(path), metadata=metadata)
     os.chmod(path, 0o666 & ~current_umask())
+
+
+def write_text(path: Path, text: str) -> None:
+    """`text` into `path` (its folder made if missing) through a temporary file renamed into place:
+    a concurrent reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(text)
+    os.replace(staging, path)

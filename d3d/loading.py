@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from d3d.config import ModelConfig
-from d3d.files import current_umask, save_tensors
+from d3d.files import current_umask, save_tensors, write_text
 from d3d.kernels import row_exact_kernels
 from d3d.kernels.greedy import GreedyHead
 from d3d.models import Decoder
@@ -273,10 +273,7 @@ def read_config(folder: Path) -> ModelConfig:
     if version is None:
         return config
     try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        staging = cached.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(config.to_json())
-        os.replace(staging, cached)  # atomic: a concurrent reader never sees half a file
+        write_text(cached, config.to_json())
     except OSError:
         pass  # a read-only cache: AutoConfig again next time
     return config
