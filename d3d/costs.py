@@ -313,7 +313,9 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
             print(f"d3d: the stored verification costs were measured while the machine was busy (a one-token "
                   f"step took {costs.step_ms:.1f} ms, {now:.1f} ms now): measuring again", file=sys.stderr)
     if target.config.num_layers > 4:  # a real model: a few seconds, worth a word
-        print("d3d: measuring this machine's verification and drafting costs for the speculation gate "
+        what = ("the drafter's passes" if drafter_only else "verifications" if drafter is None
+                else "verifications and the drafter's passes")
+        print(f"d3d: measuring what {what} cost on this machine, for the speculation gate "
               "(once; stored under $D3D_CACHE/costs)", file=sys.stderr)
     costs = measure(target, drafter, max_drafts, drafter_only=drafter_only)
     write_text(path, json.dumps(asdict(costs), indent=2))

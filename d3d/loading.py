@@ -219,7 +219,7 @@ def read_tokenizer(folder: Path) -> tuple[Any, list[int]]:
 def build_kernels_meanwhile() -> None:
     """Have the row-exact kernels compiled (or their cached build loaded) on a thread of their own,
     so that a first load on a machine compiles them beside its reading and converting of the weights
-    (AMD EPYC Zen 3: the compiler 16 s, a GGUF's first conversion 25 s) instead of after; the decoder
+    (AMD EPYC Zen 3, 2 cores: the compiler 16 s of CPU, a GGUF's first conversion 9 s) instead of after; the decoder
     waits for them as before (`row_exact_kernels` holds its lock while building). A build that fails
     is kept, and reported where the decoder asks for the kernels. Started once a target's files are
     found, so that a mistyped path exits at once; once a process (a GGUF's load asks before its
@@ -339,21 +339,32 @@ def each_gguf_parsed_once() -> Iterator[None]:
     """Within the block a GGUF file is parsed once, however often it is opened: transformers parses it
     for the config, again for the weights and again for the tokenizer, and d3d once more for its
     blocks — gguf-py's reader makes a numpy view of every string of the vocabulary and merges, ~5.6 s
-    a time for the embedded file on 2 cores (AMD EPYC Zen 3): 22 s of a machine's first load."""
+    a time for the embedded file on 2 cores (AMD EPYC Zen 3): 22 s of a machine's first load. Likewise
+    gguf-py's table of tensor names, which transformers builds anew for each of a model's modules
+    (397 for the embedded target: 4.6 s of its first conversion)."""
     import gguf
+    import numpy as np
 
     parse, parsed = gguf.GGUFReader, {}
+    name_map, name_maps = gguf.get_tensor_name_map, {}
 
     def reader(path: str | os.PathLike, mode: str = "r") -> Any:  # read-only views, shared
         key = (os.path.realpath(path), mode)
         if key not in parsed:
             parsed[key] = parse(path, mode)
+            for field in parsed[key].fields.values():  # numpy's own arrays: reading a string's bytes
+                field.parts[:] = [part.view(np.ndarray) for part in field.parts]  # as memmaps, 1.9 M calls
         return parsed[key]
-    gguf.GGUFReader = reader
+
+    def names(arch: Any, n_blocks: int) -> Any:  # a lookup table, only read
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
     try:
         yield
     finally:
-        gguf.GGUFReader = parse
+        gguf.GGUFReader, gguf.get_tensor_name_map = parse, name_map
 
 
 def convert_gguf(gguf: Path, destination: Path) -> None:

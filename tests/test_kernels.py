@@ -207,6 +207,34 @@ def test_the_build_is_cached(kernels):
     assert kernels.path_name
 
 
+def test_the_build_splits_its_code_generation_over_the_cores_and_falls_back_to_one_pass(tmp_path, monkeypatch):
+    """GCC builds with -flto=N (N: the cores this process may use); where that fails (no LTO plugin),
+    the same flags without it. Other compilers are never asked for it."""
+    import os
+
+    from d3d.kernels.build import build, parallel_flags
+
+    log = tmp_path / "calls"
+    fake = tmp_path / "fakecc"
+    fake.write_text(f"""#!/bin/sh
+echo "$@" >> {log}
+case "$*" in *--version*) echo "gcc (GCC) 12.2.0"; echo "Copyright (C) 2022 Free Software Foundation, Inc."; exit 0;; esac
+case "$*" in *-flto*) echo "lto-wrapper: fatal error: no LTO plugin" >&2; exit 1;; esac
+while [ $# -gt 0 ]; do [ "$1" = "-o" ] && : > "$2"; shift; done
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setenv("D3D_CACHE", str(tmp_path / "cache"))
+    path = build()
+    assert path.exists() and path.parent == tmp_path / "cache" / "kernels"
+    compiles = [line for line in log.read_text().splitlines() if "--version" not in line]
+    assert len(compiles) == 2, compiles
+    assert f"-flto={len(os.sched_getaffinity(0))}" in compiles[0].split() and "-flto" not in compiles[1]
+    assert compiles[0].replace(f" -flto={len(os.sched_getaffinity(0))}", "") == compiles[1]
+    assert parallel_flags("clang version 17.0.6\nTarget: x86_64-pc-linux-gnu") == []
+    assert parallel_flags("Ubuntu clang version 14 (Free Software Foundation compatible)") == []
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [40, 64])
 def test_fused_residual_is_the_separate_add(kernels, dtype, width):

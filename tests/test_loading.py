@@ -131,6 +131,26 @@ def test_a_gguf_is_parsed_once_within_the_block(tmp_path):
     assert np.array_equal(first.tensors[0].data, fresh.tensors[0].data)
 
 
+def test_the_tensor_name_table_is_built_once_within_the_block():
+    """transformers asks `gguf.get_tensor_name_map` (at call time) once per module of the model it
+    converts; within the block each (architecture, block count) gets one table, the same names."""
+    import gguf
+
+    def names_as_transformers_asks(arch, blocks):
+        from gguf import get_tensor_name_map
+
+        return get_tensor_name_map(arch, blocks)
+    build = gguf.get_tensor_name_map
+    with d3d.loading.each_gguf_parsed_once():
+        first = names_as_transformers_asks(gguf.MODEL_ARCH.LLAMA, 2)
+        assert names_as_transformers_asks(gguf.MODEL_ARCH.LLAMA, 2) is first
+        assert names_as_transformers_asks(gguf.MODEL_ARCH.LLAMA, 3) is not first
+    assert gguf.get_tensor_name_map is build and names_as_transformers_asks(gguf.MODEL_ARCH.LLAMA, 2) is not first
+    fresh = build(gguf.MODEL_ARCH.LLAMA, 2)
+    for name in ("model.layers.1.self_attn.q_proj", "model.embed_tokens", "lm_head", "model.norm"):
+        assert first.get_name(name) == fresh.get_name(name) is not None, name
+
+
 def test_without_transformers_metadata_the_config_is_read_every_time(tmp_path, cache, auto_config_reads, monkeypatch):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)

@@ -121,6 +121,6 @@ def test_the_installed_wheel_runs_the_row_exact_kernels_from_any_folder(tmp_path
     assert "row-exact" in generate.stderr and "unavailable" not in generate.stderr
     # doctor's costs were found: measured again only where the stored ones were taken on a busy
     # machine (d3d.costs.BUSY), which it says — the message that follows reading them
-    measured = generate.stderr.count("measuring this machine's")
+    measured = generate.stderr.count("cost on this machine, for the speculation gate")
     assert measured == generate.stderr.count("measured while the machine was busy"), generate.stderr
     assert "row by row" not in generate.stderr
