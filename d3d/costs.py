@@ -49,6 +49,7 @@ from statistics import median
 from weakref import WeakKeyDictionary
 
 import torch
+from tqdm import tqdm
 
 from d3d.cache import KVCache
 from d3d.devices import synchronize
@@ -99,31 +100,35 @@ class ForwardCosts:
 
 @torch.no_grad()
 def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int = 0,
-            drafter_only: bool = False) -> ForwardCosts:
+            drafter_only: bool = False, progress: bool = False) -> ForwardCosts:
     """Time verifications of 0 … max_drafts drafts and drafter passes for 1 … max_drafts drafts,
     against a one-token step, after each of `CONTEXTS` tokens. `drafter_only`: time of the
     verifications only the one-token step the passes are counted in (the verify tables stay empty):
     what a drafting source reads, its verifications being the target's alone (`forward_costs(target,
-    None, …)`) — the shipped drafter's 11.2 → 5.3 s on 2 Zen 3 cores."""
+    None, …)`) — the shipped drafter's 11.2 → 5.3 s on 2 Zen 3 cores. `progress`: a bar over the
+    rounds (a real model's first measurement takes ~20 s)."""
     started = time.perf_counter()
     limit = target.config.max_position_embeddings
     max_drafts = min(max_drafts, limit - 2)
     contexts = sorted({max(1, min(c, limit - max_drafts - 1)) for c in CONTEXTS})
     verify, drafting, catch_up, steps_ms = [], [], [], []
+    bar = tqdm(total=ROUNDS + LONG_ROUNDS * (len(contexts) - 1), desc="gate costs", unit="round",
+               disable=not progress, leave=False)
     for i, context in enumerate(contexts):
         drafts = range(max_drafts + 1) if i == 0 else sorted({0, *(k for k in LONG_DRAFTS if k < max_drafts), max_drafts})
         row = _measure_after(target, drafter, context, max_drafts, ROUNDS if i == 0 else LONG_ROUNDS, list(drafts), seed,
-                             drafter_only)
+                             drafter_only, bar)
         verify.append(row[0])
         drafting.append(row[1])
         catch_up.append(row[2])
         steps_ms.append(row[3])
+    bar.close()
     return ForwardCosts(verify[0], drafting[0], steps_ms[0], round(time.perf_counter() - started, 2),
                         tuple(contexts), tuple(verify), tuple(drafting), tuple(catch_up))
 
 
 def _measure_after(target: Decoder, drafter: Drafter | None, context: int, max_drafts: int, rounds: int,
-                   drafts: list[int], seed: int, drafter_only: bool = False
+                   drafts: list[int], seed: int, drafter_only: bool = False, bar: tqdm | None = None
                    ) -> tuple[tuple[float, ...], tuple[float, ...], float, float]:
     """(verify[k], drafter[k], the drafter's catching up per token, the step in ms) after `context`
     tokens, timing the draft counts `drafts` (0 and max_drafts among them) and interpolating the rest."""
@@ -179,6 +184,8 @@ def _measure_after(target: Decoder, drafter: Drafter | None, context: int, max_d
                 ratios[k].append(times[k] / times[0])
             if draft is not None and k:
                 drafter_ratios[k].append(_timed(draft(k), target.device) / times[0])
+        if bar is not None:
+            bar.update(1)
     step = median(steps_ms)
     return (() if drafter_only else fill_in(non_decreasing([ratios[k] for k in drafts], first=1.0), drafts, max_drafts),
             fill_in(non_decreasing([drafter_ratios[k] for k in drafts], first=0.0), drafts, max_drafts),
@@ -312,12 +319,13 @@ def forward_costs(target: Decoder, drafter: Drafter | None = None, max_drafts: i
                 return costs
             print(f"d3d: the stored verification costs were measured while the machine was busy (a one-token "
                   f"step took {costs.step_ms:.1f} ms, {now:.1f} ms now): measuring again", file=sys.stderr)
-    if target.config.num_layers > 4:  # a real model: a few seconds, worth a word
+    real = target.config.num_layers > 4  # a real model: seconds, worth a word and a bar
+    if real:
         what = ("the drafter's passes" if drafter_only else "verifications" if drafter is None
                 else "verifications and the drafter's passes")
         print(f"d3d: measuring what {what} cost on this machine, for the speculation gate "
               "(once; stored under $D3D_CACHE/costs)", file=sys.stderr)
-    costs = measure(target, drafter, max_drafts, drafter_only=drafter_only)
+    costs = measure(target, drafter, max_drafts, drafter_only=drafter_only, progress=real)
     write_text(path, json.dumps(asdict(costs), indent=2))
     _measured[path] = costs
     return costs

@@ -175,6 +175,21 @@ def test_forward_costs_are_measured_once_and_stored(tmp_path, monkeypatch):
 
 
 @torch.no_grad()
+def test_a_measurement_with_progress_shows_a_bar_over_its_rounds(capsys):
+    """A real model's first measurement takes ~20 s: `progress` draws a bar over every context's
+    rounds on stderr, and measures what the silent measurement measures."""
+    import d3d.costs
+
+    target = make_decoder(tiny_config(), seed=0)
+    costs = d3d.costs.measure(target, None, 3, progress=True)
+    bar = capsys.readouterr().err
+    rounds = d3d.costs.ROUNDS + d3d.costs.LONG_ROUNDS * (len(costs.contexts) - 1)
+    assert f"gate costs:   0%|          | 0/{rounds} " in bar  # then cleared (tqdm draws at most every 0.1 s)
+    assert len(costs.verify) == 4 and costs.contexts == d3d.costs.measure(target, None, 3).contexts
+    assert "gate costs" not in capsys.readouterr().err
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("head_dim", [8, 32], ids=["values-as-rows", "split-values"])
 def test_a_long_measured_context_repeats_the_prefilled_positions(monkeypatch, head_dim):
     """A cost measurement's long context runs `PREFILLED` tokens through the target and repeats their
