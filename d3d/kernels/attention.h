@@ -556,12 +556,18 @@ static inline __attribute__((always_inline)) v8 pair_high_reg(const uint16_t *p)
     return PAIR_HIGH8(v8_load((const float *)p));
 #endif
 }
+/* `ahead`: a tile to prefetch into L2 (hint T1) as the chains run, one 64-byte line a pair of d — the
+ * tile's D / 2 lines —, or NULL. A one-token step's scores fetch the tile 4 on so rather than in a
+ * burst of 32 prefetches before each tile's chains: the step 0.98-0.99x as long after 4,096 tokens
+ * (two pairs of arms, 21 rounds) and 0.98x after 7,168, the same after 256 (scripts/rows_ab.py; hints
+ * T0, T1 and NTA alike), AMD EPYC Zen 3. */
 static inline __attribute__((always_inline)) void tiled_scores_bf16(const uint16_t *kb, int64_t D, const float *qs,
-                                                                    const int C, float *const *out) {
+                                                                    const int C, float *const *out, const char *ahead) {
     v8 a[QUERY_CHUNK][2];
     for (int i = 0; i < C; i++) a[i][0] = a[i][1] = v8_zero();
     for (int64_t p = 0; p < D / 2; p++) {
         const uint16_t *pair = kb + p * 2 * KEY_TILE;  /* keys 0-7, then 8-15 */
+        if (ahead) __builtin_prefetch(ahead + p * 64, 0, 2);
         v8 k0 = pair_low_reg(pair), k1 = pair_low_reg(pair + KEY_TILE);
         for (int i = 0; i < C; i++) {
             v8 q = v8_splat_reg(qs + i * D + 2 * p);
@@ -613,7 +619,7 @@ static inline __attribute__((always_inline)) void tiled_scores6_bf16(const uint1
     for (int i = 0; i < 6; i++) v8_store(out[i], a[i][0]), v8_store(out[i] + 8, a[i][1]);
 }
 #else
-#define tiled_scores6_bf16(kb, D, qs, out) tiled_scores_bf16(kb, D, qs, 6, out)
+#define tiled_scores6_bf16(kb, D, qs, out) tiled_scores_bf16(kb, D, qs, 6, out, NULL)
 #endif
 #define READS_TILES 1
 #define FUSES_bf16(D) ((D) % 16 == 0)
@@ -688,20 +694,24 @@ static inline float ROW_MAX(const float *row, int64_t S) {
  * by tiled_scores_bf16; fp32 tiles are always stored transposed. */
 #ifndef READS_TILES
 #define READS_TILES 0
-#define tiled_scores_bf16(kb, D, qs, C, out) (void)0
+#define tiled_scores_bf16(kb, D, qs, C, out, ahead) (void)0
 #define tiled_scores6_bf16(kb, D, qs, out) (void)0
 #endif
 #define FUSES_ANY_CHUNK(tiled) (READS_TILES && (tiled))
-/* tiled_scores_bf16 for a chunk of 1 … 6 queries, one copy per size; `out` the chunk's score rows */
-#define TILED_SCORES(kb, D, qs, chunk, out)                                                          \
+/* tiled_scores_bf16 for a chunk of 1 … 6 queries, one copy per size; `out` the chunk's score rows;
+ * `ahead` a tile whose lines the chains prefetch as they run (6 queries: all at once first), or NULL */
+#define TILED_SCORES_AHEAD(kb, D, qs, chunk, out, ahead)                                             \
     switch (chunk) {                                                                                 \
-        case 1: tiled_scores_bf16(kb, D, qs, 1, out); break;                                         \
-        case 2: tiled_scores_bf16(kb, D, qs, 2, out); break;                                         \
-        case 3: tiled_scores_bf16(kb, D, qs, 3, out); break;                                         \
-        case 4: tiled_scores_bf16(kb, D, qs, 4, out); break;                                         \
-        case 5: tiled_scores_bf16(kb, D, qs, 5, out); break;                                         \
-        default: tiled_scores6_bf16(kb, D, qs, out); break;                                          \
+        case 1: tiled_scores_bf16(kb, D, qs, 1, out, ahead); break;                                  \
+        case 2: tiled_scores_bf16(kb, D, qs, 2, out, ahead); break;                                  \
+        case 3: tiled_scores_bf16(kb, D, qs, 3, out, ahead); break;                                  \
+        case 4: tiled_scores_bf16(kb, D, qs, 4, out, ahead); break;                                  \
+        case 5: tiled_scores_bf16(kb, D, qs, 5, out, ahead); break;                                  \
+        default:                                                                                     \
+            if (ahead) PREFETCH_TILE(uint16_t, ahead);                                               \
+            tiled_scores6_bf16(kb, D, qs, out);                                                      \
     }
+#define TILED_SCORES(kb, D, qs, chunk, out) TILED_SCORES_AHEAD(kb, D, qs, chunk, out, (const char *)NULL)
 #if defined(__AVX512F__) || defined(D3D_AVX2)
 #define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled)                                           \
     switch (chunk) {                                                                                 \
@@ -1084,19 +1094,21 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
                     SCALE_QUERY(SUFFIX, LOAD, q + (g_ * group + i) * D, D, scale, 1, qs_kept + i * D); \
                 qs_g_ = g_;                                                                          \
             }                                                                                        \
+            const T_ELEM *next_ = NULL;  /* the tile TILES_AHEAD jobs on, fetched meanwhile */         \
             if (job_ + TILES_AHEAD < (end)) {                                                        \
                 int64_t ahead_ = s0_ + TILES_AHEAD * KEY_TILE;                                       \
-                const T_ELEM *next_ = ahead_ < S ? k + g_ * kv_head + ahead_ * D                     \
+                next_ = ahead_ < S ? k + g_ * kv_head + ahead_ * D                                   \
                     : k + ((job_ + TILES_AHEAD) / tiles) * kv_head + ((job_ + TILES_AHEAD) % tiles) * KEY_TILE * D; \
-                PREFETCH_TILE(T_ELEM, next_);                                                        \
             }                                                                                        \
             int64_t n = S - s0_ < KEY_TILE ? S - s0_ : KEY_TILE;                                     \
             if (FUSES_ANY_CHUNK(k_tiled) && n == KEY_TILE) {  /* a whole tiled tile: into the rows */  \
                 float *rows_[QUERY_CHUNK];                                                           \
                 for (int64_t i = 0; i < group; i++) rows_[i] = ROW(0, 0, g_ * group + i) + s0_;       \
-                TILED_SCORES((const uint16_t *)(k + g_ * kv_head + s0_ * D), D, qs_kept, (int)group, rows_) \
+                TILED_SCORES_AHEAD((const uint16_t *)(k + g_ * kv_head + s0_ * D), D, qs_kept, (int)group, rows_, \
+                                   (const char *)next_)                                              \
                 continue;                                                                            \
             }                                                                                        \
+            if (next_) PREFETCH_TILE(T_ELEM, next_);                                                 \
             float acc[QUERY_CHUNK][KEY_TILE];                                                        \
             FUSED_SCORES_##SUFFIX(k + g_ * kv_head + s0_ * D, n, D, qs_kept, (int)group, acc, k_tiled) \
             for (int64_t i = 0; i < group; i++)                                                      \
