@@ -19,6 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "rowexact.c"  # the translation unit; it includes the headers beside it
+LTO_JOBS = 8  # parallel_flags' most code-generation jobs
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 
 
@@ -50,10 +51,13 @@ def parallel_flags(version: str) -> list[str]:
     """GCC's link-time optimisation over the one translation unit, its code generation split across
     the cores this process may use (`-flto=N`): the same code — every inlining decision is taken
     before the split — in 10.4 s instead of 17.0 on 2 AMD EPYC Zen 3 cores. Empty for other
-    compilers (the build is then the single pass it always was). `version`: `cc --version`'s output."""
+    compilers (the build is then the single pass it always was). `version`: `cc --version`'s output.
+    At most `LTO_JOBS` at once: each holds a share of the program in memory, and a container may
+    report far more cores than it may use."""
     if "Free Software Foundation" not in version or "clang" in version.lower():
         return []
-    return [f"-flto={len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1}"]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return [f"-flto={min(cores, LTO_JOBS)}"]
 
 
 def compiler() -> str:
