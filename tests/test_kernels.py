@@ -223,6 +223,9 @@ case "$*" in *-flto*) echo "lto-wrapper: fatal error: no LTO plugin" >&2; exit 1
 while [ $# -gt 0 ]; do [ "$1" = "-o" ] && : > "$2"; shift; done
 """)
     fake.chmod(0o755)
+    (tmp_path / "make").write_text("#!/bin/sh\nexit 1\n")  # GCC's jobs need make on the PATH (never run here)
+    (tmp_path / "make").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv("D3D_CACHE", str(tmp_path / "cache"))
     path = build()
@@ -235,6 +238,8 @@ while [ $# -gt 0 ]; do [ "$1" = "-o" ] && : > "$2"; shift; done
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))  # a large machine: 8 jobs at most
     assert parallel_flags("gcc (GCC) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.") == ["-flto=8"]
     assert parallel_flags("clang version 17.0.6\nTarget: x86_64-pc-linux-gnu") == []
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no make: GCC would run the jobs one by one
+    assert parallel_flags("gcc (GCC) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.") == []
     assert parallel_flags("Ubuntu clang version 14 (Free Software Foundation compatible)") == []
 
 
