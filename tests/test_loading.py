@@ -128,6 +128,10 @@ def test_a_gguf_is_parsed_once_within_the_block(tmp_path):
     fresh = parse(str(path))
     assert int(first.fields["llama.block_count"].parts[-1][0]) == 2 == int(fresh.fields["llama.block_count"].parts[-1][0])
     assert [t.name for t in first.tensors] == ["token_embd.weight"]
+    # the fields' parts as plain arrays over the same bytes (transformers reads strings a byte at a time)
+    assert all(type(part) is np.ndarray for field in first.fields.values() for part in field.parts)
+    assert all(np.array_equal(a, b) for name, field in first.fields.items()
+               for a, b in zip(field.parts, fresh.fields[name].parts, strict=True))
     assert np.array_equal(first.tensors[0].data, fresh.tensors[0].data)
 
 
