@@ -68,7 +68,8 @@ MEASUREMENT = 5  # bump when what is timed changes (e.g. the drafter's head kern
 ROUNDS, REPEATS = 7, 3  # rounds over every row count; forwards per timing (their mean)
 LONG_ROUNDS = 3  # rounds after the longer contexts …
 LONG_DRAFTS = (1, 2, 3, 4, 6, 8, 11, 15)  # … over these draft counts (others interpolated)
-PROBE_ROUNDS = 3  # timings of the one-token step that check stored costs (their median)
+PROBE_ROUNDS = 1  # timings of the one-token step that check stored costs (their median): a busy moment only
+# makes it slower, which keeps the stored costs, so one does (0.10 s of each process, 0.18 with 3; Zen 3)
 PROBE_CONTEXT = 32  # tokens before them: a short prefill (0.2 s, once a process; 0.45 s after 256 tokens)
 BUSY = 1.5  # stored costs whose one-token step was this many times slower than now are measured again
 
