@@ -129,7 +129,7 @@ def measure(target: Decoder, drafter: Drafter | None, max_drafts: int, seed: int
 
 
 def _measure_after(target: Decoder, drafter: Drafter | None, context: int, max_drafts: int, rounds: int,
-                   drafts: list[int], seed: int, drafter_only: bool = False, bar: tqdm | None = None
+                   drafts: list[int], seed: int, drafter_only: bool, bar: tqdm
                    ) -> tuple[tuple[float, ...], tuple[float, ...], float, float]:
     """(verify[k], drafter[k], the drafter's catching up per token, the step in ms) after `context`
     tokens, timing the draft counts `drafts` (0 and max_drafts among them) and interpolating the rest."""
@@ -185,8 +185,7 @@ def _measure_after(target: Decoder, drafter: Drafter | None, context: int, max_d
                 ratios[k].append(times[k] / times[0])
             if draft is not None and k:
                 drafter_ratios[k].append(_timed(draft(k), target.device) / times[0])
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
     step = median(steps_ms)
     return (() if drafter_only else fill_in(non_decreasing([ratios[k] for k in drafts], first=1.0), drafts, max_drafts),
             fill_in(non_decreasing([drafter_ratios[k] for k in drafts], first=0.0), drafts, max_drafts),

@@ -212,13 +212,14 @@ def test_the_build_splits_its_code_generation_over_the_cores_and_falls_back_to_o
     the same flags without it. Other compilers are never asked for it."""
     import os
 
-    from d3d.kernels.build import build, parallel_flags
+    from d3d.kernels.build import LTO_JOBS, build, parallel_flags
 
+    gcc = "gcc (GCC) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc."
     log = tmp_path / "calls"
     fake = tmp_path / "fakecc"
     fake.write_text(f"""#!/bin/sh
 echo "$@" >> {log}
-case "$*" in *--version*) echo "gcc (GCC) 12.2.0"; echo "Copyright (C) 2022 Free Software Foundation, Inc."; exit 0;; esac
+case "$*" in *--version*) printf '{gcc}\\n'; exit 0;; esac
 case "$*" in *-flto*) echo "lto-wrapper: fatal error: no LTO plugin" >&2; exit 1;; esac
 while [ $# -gt 0 ]; do [ "$1" = "-o" ] && : > "$2"; shift; done
 """)
@@ -232,14 +233,14 @@ while [ $# -gt 0 ]; do [ "$1" = "-o" ] && : > "$2"; shift; done
     assert path.exists() and path.parent == tmp_path / "cache" / "kernels"
     compiles = [line for line in log.read_text().splitlines() if "--version" not in line]
     assert len(compiles) == 2, compiles
-    jobs = min(len(os.sched_getaffinity(0)), 8)
+    jobs = min(len(os.sched_getaffinity(0)), LTO_JOBS)
     assert f"-flto={jobs}" in compiles[0].split() and "-flto" not in compiles[1]
     assert compiles[0].replace(f" -flto={jobs}", "") == compiles[1]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))  # a large machine: 8 jobs at most
-    assert parallel_flags("gcc (GCC) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.") == ["-flto=8"]
+    assert parallel_flags(gcc) == [f"-flto={LTO_JOBS}"]
     assert parallel_flags("clang version 17.0.6\nTarget: x86_64-pc-linux-gnu") == []
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no make: GCC would run the jobs one by one
-    assert parallel_flags("gcc (GCC) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.") == []
+    assert parallel_flags(gcc) == []
     assert parallel_flags("Ubuntu clang version 14 (Free Software Foundation compatible)") == []
 
 

@@ -93,9 +93,9 @@ def build(verbose: bool = False, profile: bool = False, march: str = "native", e
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([cc, *flags, *parallel_flags(version), str(SOURCE), "-o", str(built), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0 and parallel_flags(version):  # e.g. no LTO plugin: the one-pass build
+        lto = parallel_flags(version)
+        result = subprocess.run([cc, *flags, *lto, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+        if result.returncode != 0 and lto:  # e.g. no LTO plugin: the one-pass build
             result = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(f"{cc} failed to build the row-exact kernels:\n{result.stderr.strip()}")
