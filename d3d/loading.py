@@ -33,7 +33,7 @@ from d3d.files import current_umask, save_tensors, write_text
 from d3d.kernels import row_exact_kernels
 from d3d.kernels.greedy import GreedyHead
 from d3d.models import Decoder
-from d3d.quantized import QUANTIZE_TO, STREAMS_FILE, WEIGHTS, quantize_weights, use_gguf_streams
+from d3d.quantized import QUANTIZE_TO, STREAMS_FILE, WEIGHTS, cached_parts, quantize_weights, use_gguf_streams
 
 DEFAULT_TARGET = "default"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -282,14 +282,17 @@ def read_config(folder: Path) -> ModelConfig:
 def reserve_copies(decoder: Decoder, dtype: torch.dtype, streams: Path | None) -> None:
     """Have the kernels' arena fault in now, beside the rest of the load, the memory of the copies it
     will hold: the weights' packed copies, and where `streams` (the GGUF's repacked blocks' cache
-    file) exists, those blocks and the greedy head made over the head's."""
+    file) exists, what the arena holds of those blocks (`RowExactKernels.arena_bytes`) and the greedy
+    head made over the head's."""
     kernels = decoder.row_exact
     if kernels is None:
         return
-    shapes = [tuple(weight.shape) for weight in decoder.linear_weights().values()]
-    size = kernels.copied_bytes(shapes, dtype)
+    weights = decoder.linear_weights()
+    size = kernels.copied_bytes([tuple(weight.shape) for weight in weights.values()], dtype)
     if streams is not None and streams.is_file():
-        size += streams.stat().st_size + (GreedyHead.bytes_of(*decoder.head_weight.shape) if kernels.greedy.on else 0)
+        size += GreedyHead.bytes_of(*decoder.head_weight.shape) if kernels.greedy.on else 0
+        size += sum(kernels.arena_bytes(parts, weights[name].shape[1])
+                    for name, parts in cached_parts(streams).items() if name in weights)
     kernels.arena.reserve(size)
 
 

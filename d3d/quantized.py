@@ -224,6 +224,19 @@ def cached_plan(path: str | Path, config: ModelConfig, folder: Path) -> StreamPl
     return plan
 
 
+def cached_parts(file: Path) -> dict[str, list[tuple[str, int]]]:
+    """The (format, rows) runs of each weight's stream in a `cached_plan` file (a folder's
+    STREAMS_FILE), from its header alone (empty where it cannot be read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), "pt") as handle:
+            streams = json.loads(handle.metadata()["plan"])["streams"]
+        return {name: [(format, rows) for format, rows, _ in parts] for name, parts in streams.items()}
+    except (OSError, SafetensorError, KeyError, ValueError, TypeError):
+        return {}
+
+
 @dataclass
 class StreamReport:
     """What a decoder streams after `use_gguf_streams`: per source type, the weights and bytes."""
@@ -252,8 +265,10 @@ def use_gguf_streams(kernels: RowExactKernels, weights: dict[str, torch.Tensor],
         if weight is None:
             report.refused[name] = "the decoder has no such weight"
             continue
-        parts = tuple(StreamPart(p.format, kernels.arena.copy(p.data), p.rows, p.source) for p in stream.parts)
-        stream = WeightStream(parts)
+        if not kernels.grouped_bytes([(p.format, p.rows) for p in stream.parts], weight.shape[1]):
+            # what the kernels stream, in huge pages (with a grouped copy, that copy is: `arena_bytes`)
+            stream = WeightStream(tuple(StreamPart(p.format, kernels.arena.copy(p.data), p.rows, p.source)
+                                        for p in stream.parts))
         try:
             kernels.use_stream(weight, stream)
         except ValueError as error:

@@ -87,8 +87,10 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
     residual = torch.randn(25, outputs, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(25)])
     grouped = kernels.grouped_rows
-    if grouped and kernels.stream(weight).format in ("u4", "i8"):  # one row reads the grouped blocks here
-        assert kernels._grouped_stream(weight, kernels.stream(weight)).format in ("g4", "g8", "a4")
+    if grouped:  # a few rows read the grouped blocks where this path has a form for them
+        made = kernels._grouped_stream(weight, kernels.stream(weight))
+        forms = {"u4": {"t4"}, "s4": {"t4"}} if kernels.lane_packs else {"u4": {"g4", "a4"}, "i8": {"g8"}}
+        assert (made and made.format) in forms.get(kernels.stream(weight).format, {None}), made
     try:
         # several rows from the bf16 values, one from the grouped blocks (AVX-512 BF16), or decoding the blocks
         for dense_rows, kernels.grouped_rows in ((True, grouped), (True, False), (False, False)):
@@ -103,10 +105,12 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
         kernels.dense_rows, kernels.grouped_rows = True, grouped
 
 
-def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels):
+@pytest.mark.parametrize("parts", [[("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)], [("Q4_K", 64), ("Q4_0", 30)]],
+                         ids=["q4_k-q6_k", "q4_k-q4_0"])
+def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels, parts):
     """q | k | v quantized differently (as in Q4_K_M files: Q4_K, Q4_K, Q6_K) stream as runs of
-    rows in their own formats, with the bits of the dequantized fused weight."""
-    parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)]
+    rows in their own formats, with the bits of the dequantized fused weight — and runs of 4-bit
+    blocks of two formats, 94 rows in all, as one T4 copy where the AVX2 lanes read tables."""
     raws = [random_blocks(type_name, rows, 256, seed=7 + i) for i, (type_name, rows) in enumerate(parts)]
     weight = torch.cat([loader_values(type_name, raw) for (type_name, _), raw in zip(parts, raws)])
     plain = weight.clone()
@@ -116,7 +120,10 @@ def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels):
         runs.append(StreamPart(format, kernels.arena.copy(torch.from_numpy(np.ascontiguousarray(packed)).reshape(-1)),
                                rows, type_name))
     kernels.use_stream(weight, WeightStream(tuple(runs)))
-    assert kernels.stream(weight).source == "Q4_K+Q6_K"
+    assert kernels.stream(weight).source == "+".join(dict.fromkeys(type_name for type_name, _ in parts))
+    if kernels.lane_packs and kernels.grouped_rows:
+        tables = kernels._grouped_stream(weight, kernels.stream(weight))
+        assert (tables and tables.format) == ("t4" if parts[-1][0] != "Q6_K" else None)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     try:
         for dense_rows in (True, False):

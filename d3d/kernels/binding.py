@@ -28,7 +28,8 @@ from d3d.cache import V_PART, covering_tiles, is_split, is_tiled, slots_of
 from d3d.config import MAX_HEAD_DIM
 from d3d.kernels import greedy
 from d3d.kernels.build import KernelBuildError, build
-from d3d.kernels.packing import WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks, column_packed, lane_packed
+from d3d.kernels.packing import (BLOCK, BLOCK_BYTES, WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks,
+                                 column_packed, lane_packed)
 from d3d.kernels.structs import LAYER_SLOTS, LINEAR_SLOTS, ForwardArgs, Layer, SegmentArgs, Weight
 from d3d.kernels.torch_ops import KVSlots, TorchKernels
 
@@ -133,9 +134,11 @@ class RowExactKernels:
         # d3d_weight.dense): the same bits, less arithmetic. False decodes the blocks at every row
         # count (for tests and measurements).
         self.dense_rows = True
-        # Calls of 1-4 rows over a U4 or I8 weight read its blocks grouped 16 rows at a time where the
-        # build takes packed pair dot products (formats.h's G4, G8): the same bits, a third of the
-        # bytes of the bf16 values. False leaves them to the bf16 values (for tests and measurements).
+        # Calls of a few rows over a quantized weight read a grouped copy of its blocks where this
+        # path has one: with packed pair dot products (AVX-512 BF16), U4 and I8 blocks 16 rows at a
+        # time (formats.h's G4, G8: a third of the bytes of the bf16 values); in the AVX2 lanes, U4
+        # and S4 blocks as tables of their 16 values (T4: a third of the decoding's operations). The
+        # same bits. False leaves them to the blocks and the bf16 values (for tests and measurements).
         self.grouped_rows = bool(library.d3d_grouped_linear())
         self._grouped: dict[tuple[int, bool], tuple[weakref.ref, int, WeightStream | None]] = {}  # (id, amx)
         self.arena = HugePageArena()
@@ -338,6 +341,24 @@ class RowExactKernels:
         dense = self._own_stream(weight)
         grouped = self._grouped_stream(weight, stream) if self.grouped_rows else None
         return Weight.of(stream, dense, grouped), (stream, dense, grouped)
+
+    def grouped_bytes(self, parts: Iterable[tuple[str, int]], width: int) -> int:
+        """The bytes of the grouped copy that a stream of these (format, rows) runs, `width` wide, gets
+        on this process's path (0: none; `HugePageArena.reserve` ahead of it)."""
+        if not self.grouped_rows:
+            return 0
+        descriptor, rows = Weight(), 0
+        for slot, (format, count) in zip(descriptor.parts, parts):
+            slot.format, slot.rows = WEIGHT_FORMATS[format], count
+            rows += count
+        return int(self.library.d3d_group_pack(ctypes.byref(descriptor), rows, width, None))
+
+    def arena_bytes(self, parts: Sequence[tuple[str, int]], width: int) -> int:
+        """The bytes a quantized stream of these runs takes in the arena on this path: its grouped copy
+        where it has one (its blocks, read once to make it, then stay out of the arena:
+        `d3d.quantized.use_gguf_streams`), else its blocks."""
+        return self.grouped_bytes(parts, width) or sum(rows * (width // BLOCK) * BLOCK_BYTES[format]
+                                                       for format, rows in parts)
 
     def _grouped_stream(self, weight: torch.Tensor, stream: WeightStream) -> WeightStream | None:
         """The quantized stream's blocks grouped 16 rows at a time in the form this process's path

@@ -29,6 +29,12 @@
  *           each column's block_u4 in column order, its codes placed for vpmultishiftqb — weight k's
  *           nibble at bit 64·((k/4) mod 2) + 4·(4·(k/8) + k mod 4) of the 16 bytes. The same values,
  *           decoded as a lookup in the block's table of its 16.
+ *   T4      U4 and S4 blocks as tables, for AVX2 builds' calls of a few rows (linear.h's lanes; made where
+ *           the lanes read them): per 32 weights the block's 16 values as bf16 — their low bytes, then
+ *           their high bytes — and 16 bytes of codes placed for the lookup (decode_t4); the 4 columns
+ *           of each block of 4 (N zero-padded to a multiple of 4) side by side, block by block, so
+ *           that a thread's columns are one stream. Twice U4's bytes, a third of the operations: a
+ *           one-token step's decode is the bound on AVX2, its bytes no longer.
  *
  * Each quantized value is the GGUF reference dequantization (gguf-py's, which transformers and
  * so d3d's loader use) rounded to bf16, by construction: the reference computes d·q + m (Q4_1),
@@ -44,7 +50,7 @@
  * every decoded weight is 0 or at least 2^-24 in magnitude, being a sum of fp16 multiples.
  */
 
-enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9 };
+enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9, D3D_T4 = 10 };
 
 #define CHUNK 32  /* weights of a row per block of every quantized format */
 
@@ -54,6 +60,7 @@ typedef struct { float scale[2]; uint8_t low[16], high[8]; } block_u6;
 typedef struct { float scale; uint8_t q[16]; } block_s4;
 typedef struct { float scale[16], offset[16]; uint8_t q[16][16]; } block_g4;  /* 16 rows of block_u4 */
 typedef struct { float scale[16]; int8_t q[16][32]; } block_g8;  /* 16 rows of block_i8 */
+typedef struct { uint8_t low[16], high[16], q[16]; } block_t4;  /* a U4 or S4 block as its table */
 
 /* What the linear kernels are handed for one weight: up to MAX_PARTS runs of rows, each in its
  * own format (a fused q|k|v projection whose parts a GGUF quantized differently, as Q4_K_M files
@@ -76,10 +83,12 @@ typedef struct {
 } d3d_weight;
 
 static inline int is_quantized(int64_t format) { return format >= D3D_U4 && format <= D3D_S4; }
+static inline int is_4bit(int64_t format) { return format == D3D_U4 || format == D3D_S4; }
 
 static inline int64_t block_bytes(int64_t format) {
     return format == D3D_U4 ? (int64_t)sizeof(block_u4) : format == D3D_I8 ? (int64_t)sizeof(block_i8)
-         : format == D3D_U6 ? (int64_t)sizeof(block_u6) : (int64_t)sizeof(block_s4);
+         : format == D3D_U6 ? (int64_t)sizeof(block_u6) : format == D3D_T4 ? (int64_t)sizeof(block_t4)
+         : (int64_t)sizeof(block_s4);
 }
 
 /* The part holding row n, and n's index within it. */
@@ -97,6 +106,25 @@ static inline const void *block_at(const d3d_weight *w, int64_t n, int64_t b, in
 }
 
 static inline int nibble(const uint8_t *q, int e) { return e < 16 ? q[e] & 15 : q[e - 16] >> 4; }
+
+/* A U4 or S4 block as T4: its table — code c's value, bf16(fma(s, c, o)) or bf16(s·(c − 8)) as
+ * decode_block_scalar computes it — and weight e's code at the place decode_t4 reads it from:
+ * vector v = e / 8 of the block's four, lane j = e % 8, i.e. the low (j < 4) or high nibble of byte
+ * 8·(v / 2) + 2·(j % 4) + v % 2. */
+static void table_block(int64_t format, const void *block, block_t4 *out) {
+    const uint8_t *q = format == D3D_U4 ? ((const block_u4 *)block)->q : ((const block_s4 *)block)->q;
+    for (int c = 0; c < 16; c++) {
+        float v = format == D3D_U4 ? fmaf(((const block_u4 *)block)->scale, (float)c, ((const block_u4 *)block)->offset)
+                                   : ((const block_s4 *)block)->scale * (float)(c - 8);
+        uint16_t bits = f32_to_bf16(v);
+        out->low[c] = (uint8_t)bits, out->high[c] = (uint8_t)(bits >> 8);
+    }
+    memset(out->q, 0, sizeof out->q);
+    for (int e = 0; e < CHUNK; e++) {
+        int v = e / 8, j = e % 8;
+        out->q[8 * (v / 2) + 2 * (j % 4) + v % 2] |= (uint8_t)(nibble(q, e) << (4 * (j / 4)));
+    }
+}
 
 static void decode_block_scalar(int64_t format, const void *block, float out[CHUNK]) {
     if (format == D3D_U4) {
@@ -152,6 +180,25 @@ static inline __attribute__((always_inline)) void decode_u6(const void *block, v
         __m256i q = _mm256_sub_epi32(_mm256_or_si256(low[j], _mm256_slli_epi32(high, 4)), bias);
         out[j] = v8_round_bf16(_mm256_mul_ps(v8_splat(&b->scale[j / 2]), _mm256_cvtepi32_ps(q)));
     }
+}
+/* A T4 block: the codes widened to bytes (lanes 0–15 the low nibbles, 16–31 the high ones), each
+ * looked up in the table's low and high bytes (vpshufb), the pairs of bytes joined into bf16 words
+ * and the words widened to fp32 — even words by a shift, odd ones by a mask: k order by
+ * table_block's placement. Pure bit moves after the table: the values table_block wrote. */
+static inline __attribute__((always_inline)) void decode_t4(const void *block, v8 out[4]) {
+    const block_t4 *b = block;
+    __m256i low = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b->low));
+    __m256i high = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b->high));
+    __m256i codes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b->q));
+    __m256i index = _mm256_and_si256(_mm256_srlv_epi32(codes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                     _mm256_set1_epi8(15));
+    __m256i l = _mm256_shuffle_epi8(low, index), h = _mm256_shuffle_epi8(high, index);
+    __m256i first = _mm256_unpacklo_epi8(l, h), second = _mm256_unpackhi_epi8(l, h);
+    __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    out[0] = _mm256_castsi256_ps(_mm256_slli_epi32(first, 16));
+    out[1] = _mm256_castsi256_ps(_mm256_and_si256(first, odd));
+    out[2] = _mm256_castsi256_ps(_mm256_slli_epi32(second, 16));
+    out[3] = _mm256_castsi256_ps(_mm256_and_si256(second, odd));
 }
 static inline __attribute__((always_inline)) void decode_plain_bf16(const void *p, v8 out[4]) {
     const uint16_t *w = p;

@@ -402,6 +402,10 @@ static void lanes_tile(const float *xf, int R, int64_t K, const float *strip, fl
 
 
 #define LANES_AHEAD 4  /* column blocks ahead that the one-row path prefetches (2: 15.1, 4: 13.7, 8: 15.4 ms a step) */
+/* Bytes ahead that a T4 stream prefetches. AMD EPYC Zen 3, 2 threads, one row over the 106 M weights of
+ * SmolLM2-135M's layers as T4 (a /tmp harness, medians of 15-25): none 6.45 ms, 1 KB 5.6, 1.5 KB
+ * 4.8, 2 KB 4.8-5.0, 3 KB 5.4, 4 KB 5.6 — against a plain read of the same 159 MB in 5.0 ms. */
+#define T4_AHEAD 2048
 /* A few rows straight from the decoded registers: for each group of C columns, each block's
  * weights are decoded once and feed R rows (R·C·2 ≤ 8 accumulators); rows past M repeat row 0 and
  * are dropped. No strip: at 2–4 rows its stores and reloads cost more than the FMAs they save. */
@@ -468,6 +472,7 @@ LANES_COLUMNS(lanes_columns_u4, decode_u4)
 LANES_COLUMNS(lanes_columns_i8, decode_i8)
 LANES_COLUMNS(lanes_columns_u6, decode_u6)
 LANES_COLUMNS(lanes_columns_s4, decode_s4)
+LANES_COLUMNS(lanes_columns_t4, decode_t4)
 
 /* Scratch floats a lanes call takes: the rows in fp32, and per thread a strip and the results. */
 static int64_t lanes_scratch(int64_t M, int64_t K, int threads) { return M * K + threads * (4 * K + 4 * M); }
@@ -490,15 +495,26 @@ static __attribute__((unused)) void lanes_##SUFFIX##_body(const T_ELEM *x, int64
         int C = N - n0 < 4 ? (int)(N - n0) : 4;                                                      \
         const d3d_part *part = part_of(w, &first);  /* a run of rows never splits a block of 4 */     \
         int64_t format = part->format;                                                               \
-        int64_t chunk_bytes = is_quantized(format) ? block_bytes(format) : CHUNK * (int64_t)sizeof(T_ELEM); \
+        int64_t chunk_bytes = is_quantized(format) || format == D3D_T4 ? block_bytes(format)         \
+                                                                     : CHUNK * (int64_t)sizeof(T_ELEM); \
         int64_t row_bytes = chunk_bytes * (K / CHUNK);                                               \
         const char *rows[4], *later[4], *const *ahead = NULL;                                        \
-        for (int c = 0; c < 4; c++) rows[c] = (const char *)part->data + (first + (c < C ? c : 0)) * row_bytes; \
-        if (first + (LANES_AHEAD + 1) * 4 <= part->rows) {  /* prefetch the block LANES_AHEAD on */   \
-            for (int c = 0; c < 4; c++) later[c] = rows[c] + LANES_AHEAD * 4 * row_bytes;            \
+        if (format == D3D_T4) {  /* the 4 columns' blocks side by side: one stream, prefetched T4_AHEAD on */ \
+            for (int c = 0; c < 4; c++) {                                                            \
+                rows[c] = (const char *)part->data + first * row_bytes + c * chunk_bytes;            \
+                later[c] = rows[c] + T4_AHEAD;                                                       \
+            }                                                                                        \
             ahead = later;                                                                           \
+            chunk_bytes *= 4;                                                                        \
+        } else {                                                                                     \
+            for (int c = 0; c < 4; c++) rows[c] = (const char *)part->data + (first + (c < C ? c : 0)) * row_bytes; \
+            if (first + (LANES_AHEAD + 1) * 4 <= part->rows) {  /* prefetch the block LANES_AHEAD on */ \
+                for (int c = 0; c < 4; c++) later[c] = rows[c] + LANES_AHEAD * 4 * row_bytes;        \
+                ahead = later;                                                                       \
+            }                                                                                        \
         }                                                                                            \
         switch (format) {                                                                            \
+            case D3D_T4: lanes_columns_t4(xf, M, K, rows, chunk_bytes, ahead, strip, res); break;           \
             case D3D_U4: lanes_columns_u4(xf, M, K, rows, chunk_bytes, ahead, strip, res); break;           \
             case D3D_I8: lanes_columns_i8(xf, M, K, rows, chunk_bytes, ahead, strip, res); break;           \
             case D3D_U6: lanes_columns_u6(xf, M, K, rows, chunk_bytes, ahead, strip, res); break;           \
@@ -881,9 +897,26 @@ static int64_t group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) 
     return groups * blocks * size;
 }
 
-/* Whether this build's calls of a few rows read grouped copies. */
+/* Bytes of the T4 copy of `w` (N, K; its parts all U4 or S4) and, with `out`, the copy itself:
+ * per block of 4 columns (zero tables past N) and per block b of K, the 4 columns' tables. */
+static int64_t table_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
+    int64_t blocks = K / CHUNK, size = (N + 3) / 4 * 4 * blocks * (int64_t)sizeof(block_t4);
+    if (!out) return size;
+    memset(out, 0, size);
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t format;
+            const void *block = block_at(w, n, b, K, &format);
+            table_block(format, block, (block_t4 *)out + ((n / 4) * blocks + b) * 4 + n % 4);
+        }
+    return size;
+}
+
+/* Whether this build's calls of a few rows read grouped copies (AVX-512 BF16: G4, G8; the AVX2
+ * lanes: T4). */
 int d3d_grouped_linear(void) {
-#ifdef D3D_AVX512_BF16
+#if defined(D3D_AVX512_BF16) || defined(D3D_AVX2)
     return 1;
 #else
     return 0;
@@ -995,14 +1028,22 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
 #include "amx.h"
 
 /* The format of the grouped copy of `w` that this process's calls of a few rows read (0: none):
- * A4 for U4 weights while the AMX tiles are on (where the build has them), else G4 or G8. */
+ * with AVX-512 BF16, A4 for U4 weights while the AMX tiles are on (where the build has them), else
+ * G4 or G8; with the AVX2 lanes, T4 for weights of 4-bit blocks (U4, S4). */
 int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
+    if (K % CHUNK) return 0;
+#if defined(D3D_AVX2) && !defined(D3D_AVX512_BF16)
+    for (int p = 0; p < MAX_PARTS && w->parts[p].rows; p++)
+        if (!is_4bit(w->parts[p].format)) return 0;
+    return D3D_T4;
+#else
     int64_t format = parts_format(w);
-    if ((format != D3D_U4 && format != D3D_I8) || K % CHUNK) return 0;
+    if (format != D3D_U4 && format != D3D_I8) return 0;
 #ifdef AMX_A4
     if (amx_on && format == D3D_U4) return D3D_A4;
 #endif
     return format == D3D_U4 ? D3D_G4 : D3D_G8;
+#endif
 }
 
 /* Bytes of that copy (0: none) and, with `out`, the copy. */
@@ -1012,6 +1053,7 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
 #ifdef AMX_A4
     if (format == D3D_A4) return a4_pack(w, N, K, out);
 #endif
+    if (format == D3D_T4) return table_pack(w, N, K, out);
     return group_pack(w, N, K, out);
 }
 
@@ -1027,6 +1069,15 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
  * against 1.40–1.45. With AVX2 every call of 3 rows or more reads them (from 5 rows in
  * the pair tiles, faster than decoding each block into the strip once); the portable build decodes
  * into its strip past FUSED_MAX rows. */
+/* Calls of up to TABLE_ROWS rows over U4 or S4 blocks read their T4 tables where the lanes take them
+ * (AVX2 builds without AVX-512 BF16). AMD EPYC Zen 3, whole forwards after 256 tokens, the shipped
+ * Q4_1 GGUF, builds interleaved (scripts/rows_ab.py), in the old one-token steps: 1 row 0.73-0.77
+ * (the U4 blocks: 1.0), 2 rows 0.99-1.11 (1.14-1.25), 3 rows 1.40-1.49 (the bf16 values: 1.16-1.23),
+ * 4 rows 1.51-1.66 (1.23-1.30); 3 / 4 / 8 rows over the tables in the strip instead of the fused tiles
+ * 2.0 / 2.0 / 3.2 (the bf16 values: 1.1 / 1.3 / 2.0). Past 2 rows the FMAs bound a call, and the
+ * lane-packed bf16 tiles (one weight vector for 8 columns, each row's element broadcast) keep more of
+ * them busy than any tile over the tables did. */
+#define TABLE_ROWS 2
 #ifdef D3D_AVX2
 #define DENSE_MIN 2
 #define DENSE_ROWS INT64_MAX
@@ -1042,6 +1093,13 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
 #endif
     int64_t format = w->parts[0].format;
     d3d_weight dense = {{w->dense}, {0}};
+#if defined(D3D_AVX2) && !defined(D3D_AVX512_BF16)
+    if (M <= TABLE_ROWS && w->grouped.data && w->grouped.format == D3D_T4) {
+        d3d_weight tables = {{w->grouped}, {0}};
+        lanes_bf16_body(x, x_stride, &tables, bias, residual, y, M, N, K, scratch);
+        return;
+    }
+#endif
 #ifdef D3D_AVX512_BF16
     if (M <= GROUPED_ROWS && w->grouped.data && w->grouped.format != D3D_A4) { grouped_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K); return; }
     /* with AVX-512 BF16 every other row count reads them: the panel decoder below is scalar (one-
