@@ -87,12 +87,15 @@ def describe_weights(decoder: Decoder) -> str:
     weights = decoder.linear_weights().values()
     if decoder.row_exact is None:
         return f"{decoder.streamed_weights()}, {sum(w.numel() * w.element_size() for w in weights) / 1e6:.1f} MB a step"
-    read = sum(decoder.row_exact.stream(w).nbytes for w in weights)
+    kernels = decoder.row_exact
+    read = sum(kernels.one_row_stream(w).nbytes for w in weights)
     copies = sum(w.numel() * w.element_size() for w in weights)
     streamed = decoder.streamed_weights()
     if streamed.startswith(("bfloat16", "float")):
         return f"{streamed}, {read / 1e6:.1f} MB a step"
-    return (f"GGUF {streamed} blocks, decoded in registers to the bf16 weights: {read / 1e6:.1f} MB a step "
+    tables = sum(kernels.one_row_stream(w).format == "t4" for w in weights)
+    form = f" ({tables} of them as tables of their blocks' 16 values)" if tables else ""
+    return (f"GGUF {streamed} blocks, decoded in registers to the bf16 weights{form}: {read / 1e6:.1f} MB a step "
             f"(bf16 copies: {copies / 1e6:.1f} MB; --weights dequantized)")
 
 

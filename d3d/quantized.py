@@ -14,7 +14,10 @@ formats (d3d/kernels/formats.h):
 and decode them in registers to exactly the bf16 values the loader produced, so every logit is the
 bits the dequantized weights give (`RowExactKernels.use_stream` checks every block before a
 stream is used; a weight whose blocks would differ keeps its bf16 stream). Rows are reordered and
-fused as the loader does (llama q/k un-permuted; q|k|v and gate|up concatenated).
+fused as the loader does (llama q/k un-permuted; q|k|v and gate|up concatenated). Where the
+kernels' path reads a copy of its own made from the blocks (`RowExactKernels.grouped_bytes`; on
+AVX2, 4-bit blocks as tables of their 16 values), the blocks are read once, to make it, and stay
+out of the arena's huge pages.
 
 This module reads and repacks; it runs nothing.
 """

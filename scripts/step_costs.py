@@ -77,7 +77,9 @@ def main() -> None:
         cache.commit()
     identical_rows = int((together == torch.stack(singles)).all(-1).sum())
     weights = decoder.linear_weights().values() if hasattr(decoder, "linear_weights") else []
-    read = sum(decoder.row_exact.stream(w).nbytes for w in weights) if decoder.row_exact is not None and weights else 0
+    kernels = decoder.row_exact
+    one_row = getattr(kernels, "one_row_stream", None) or getattr(kernels, "stream", None)  # (older checkouts)
+    read = sum(one_row(w).nbytes for w in weights) if kernels is not None and weights else 0
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     print(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(), "dtype": args.dtype,

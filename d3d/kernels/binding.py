@@ -342,6 +342,13 @@ class RowExactKernels:
         grouped = self._grouped_stream(weight, stream) if self.grouped_rows else None
         return Weight.of(stream, dense, grouped), (stream, dense, grouped)
 
+    def one_row_stream(self, weight: torch.Tensor) -> WeightStream:
+        """What a call of one row reads for `weight`: its grouped copy where this path has one (every
+        path reads it at one row), else its stream."""
+        stream = self.stream(weight)
+        grouped = self._grouped_stream(weight, stream) if stream.quantized and self.grouped_rows else None
+        return grouped or stream
+
     def grouped_bytes(self, parts: Iterable[tuple[str, int]], width: int) -> int:
         """The bytes of the grouped copy that a stream of these (format, rows) runs, `width` wide, gets
         on this process's path (0: none; `HugePageArena.reserve` ahead of it)."""
