@@ -268,10 +268,8 @@ def use_gguf_streams(kernels: RowExactKernels, weights: dict[str, torch.Tensor],
         if weight is None:
             report.refused[name] = "the decoder has no such weight"
             continue
-        if not kernels.grouped_bytes([(p.format, p.rows) for p in stream.parts], weight.shape[1]):
-            # what the kernels stream, in huge pages (with a grouped copy, that copy is: `arena_bytes`)
-            stream = WeightStream(tuple(StreamPart(p.format, kernels.arena.copy(p.data), p.rows, p.source)
-                                        for p in stream.parts))
+        stream = WeightStream(tuple(StreamPart(p.format, kernels.arena.copy(p.data), p.rows, p.source)
+                                    if kernels.in_arena(p.format, p.rows, weight.shape[1]) else p for p in stream.parts))
         try:
             kernels.use_stream(weight, stream)
         except ValueError as error:

@@ -109,8 +109,9 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
                          ids=["q4_k-q6_k", "q4_k-q4_0"])
 def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels, parts):
     """q | k | v quantized differently (as in Q4_K_M files: Q4_K, Q4_K, Q6_K) stream as runs of
-    rows in their own formats, with the bits of the dequantized fused weight — and runs of 4-bit
-    blocks of two formats, 94 rows in all, as one T4 copy where the AVX2 lanes read tables."""
+    rows in their own formats, with the bits of the dequantized fused weight; where the AVX2 lanes
+    read tables, the runs of 4-bit blocks (of two formats, the last of 30 rows: a padded block of 4)
+    as one T4 copy beside the other runs' blocks."""
     raws = [random_blocks(type_name, rows, 256, seed=7 + i) for i, (type_name, rows) in enumerate(parts)]
     weight = torch.cat([loader_values(type_name, raw) for (type_name, _), raw in zip(parts, raws)])
     plain = weight.clone()
@@ -123,7 +124,8 @@ def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels, parts):
     assert kernels.stream(weight).source == "+".join(dict.fromkeys(type_name for type_name, _ in parts))
     if kernels.lane_packs and kernels.grouped_rows:
         tables = kernels._grouped_stream(weight, kernels.stream(weight))
-        assert (tables and tables.format) == ("t4" if parts[-1][0] != "Q6_K" else None)
+        assert tables is not None and tables.format == "t4"
+        assert tables.nbytes == sum(-(-rows // 4) * 4 * 8 * 48 for type_name, rows in parts if type_name != "Q6_K")
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     try:
         for dense_rows in (True, False):

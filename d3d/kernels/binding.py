@@ -362,10 +362,15 @@ class RowExactKernels:
 
     def arena_bytes(self, parts: Sequence[tuple[str, int]], width: int) -> int:
         """The bytes a quantized stream of these runs takes in the arena on this path: its grouped copy
-        where it has one (its blocks, read once to make it, then stay out of the arena:
-        `d3d.quantized.use_gguf_streams`), else its blocks."""
-        return self.grouped_bytes(parts, width) or sum(rows * (width // BLOCK) * BLOCK_BYTES[format]
-                                                       for format, rows in parts)
+        and the runs that copy leaves to their blocks (`in_arena`)."""
+        return self.grouped_bytes(parts, width) + sum(rows * (width // BLOCK) * BLOCK_BYTES[format]
+                                                      for format, rows in parts if self.in_arena(format, rows, width))
+
+    def in_arena(self, format: str, rows: int, width: int) -> bool:
+        """Whether a run of a quantized stream is copied into the arena's huge pages: unless this path
+        makes a grouped copy of such a run, whose blocks are then read once, to make it
+        (`d3d.quantized.use_gguf_streams`)."""
+        return not self.grouped_bytes([(format, rows)], width)
 
     def _grouped_stream(self, weight: torch.Tensor, stream: WeightStream) -> WeightStream | None:
         """The quantized stream's blocks grouped 16 rows at a time in the form this process's path

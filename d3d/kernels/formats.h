@@ -31,10 +31,11 @@
  *           decoded as a lookup in the block's table of its 16.
  *   T4      U4 and S4 blocks as tables, for AVX2 builds' calls of a few rows (linear.h's lanes; made where
  *           the lanes read them): per 32 weights the block's 16 values as bf16 — their low bytes, then
- *           their high bytes — and 16 bytes of codes placed for the lookup (decode_t4); the 4 columns
- *           of each block of 4 (N zero-padded to a multiple of 4) side by side, block by block, so
- *           that a thread's columns are one stream. Twice U4's bytes, a third of the operations: a
- *           one-token step's decode is the bound on AVX2, its bytes no longer.
+ *           their high bytes — and 16 bytes of codes placed for the lookup (decode_t4); the 4 rows
+ *           of each block of 4 side by side, block by block, so that a thread's columns are one
+ *           stream. A weight's runs of U4 or S4 rows, each zero-padded to a multiple of 4 rows, one
+ *           after another (its runs in other formats keep their blocks). Twice U4's bytes, a third
+ *           of the operations: a one-token step's decode is the bound on AVX2, its bytes no longer.
  *
  * Each quantized value is the GGUF reference dequantization (gguf-py's, which transformers and
  * so d3d's loader use) rounded to bf16, by construction: the reference computes d·q + m (Q4_1),

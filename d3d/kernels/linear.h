@@ -897,21 +897,45 @@ static int64_t group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) 
     return groups * blocks * size;
 }
 
-/* Bytes of the T4 copy of `w` (N, K; its parts all U4 or S4) and, with `out`, the copy itself:
- * per block of 4 columns (zero tables past N) and per block b of K, the 4 columns' tables. */
-static int64_t table_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
-    int64_t blocks = K / CHUNK, size = (N + 3) / 4 * 4 * blocks * (int64_t)sizeof(block_t4);
-    if (!out) return size;
-    memset(out, 0, size);
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t format;
-            const void *block = block_at(w, n, b, K, &format);
-            table_block(format, block, (block_t4 *)out + ((n / 4) * blocks + b) * 4 + n % 4);
+/* Bytes of `rows` rows of K weights as T4 (the rows zero-padded to a multiple of 4). */
+static int64_t table_bytes(int64_t rows, int64_t K) { return (rows + 3) / 4 * 4 * (K / CHUNK) * (int64_t)sizeof(block_t4); }
+
+/* Bytes of the T4 copy of `w`'s runs of 4-bit blocks (U4, S4; K whole blocks) and, with `out`, the
+ * copy itself: each such run in turn, per block of 4 of its rows (zero tables past its last) and per
+ * block b of K, the 4 rows' tables. Runs of other formats have none (tables_of). */
+static int64_t table_pack(const d3d_weight *w, int64_t K, void *out) {
+    int64_t blocks = K / CHUNK, size = 0;
+    for (int p = 0; p < MAX_PARTS && w->parts[p].rows; p++) {
+        const d3d_part *part = &w->parts[p];
+        if (!is_4bit(part->format)) continue;
+        if (out) {
+            block_t4 *to = (block_t4 *)((char *)out + size);
+            memset(to, 0, table_bytes(part->rows, K));
+            _Pragma("omp parallel for schedule(static)")
+            for (int64_t n = 0; n < part->rows; n++)
+                for (int64_t b = 0; b < blocks; b++)
+                    table_block(part->format, (const char *)part->data + (n * blocks + b) * block_bytes(part->format),
+                                to + ((n / 4) * blocks + b) * 4 + n % 4);
         }
+        size += table_bytes(part->rows, K);
+    }
     return size;
 }
+
+#if defined(D3D_AVX2) && !defined(D3D_AVX512_BF16)
+/* `w` as the lanes read it with its T4 copy: each run of 4-bit blocks replaced by its tables. */
+static d3d_weight tables_of(const d3d_weight *w, int64_t K) {
+    d3d_weight tables = {{{0}}};
+    const char *at = w->grouped.data;
+    for (int p = 0; p < MAX_PARTS && w->parts[p].rows; p++) {
+        tables.parts[p] = w->parts[p];
+        if (!is_4bit(w->parts[p].format)) continue;
+        tables.parts[p].data = at, tables.parts[p].format = D3D_T4;
+        at += table_bytes(w->parts[p].rows, K);
+    }
+    return tables;
+}
+#endif
 
 /* Whether this build's calls of a few rows read grouped copies (AVX-512 BF16: G4, G8; the AVX2
  * lanes: T4). */
@@ -1029,13 +1053,13 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
 
 /* The format of the grouped copy of `w` that this process's calls of a few rows read (0: none):
  * with AVX-512 BF16, A4 for U4 weights while the AMX tiles are on (where the build has them), else
- * G4 or G8; with the AVX2 lanes, T4 for weights of 4-bit blocks (U4, S4). */
+ * G4 or G8; with the AVX2 lanes, T4 for weights with runs of 4-bit blocks (U4, S4). */
 int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
     if (K % CHUNK) return 0;
 #if defined(D3D_AVX2) && !defined(D3D_AVX512_BF16)
     for (int p = 0; p < MAX_PARTS && w->parts[p].rows; p++)
-        if (!is_4bit(w->parts[p].format)) return 0;
-    return D3D_T4;
+        if (is_4bit(w->parts[p].format)) return D3D_T4;
+    return 0;
 #else
     int64_t format = parts_format(w);
     if (format != D3D_U4 && format != D3D_I8) return 0;
@@ -1053,7 +1077,7 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
 #ifdef AMX_A4
     if (format == D3D_A4) return a4_pack(w, N, K, out);
 #endif
-    if (format == D3D_T4) return table_pack(w, N, K, out);
+    if (format == D3D_T4) return table_pack(w, K, out);
     return group_pack(w, N, K, out);
 }
 
@@ -1095,7 +1119,7 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
     d3d_weight dense = {{w->dense}, {0}};
 #if defined(D3D_AVX2) && !defined(D3D_AVX512_BF16)
     if (M <= TABLE_ROWS && w->grouped.data && w->grouped.format == D3D_T4) {
-        d3d_weight tables = {{w->grouped}, {0}};
+        d3d_weight tables = tables_of(w, K);
         lanes_bf16_body(x, x_stride, &tables, bias, residual, y, M, N, K, scratch);
         return;
     }
