@@ -3,6 +3,8 @@ linear over a quantized stream gives the bits of the same linear over the dequan
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -10,8 +12,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from d3d.kernels import StreamPart, WeightStream, row_exact_kernels
-from d3d.kernels.packing import column_packed
-from d3d.quantized import REPACK, llama_row_order, repack
+from d3d.kernels.packing import BLOCK_BYTES, column_packed
+from d3d.quantized import REPACK, STREAMS_FILE, cached_parts, llama_row_order, repack
 
 TYPES = list(REPACK)
 SCALE_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}  # fp16 fields of a block
@@ -136,6 +138,20 @@ def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels, parts):
         kernels.dense_rows = True
 
 
+def test_the_arena_holds_a_streams_grouped_copy_or_its_blocks(kernels):
+    """What a load reserves for a stream: its grouped copy where this path makes one of its runs —
+    those runs' blocks are then read once and stay out of the arena — and the other runs' blocks."""
+    width = 256
+    for format, rows in (("u4", 8), ("s4", 8), ("i8", 8), ("u6", 6)):
+        grouped, blocks = kernels.grouped_bytes([(format, rows)], width), rows * width // 32 * BLOCK_BYTES[format]
+        assert kernels.in_arena(format, rows, width) == (grouped == 0)
+        assert kernels.arena_bytes([(format, rows)], width) == grouped + (blocks if grouped == 0 else 0)
+    if kernels.lane_packs and kernels.grouped_rows:  # T4: 48 bytes a block, each run padded to 4 rows
+        assert kernels.grouped_bytes([("u4", 8), ("u6", 4), ("s4", 6)], width) == (8 + 8) * 8 * 48
+        assert kernels.arena_bytes([("u4", 8), ("u6", 4)], width) == 8 * 8 * 48 + 4 * 8 * BLOCK_BYTES["u6"]
+    assert kernels.grouped_bytes([("u4", 8)], width + 16) == 0  # no whole blocks: no copy
+
+
 def test_a_weight_changed_in_place_drops_its_stream(kernels):
     """Healing or training a weight in place makes its quantized stream stale: the kernels read
     the new values, never the old blocks."""
@@ -190,6 +206,12 @@ def test_the_embedded_gguf_streams_its_own_blocks_with_the_dequantized_logits():
     weights = stored.decoder.linear_weights()
     assert all(stored.decoder.row_exact.stream(w).quantized for w in weights.values()), "a weight kept bf16"
     assert stored.decoder.streamed_weights() == "Q4_1/Q8_0"
+    kernels = stored.decoder.row_exact
+    # the cached plan's header (what the load reserves the arena by) names the runs the streams hold
+    header = cached_parts(Path(stored.folder) / STREAMS_FILE)
+    assert header == {name: [(p.format, p.rows) for p in kernels.stream(w).parts] for name, w in weights.items()}
+    if kernels.lane_packs and kernels.grouped_rows:  # AVX2: a one-token step reads the layers' tables
+        assert {kernels.one_row_stream(w).format for name, w in weights.items() if name != "lm_head.weight"} == {"t4"}
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 49152, (1, 40), generator=generator)
     block = torch.randint(0, 49152, (1, 17), generator=generator)
