@@ -3,7 +3,7 @@
 A row's result is a fixed sequence of IEEE operations whatever the number of rows in the call
 (see rowexact.c), so a k-token verification is bit-identical to k one-token steps by construction,
 on any CPU. They have no backward. `forward` runs a whole cached decoder in one C call over a
-`LayerTable` — every layer's named tensors, each linear weight as its `WeightStream` — with the
+`LayerTable` (`layer_table`: every layer's named tensors, each linear weight as its `WeightStream`) with the
 arguments in one `ForwardArgs` struct that mirrors the C one.
 
 This module computes; it is handed weights, activations and KV slots as tensors and knows nothing
@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,8 +30,11 @@ from d3d.kernels import greedy
 from d3d.kernels.build import KernelBuildError, build
 from d3d.kernels.packing import (BLOCK, BLOCK_BYTES, WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks,
                                  column_packed, lane_packed)
-from d3d.kernels.structs import LAYER_SLOTS, LINEAR_SLOTS, ForwardArgs, Layer, SegmentArgs, Weight
+from d3d.kernels.structs import ForwardArgs, Layer, SegmentArgs, Weight
 from d3d.kernels.torch_ops import KVSlots, TorchKernels
+
+if TYPE_CHECKING:
+    from d3d.kernels.layer_table import LayerTable
 
 
 def value_strides(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
@@ -134,11 +137,10 @@ class RowExactKernels:
         # d3d_weight.dense): the same bits, less arithmetic. False decodes the blocks at every row
         # count (for tests and measurements).
         self.dense_rows = True
-        # Calls of a few rows over a quantized weight read a grouped copy of its blocks where this
-        # path has one: with packed pair dot products (AVX-512 BF16), U4 and I8 blocks 16 rows at a
-        # time (formats.h's G4, G8: a third of the bytes of the bf16 values); in the AVX2 lanes, U4
-        # and S4 blocks as tables of their 16 values (T4: a third of the decoding's operations). The
-        # same bits. False leaves them to the blocks and the bf16 values (for tests and measurements).
+        # Calls of a few rows over a quantized weight read a grouped copy of its blocks where this path
+        # has one — AVX-512 BF16: U4 and I8 blocks 16 rows at a time (formats.h's G4, G8); the AVX2
+        # lanes: U4 and S4 blocks as tables of their 16 values (T4). The same bits. False leaves them
+        # to the blocks and the bf16 values (for tests and measurements).
         self.grouped_rows = bool(library.d3d_grouped_linear())
         self._grouped: dict[tuple[int, bool], tuple[weakref.ref, int, WeightStream | None]] = {}  # (id, amx)
         self.arena = HugePageArena()
@@ -433,7 +435,7 @@ class RowExactKernels:
                                               torch.get_num_threads())
         return out
 
-    def forward(self, table: "LayerTable", shape: DecoderShape, x: torch.Tensor, rope: torch.Tensor,
+    def forward(self, table: LayerTable, shape: DecoderShape, x: torch.Tensor, rope: torch.Tensor,
                 positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                 mask: torch.Tensor | None, final_norm: torch.Tensor,
                 capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -457,7 +459,7 @@ class RowExactKernels:
                                               positions.reshape(-1), segments, final_norm, capture)
         return out.view(batch, length, hidden), [c.view(batch, length, hidden) for c in captured]
 
-    def forward_segments(self, table: "LayerTable", shape: DecoderShape, x: torch.Tensor, rope: torch.Tensor,
+    def forward_segments(self, table: LayerTable, shape: DecoderShape, x: torch.Tensor, rope: torch.Tensor,
                          positions: torch.Tensor, segments: Sequence[Segment], final_norm: torch.Tensor,
                          capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`forward` over x (M, hidden): the rows of several sequences, each `Segment` after its own
@@ -575,40 +577,6 @@ class RowExactKernels:
         return out
 
 
-class LayerTable:
-    """The C forward's table of every layer's tensors, with the streams its linears read.
-
-    Built once and reused while `current()` holds: the same tensors, unchanged in place (their
-    version counters), not moved (their data pointers), and no stream given since (`epoch`).
-    """
-
-    def __init__(self, kernels: RowExactKernels, layers: list[dict[str, torch.Tensor | None]]) -> None:
-        self.kernels, self.layers = kernels, len(layers)
-        self.structs = (Layer * len(layers))()
-        self.tensors: list[torch.Tensor] = []
-        self.keep: list[Any] = []  # what the pointers point into
-        for struct, row in zip(self.structs, layers):
-            assert set(row) == set(LAYER_SLOTS), sorted(set(row) ^ set(LAYER_SLOTS))
-            for slot, tensor in row.items():
-                if tensor is None:
-                    continue
-                assert tensor.is_contiguous(), slot
-                self.tensors.append(tensor)
-                if slot in LINEAR_SLOTS:
-                    descriptor, stream = kernels._weight(tensor)
-                    self.keep.append(stream)
-                    setattr(struct, slot, descriptor)
-                else:
-                    setattr(struct, slot, tensor.data_ptr())
-        self.stamp = self._stamp()
-
-    def _stamp(self) -> tuple[int, list[tuple[int, int]]]:
-        return self.kernels.epoch, [(t._version, t.data_ptr()) for t in self.tensors]
-
-    def current(self) -> bool:
-        return self._stamp() == self.stamp
-
-
 _lock = threading.Lock()
 _loaded: RowExactKernels | KernelBuildError | None = None
 
@@ -629,5 +597,4 @@ def row_exact_kernels() -> RowExactKernels:
         return _loaded
 
 
-__all__ = ["DecoderShape", "LayerTable", "RowExactKernels", "Segment", "row_exact_kernels", "LAYER_SLOTS",
-           "LINEAR_SLOTS"]
+__all__ = ["DecoderShape", "RowExactKernels", "Segment", "row_exact_kernels"]
