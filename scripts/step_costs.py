@@ -49,18 +49,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=0, help="torch / OpenMP threads (0: torch's default)")
     parser.add_argument("--weights", default="stored", help="how the kernels read the weights (d3d.quantized.WEIGHTS)")
+    parser.add_argument("--target", default=None, help="a GGUF file or HF folder (default: the embedded SmolLM2)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        target = load_target(dtype=getattr(torch, args.dtype), weights=args.weights)
+        target = load_target(args.target, dtype=getattr(torch, args.dtype), weights=args.weights)
     except TypeError:  # a checkout from before --weights
         target = load_target(dtype=getattr(torch, args.dtype))
     decoder = target.decoder
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, decoder.config.vocab_size, (1, args.context), generator=generator)
     block = torch.randint(0, decoder.config.vocab_size, (1, 17), generator=generator)
-    cache = decoder.new_cache(args.context + 17)
+    cache = decoder.new_cache(args.context + 18)  # 17 single steps, then a greedy step after them
     decoder(prompt, cache=cache)
     cache.commit()
 
@@ -76,19 +77,36 @@ def main() -> None:
         singles.append(decoder(block[:, i:i + 1], cache=cache)[0, 0])
         cache.commit()
     identical_rows = int((together == torch.stack(singles)).all(-1).sum())
-    weights = decoder.linear_weights().values() if hasattr(decoder, "linear_weights") else []
+    weights = decoder.linear_weights() if hasattr(decoder, "linear_weights") else {}
     kernels = decoder.row_exact
     one_row = getattr(kernels, "one_row_stream", None) or getattr(kernels, "stream", None)  # (older checkouts)
-    read = sum(one_row(w).nbytes for w in weights) if kernels is not None and weights else 0
+    read = sum(one_row(w).nbytes for w in weights.values()) if kernels is not None and weights else 0
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
-    print(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(), "dtype": args.dtype,
-                      "weights": getattr(target, "weights", "") or args.dtype, "context": args.context,
-                      "step_ms": round(step, 2), "verify17_ms": round(verify, 2),
-                      "verify17_in_steps": round(verify / step, 2), "ar_tokens_per_s": round(1000 / step, 1),
-                      "rows_identical_to_steps": f"{identical_rows}/17",
-                      **({"weight_mb_read": round(read / 1e6, 1), "floor_ms": round(floor_ms(read), 2),
-                          "step_over_floor": round(step / floor_ms(read), 2)} if read else {})}))
+    result = {"cpu": cpu, "threads": torch.get_num_threads(), "dtype": args.dtype,
+              "weights": getattr(target, "weights", "") or args.dtype, "context": args.context,
+              "step_ms": round(step, 2), "verify17_ms": round(verify, 2),
+              "verify17_in_steps": round(verify / step, 2), "ar_tokens_per_s": round(1000 / step, 1),
+              "rows_identical_to_steps": f"{identical_rows}/17"}
+    if read:
+        floor = floor_ms(read)
+        result.update(weight_mb_read=round(read / 1e6, 1), floor_ms=round(floor, 2), step_over_floor=round(step / floor, 2))
+    # The step greedy decoding takes (T = 0): the last hidden state's argmax through the certified greedy
+    # head where the kernels have one (its codes, scales and errors read instead of the head's stream).
+    greedy = getattr(kernels, "greedy", None)
+    head = greedy.head(decoder.head_weight) if greedy is not None and read else None
+    if head is not None and head.max_rows >= 1:
+        def greedy_step():
+            hidden, _ = decoder.final_hidden(block[:, :1], cache=cache)
+            decoder.greedy_ids(hidden[0])
+            cache.commit(0)
+
+        greedy_ms = median_ms(greedy_step, args.repeats)
+        greedy_read = read - one_row(decoder.head_weight).nbytes + head.codes.numel() + 4 * (head.scale.numel() + head.error.numel())
+        greedy_floor = floor_ms(greedy_read)
+        result.update(greedy_step_ms=round(greedy_ms, 2), greedy_mb_read=round(greedy_read / 1e6, 1),
+                      greedy_floor_ms=round(greedy_floor, 2), greedy_step_over_floor=round(greedy_ms / greedy_floor, 2))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
