@@ -17,10 +17,10 @@ This package computes; it is handed tensors and sizes and knows nothing of token
 """
 
 from d3d.kernels.binding import DecoderShape, RowExactKernels, Segment, row_exact_kernels
-from d3d.kernels.layer_table import LayerTable
-from d3d.kernels.structs import LAYER_SLOTS, LINEAR_SLOTS
 from d3d.kernels.build import KernelBuildError, build, cpu_flags_line
+from d3d.kernels.layer_table import LayerTable
 from d3d.kernels.packing import WEIGHT_FORMATS, HugePageArena, StreamPart, WeightStream
+from d3d.kernels.structs import LAYER_SLOTS, LINEAR_SLOTS
 from d3d.kernels.torch_ops import KVSlots, TorchKernels
 
 __all__ = ["LAYER_SLOTS", "LINEAR_SLOTS", "DecoderShape", "HugePageArena", "KVSlots", "KernelBuildError",
