@@ -87,13 +87,13 @@ def describe_weights(decoder: Decoder) -> str:
     weights = decoder.linear_weights().values()
     if decoder.row_exact is None:
         return f"{decoder.streamed_weights()}, {sum(w.numel() * w.element_size() for w in weights) / 1e6:.1f} MB a step"
-    kernels = decoder.row_exact
-    read = sum(kernels.one_row_stream(w).nbytes for w in weights)
+    one_row = [decoder.row_exact.one_row_stream(w) for w in weights]
+    read = sum(stream.nbytes for stream in one_row)
     copies = sum(w.numel() * w.element_size() for w in weights)
     streamed = decoder.streamed_weights()
     if streamed.startswith(("bfloat16", "float")):
         return f"{streamed}, {read / 1e6:.1f} MB a step"
-    tables = sum(kernels.one_row_stream(w).format == "t4" for w in weights)
+    tables = sum(stream.format == "t4" for stream in one_row)
     form = f" ({tables} of them as tables of their blocks' 16 values)" if tables else ""
     return (f"GGUF {streamed} blocks, decoded in registers to the bf16 weights{form}: {read / 1e6:.1f} MB a step "
             f"(bf16 copies: {copies / 1e6:.1f} MB; --weights dequantized)")

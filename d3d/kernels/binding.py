@@ -345,11 +345,10 @@ class RowExactKernels:
         return Weight.of(stream, dense, grouped), (stream, dense, grouped)
 
     def one_row_stream(self, weight: torch.Tensor) -> WeightStream:
-        """What a call of one row reads for `weight`: its grouped copy where this path has one (every
+        """What a call of one row reads for `weight`: the grouped copy its descriptor carries (every
         path reads it at one row), else its stream."""
-        stream = self.stream(weight)
-        grouped = self._grouped_stream(weight, stream) if stream.quantized and self.grouped_rows else None
-        return grouped or stream
+        streams = self._weight(weight)[1]  # (stream,) or (stream, dense, grouped)
+        return streams[-1] if len(streams) == 3 and streams[-1] is not None else streams[0]
 
     def grouped_bytes(self, parts: Iterable[tuple[str, int]], width: int) -> int:
         """The bytes of the grouped copy that a stream of these (format, rows) runs, `width` wide, gets
