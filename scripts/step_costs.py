@@ -102,7 +102,8 @@ def main() -> None:
             cache.commit(0)
 
         greedy_ms = median_ms(greedy_step, args.repeats)
-        greedy_read = read - one_row(decoder.head_weight).nbytes + type(head).bytes_of(*decoder.head_weight.shape)
+        read_of = getattr(type(head), "read_of", type(head).bytes_of)  # (older checkouts read all they hold)
+        greedy_read = read - one_row(decoder.head_weight).nbytes + read_of(*decoder.head_weight.shape)
         greedy_floor = floor_ms(greedy_read)
         result.update(greedy_step_ms=round(greedy_ms, 2), greedy_mb_read=round(greedy_read / 1e6, 1),
                       greedy_floor_ms=round(greedy_floor, 2), greedy_step_over_floor=round(greedy_ms / greedy_floor, 2))

@@ -60,6 +60,29 @@ def test_the_certified_argmax_is_the_full_heads(kernels):
     assert got[-3] == 37 and got[-1] == 37  # the first of the tied rows
 
 
+def test_the_loose_pass_leaves_the_candidates_the_bound_alone_gives(kernels):
+    """The pass over every vocabulary row bounds each logit loosely (its row's largest block error and
+    scale) and computes the block-by-block bound for the rows that leaves only: the candidates are
+    those of the block-by-block bound over all rows — what limits too large to drop any row give.
+    Negative control: limits of zero drop rows the bound keeps."""
+    width = 128
+    weight = q8_head(kernels, 1024, width, seed=8)
+    head = kernels.greedy.head(weight)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.stack([torch.randn(width, generator=generator) * scale for scale in (0.03, 0.3, 1.0, 3.0, 30.0)
+                     for _ in range(10)]).to(torch.bfloat16).float()
+
+    def candidates(limits: torch.Tensor) -> list[list[int]]:
+        probe = greedy.GreedyHead(head.codes, head.scale, head.error, limits, head.part)
+        found, counts = probe.candidates(kernels.library, x)
+        return [found[m, :counts[m]].tolist() if counts[m] >= 0 else None for m in range(len(x))]
+
+    loose = candidates(head.limits)
+    assert all(row is not None for row in loose) and max(map(len, loose)) > 1
+    assert loose == candidates(torch.full_like(head.limits, 1e20))
+    assert loose != candidates(torch.zeros_like(head.limits))
+
+
 def test_a_head_of_other_codes_fails_the_check(kernels):
     """Negative control: a head prepared from another weight's codes gives other argmaxes, and the
     check a head passes before use says so."""
@@ -98,9 +121,10 @@ def test_the_heads_codes_and_bounds_are_made_as_defined(kernels):
     made = greedy.GreedyHead.of(weight, None, kernels.library)
     codes, scale, error = reference_codes(weight)
     assert torch.equal(made.codes, codes) and torch.equal(made.scale, scale) and torch.equal(made.error, error)
+    assert torch.equal(made.limits, torch.stack([error.amax(-1), scale.amax(-1)], -1))
     off = (weight.double().view(len(rows), -1, 32) - codes.double().view(len(rows), -1, 32) * scale.double()[..., None])
     assert bool((off.abs().amax(-1) <= error.double()).all())
-    held = sum(t.numel() * t.element_size() for t in (made.codes, made.scale, made.error))
+    held = sum(t.numel() * t.element_size() for t in (made.codes, made.scale, made.error, made.limits))
     assert greedy.GreedyHead.bytes_of(*weight.shape) == held  # what a load reserves for it
 
 

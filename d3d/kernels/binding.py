@@ -116,8 +116,9 @@ class RowExactKernels:
         library.d3d_dequantize_reference.argtypes = [ptr, i64, ptr, i64, i64]
         for suffix in ("bf16", "f32"):
             getattr(library, f"d3d_linear_reference_{suffix}").argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
-        library.d3d_greedy_candidates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32]
-        library.d3d_greedy_weights.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i32]
+        library.d3d_greedy_candidates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i32]
+        library.d3d_greedy_ids.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
+        library.d3d_greedy_weights.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i32]
         library.d3d_struct_sizes.argtypes = [i32]
         library.d3d_struct_sizes.restype = i64
         if tuple(map(library.d3d_struct_sizes, range(3))) != tuple(map(ctypes.sizeof, (ForwardArgs, Layer, SegmentArgs))):

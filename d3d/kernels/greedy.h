@@ -11,16 +11,18 @@
  * largest A + E, a vocabulary row whose A + E falls below L - 2^-6·max(|L|, |U|) is below the best
  * row's exact logit by more than two bf16 steps, so its bf16 logit is below the argmax's: the argmax
  * of the exact bf16 logits — ties broken by the lowest index — lies among the others (the
- * candidates), which the caller computes with the exact head's own chains. On SmolLM2-135M's head
- * the candidates number 1 at the median and 9 at most (scripts/head_bound.py); the approximate head
- * reads 35 MB at memory speed where the exact one decodes its blocks to bf16 (AMD EPYC Zen 3: ~1.0
- * against ~1.6 ms for one row).
+ * candidates), whose exact logits d3d_greedy_ids computes with the exact head's own chains. E reads
+ * two floats per block of every vocabulary row; the pass over all of them takes a looser E' >= E (the
+ * row's largest block error and scale, two floats a vocabulary row) and E is computed for the rows E'
+ * leaves only — the same candidates (greedy_candidates says why). On SmolLM2-135M's head the
+ * candidates number 1 at the median and 9 at most (scripts/head_bound.py); the approximate head
+ * reads 32 MB at memory speed where the exact one decodes its blocks to bf16.
  *
  * d3d_greedy_candidates: for each of M rows x (M, K) fp32, K a multiple of 32, the candidates in
  * ascending order into candidates[m * cap …] and their number into counts[m] — or -1 where they are
  * more than cap or the row is not finite (the caller then runs the exact head). Up to GREEDY_ROWS rows
- * share one pass over the codes (one row ~1.0 ms, each more ~0.3 on a Zen 3: past 3 rows the exact
- * head's multi-row path, which decodes each block once for all rows, costs less).
+ * share one pass over the codes. d3d_greedy_ids: each bf16 row's argmax from its candidates' exact
+ * logits, in one call.
  * ------------------------------------------------------------------------------------------- */
 
 #define GREEDY_BLOCK 32
@@ -54,33 +56,67 @@ static int greedy_codes(const float *x, int64_t K, int16_t *codes, float *s, flo
     return 1;
 }
 
-/* The approximate logits A and their bounds E of vocabulary rows v0 … v1-1 for R <= GREEDY_ROWS rows
- * (each row's codes xc[r], constants at r * blocks), each vocabulary row's codes read once for all;
- * low[r] and high[r] raised to the largest A - E and A + E seen */
+/* A vocabulary row's bound E for each of R rows of codes, exactly as greedy_bounds's callers defined
+ * it (sum_b error_b·S'_b + scale_b·C'_b in fp32, then 1% and 2^-20 of |A| more). */
+static inline float greedy_tight(const float *sv, const float *ev, const float *oe, const float *os, int64_t blocks,
+                                 float a) {
+    float e = 0.0f;
+    int64_t b = 0;
+#ifdef D3D_AVX2
+    __m256 sum = _mm256_setzero_ps();
+    for (; b + 8 <= blocks; b += 8)
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(ev + b), _mm256_loadu_ps(oe + b),
+                              _mm256_fmadd_ps(_mm256_loadu_ps(sv + b), _mm256_loadu_ps(os + b), sum));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sum);
+    for (int l = 0; l < 8; l++) e += lanes[l];
+#endif
+    for (; b < blocks; b++) e += ev[b] * oe[b] + sv[b] * os[b];
+    return e * 1.01f + fabsf(a) * (1.0f / 1048576.0f);
+}
+
+/* The approximate logits A of vocabulary rows v0 … v1-1 for R <= GREEDY_ROWS rows (each row's codes
+ * xc[r], constants at r * blocks), P vocabulary rows at a time, each one's codes read once for all
+ * rows, and a looser bound E' >= E from the vocabulary row's largest block error and scale
+ * (limits[v] = {max error_b, max scale_b}) and the sums of the row's weights on them (sum_error[r],
+ * sum_scale[r], rounded up): E' is two products where E reads 2·K/32 more floats a vocabulary row.
+ * low[r] and high[r] are raised to the largest A - E' and A + E' seen. Two chains per (row, vocabulary
+ * row), even and odd blocks, and P = 2 at one row: a vocabulary row's chains and fold are a latency
+ * path of ~60 cycles, longer than its arithmetic, and the reorder window holds about one. Any order of
+ * A's additions is within E (greedy.h's bound allows (K + 64) roundings). */
 #define GREEDY_ROWS 4
+#define GREEDY_AHEAD 4  /* vocabulary rows ahead whose codes and scales are prefetched */
 static inline __attribute__((always_inline)) void greedy_bounds(
-    const int16_t *xc, const float *s, const float *on_error, const float *on_scale, const int R, int64_t K,
-    const int8_t *codes, const float *scale, const float *error, int64_t V, int64_t v0, int64_t v1, float *approx,
-    float *bound, float *low, float *high) {
+    const int16_t *xc, const float *s, const float *sum_error, const float *sum_scale, const int R, const int P,
+    int64_t K, const int8_t *codes, const float *scale, const float *limits, int64_t V, int64_t v0, int64_t v1,
+    float *approx, float *bound, float *low, float *high) {
     int64_t blocks = K / GREEDY_BLOCK;
-    for (int64_t v = v0; v < v1; v++) {
-        const int8_t *row = codes + v * K;
-        const float *sv = scale + v * blocks, *ev = error + v * blocks;
-        float a[GREEDY_ROWS] = {0.0f}, e[GREEDY_ROWS] = {0.0f};
-#ifdef __AVX2__
-        /* two chains a row, even and odd blocks: with one, an FMA's latency a block was the bound */
-        __m256 even[GREEDY_ROWS], odd[GREEDY_ROWS];
-        for (int r = 0; r < R; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t v = v0; v < v1; v += P) {
+        int Q = v1 - v < P ? 1 : P;  /* the last vocabulary row of an odd range alone */
+        for (int p = 0; p < Q; p++)
+            if (v + p + GREEDY_AHEAD < v1) {
+                const int8_t *later = codes + (v + p + GREEDY_AHEAD) * K;
+                for (int64_t o = 0; o < K; o += 64) __builtin_prefetch(later + o, 0, 0);
+                __builtin_prefetch(scale + (v + p + GREEDY_AHEAD) * blocks, 0, 0);
+                __builtin_prefetch(scale + (v + p + GREEDY_AHEAD) * blocks + blocks - 1, 0, 0);
+            }
+        float a[GREEDY_ROWS][2] = {{0.0f}};
+#ifdef D3D_AVX2
+        __m256 even[GREEDY_ROWS][2], odd[GREEDY_ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) even[r][p] = odd[r][p] = _mm256_setzero_ps();
 #define GREEDY_BLOCK_SUM(b, chains)                                                                   \
-        {                                                                                            \
-            __m256i w_ = _mm256_loadu_si256((const __m256i *)(row + (b) * GREEDY_BLOCK));            \
+        for (int p = 0; p < Q; p++) {                                                                \
+            const int8_t *row_ = codes + (v + p) * K;                                                \
+            float sv_ = scale[(v + p) * blocks + (b)];                                               \
+            __m256i w_ = _mm256_loadu_si256((const __m256i *)(row_ + (b) * GREEDY_BLOCK));           \
             __m256i lo_ = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w_));                          \
             __m256i hi_ = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w_, 1));                     \
             for (int r = 0; r < R; r++) {                                                            \
                 const int16_t *xr_ = xc + r * K + (b) * GREEDY_BLOCK;                                \
                 __m256i p_ = _mm256_add_epi32(_mm256_madd_epi16(lo_, _mm256_loadu_si256((const __m256i *)xr_)), \
                                               _mm256_madd_epi16(hi_, _mm256_loadu_si256((const __m256i *)(xr_ + 16)))); \
-                chains[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), _mm256_set1_ps(sv[b] * s[r * blocks + (b)]), chains[r]); \
+                chains[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), _mm256_set1_ps(sv_ * s[r * blocks + (b)]), chains[r][p]); \
             }                                                                                        \
         }
         int64_t b2 = 0;
@@ -90,47 +126,48 @@ static inline __attribute__((always_inline)) void greedy_bounds(
         }
         if (b2 < blocks) GREEDY_BLOCK_SUM(b2, even)
 #undef GREEDY_BLOCK_SUM
-        for (int r = 0; r < R; r++) {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, _mm256_add_ps(even[r], odd[r]));
-            for (int l = 0; l < 8; l++) a[r] += lanes[l];
-        }
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < Q; p++) a[r][p] = fold_v8(even[r][p], odd[r][p]);
 #else
-        for (int64_t b = 0; b < blocks; b++)
+        for (int p = 0; p < Q; p++)
+            for (int64_t b = 0; b < blocks; b++)
+                for (int r = 0; r < R; r++) {
+                    int32_t dot = 0;
+                    for (int i = 0; i < GREEDY_BLOCK; i++)
+                        dot += (int32_t)codes[(v + p) * K + b * GREEDY_BLOCK + i] * (int32_t)xc[r * K + b * GREEDY_BLOCK + i];
+                    a[r][p] += (float)dot * (scale[(v + p) * blocks + b] * s[r * blocks + b]);
+                }
+#endif
+        for (int p = 0; p < Q; p++)
             for (int r = 0; r < R; r++) {
-                int32_t dot = 0;
-                for (int i = 0; i < GREEDY_BLOCK; i++)
-                    dot += (int32_t)row[b * GREEDY_BLOCK + i] * (int32_t)xc[r * K + b * GREEDY_BLOCK + i];
-                a[r] += (float)dot * (sv[b] * s[r * blocks + b]);
+                float e = limits[2 * (v + p)] * sum_error[r] + limits[2 * (v + p) + 1] * sum_scale[r];
+                float bd = e * 1.01f + fabsf(a[r][p]) * (1.0f / 1048576.0f);
+                approx[r * V + v + p] = a[r][p];
+                bound[r * V + v + p] = bd;
+                low[r] = a[r][p] - bd > low[r] ? a[r][p] - bd : low[r];
+                high[r] = a[r][p] + bd > high[r] ? a[r][p] + bd : high[r];
             }
-#endif
-        for (int r = 0; r < R; r++) {
-            const float *oe = on_error + r * blocks, *os = on_scale + r * blocks;
-            int64_t b = 0;
-#ifdef __AVX2__
-            __m256 sum = _mm256_setzero_ps();
-            for (; b + 8 <= blocks; b += 8)
-                sum = _mm256_fmadd_ps(_mm256_loadu_ps(ev + b), _mm256_loadu_ps(oe + b),
-                                      _mm256_fmadd_ps(_mm256_loadu_ps(sv + b), _mm256_loadu_ps(os + b), sum));
-            float lanes[8];
-            _mm256_storeu_ps(lanes, sum);
-            for (int l = 0; l < 8; l++) e[r] += lanes[l];
-#endif
-            for (; b < blocks; b++) e[r] += ev[b] * oe[b] + sv[b] * os[b];
-            float bd = e[r] * 1.01f + fabsf(a[r]) * (1.0f / 1048576.0f);
-            approx[r * V + v] = a[r];
-            bound[r * V + v] = bd;
-            low[r] = a[r] - bd > low[r] ? a[r] - bd : low[r];
-            high[r] = a[r] + bd > high[r] ? a[r] + bd : high[r];
-        }
     }
 }
 
-void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
-                           const float *error, int64_t V, int64_t cap, int64_t *candidates, int64_t *counts,
-                           int threads) {
-    /* the approximate logits and bounds: scratch of the calling thread's, kept (a fresh 1.5 MB a
-     * call cost its page faults every step) */
+/* The least value a row's exact logit may have and still be the argmax's, from the largest lower and
+ * upper bounds: two bf16 steps at their magnitude below the lower. */
+static inline float greedy_floor(float low, float high) {
+    float reach = fabsf(low) > fabsf(high) ? fabsf(low) : fabsf(high);
+    return low - reach * (1.0f / 64.0f) - 1e-30f;
+}
+
+#define GREEDY_LOOSE_CAP 4096  /* vocabulary rows a row's loose bound may leave before it takes the exact head */
+
+/* d3d_greedy_candidates for rows of fp32 x: the loose pass over all vocabulary rows, then E for the rows
+ * it leaves only. Those include every row whose A - E or A + E is the largest (E' >= E), so the largest
+ * of each over them is the largest over all, and the candidates are the rows whose A + E reach the
+ * floor of those — the rows E alone would have kept. */
+static void greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
+                              const float *error, const float *limits, int64_t V, int64_t cap, int64_t *candidates,
+                              int64_t *counts, int threads) {
+    /* the approximate logits and loose bounds: scratch of the calling thread's, kept (a fresh 1.5 MB
+     * a call cost its page faults every step) */
     static _Thread_local float *scratch = NULL;
     static _Thread_local int64_t scratch_v = 0;
     if (scratch_v < V) {
@@ -145,18 +182,27 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
     /* the calling thread's (callers may run in several threads); the team reads them through pointers */
     static _Thread_local int16_t codes_of_x[GREEDY_ROWS * GREEDY_MAX_BLOCKS * GREEDY_BLOCK];
     static _Thread_local float constants[3 * GREEDY_ROWS * GREEDY_MAX_BLOCKS];
+    static _Thread_local int64_t loose[GREEDY_LOOSE_CAP];
+    static _Thread_local float tight[GREEDY_LOOSE_CAP];
     int16_t *xc = codes_of_x;
     float *s = constants, *on_error = s + GREEDY_ROWS * GREEDY_MAX_BLOCKS, *on_scale = on_error + GREEDY_ROWS * GREEDY_MAX_BLOCKS;
     int64_t blocks = K / GREEDY_BLOCK;
     float *approx = scratch, *bound = scratch + GREEDY_ROWS * V;
     for (int64_t m0 = 0; m0 < M; m0 += GREEDY_ROWS) {
         int64_t rows[GREEDY_ROWS];  /* the rows of x this pass takes: the finite ones */
+        float sum_error[GREEDY_ROWS], sum_scale[GREEDY_ROWS];
         int R = 0;
         for (int64_t m = m0; m < M && m < m0 + GREEDY_ROWS; m++) {
             counts[m] = -1;
             if (K % GREEDY_BLOCK == 0 && blocks <= GREEDY_MAX_BLOCKS &&
-                greedy_codes(x + m * K, K, xc + R * K, s + R * blocks, on_error + R * blocks, on_scale + R * blocks))
+                greedy_codes(x + m * K, K, xc + R * K, s + R * blocks, on_error + R * blocks, on_scale + R * blocks)) {
+                /* the sums, in double, raised by 2^-12: E' stays above E as computed in fp32 (a relative
+                 * 1e-6 off at most for K up to 16,384) */
+                double se = 0.0, sc = 0.0;
+                for (int64_t b = 0; b < blocks; b++) se += on_error[R * blocks + b], sc += on_scale[R * blocks + b];
+                sum_error[R] = (float)(se * (1.0 + 1.0 / 4096.0)), sum_scale[R] = (float)(sc * (1.0 + 1.0 / 4096.0));
                 rows[R++] = m;
+            }
         }
         if (!R) continue;
         float low[GREEDY_ROWS], high[GREEDY_ROWS];
@@ -168,10 +214,10 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
             for (int r = 0; r < R; r++) my_low[r] = my_high[r] = -INFINITY;
             int64_t v0 = V * me / n, v1 = V * (me + 1) / n;
             switch (R) {  /* one copy per row count, its accumulators in registers */
-                case 1: greedy_bounds(xc, s, on_error, on_scale, 1, K, codes, scale, error, V, v0, v1, approx, bound, my_low, my_high); break;
-                case 2: greedy_bounds(xc, s, on_error, on_scale, 2, K, codes, scale, error, V, v0, v1, approx, bound, my_low, my_high); break;
-                case 3: greedy_bounds(xc, s, on_error, on_scale, 3, K, codes, scale, error, V, v0, v1, approx, bound, my_low, my_high); break;
-                default: greedy_bounds(xc, s, on_error, on_scale, 4, K, codes, scale, error, V, v0, v1, approx, bound, my_low, my_high); break;
+                case 1: greedy_bounds(xc, s, sum_error, sum_scale, 1, 2, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
+                case 2: greedy_bounds(xc, s, sum_error, sum_scale, 2, 2, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
+                case 3: greedy_bounds(xc, s, sum_error, sum_scale, 3, 1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
+                default: greedy_bounds(xc, s, sum_error, sum_scale, 4, 1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
             }
             _Pragma("omp critical")
             for (int r = 0; r < R; r++) {
@@ -181,16 +227,80 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
         }
         for (int r = 0; r < R; r++) {
             if (!(low[r] > -INFINITY) || !(high[r] < INFINITY)) continue;
-            float reach = fabsf(low[r]) > fabsf(high[r]) ? fabsf(low[r]) : fabsf(high[r]);
-            float floor = low[r] - reach * (1.0f / 64.0f) - 1e-30f;
+            float floor = greedy_floor(low[r], high[r]);
             const float *ar = approx + r * V, *br = bound + r * V;
-            int64_t found = 0, *out = candidates + rows[r] * cap;
-            for (int64_t v = 0; v < V && found <= cap; v++)
+            int64_t left = 0;
+            for (int64_t v = 0; v < V && left <= GREEDY_LOOSE_CAP; v++)
                 if (ar[v] + br[v] >= floor) {
-                    if (found < cap) out[found] = v;
+                    if (left < GREEDY_LOOSE_CAP) loose[left] = v;
+                    left++;
+                }
+            if (left > GREEDY_LOOSE_CAP) continue;
+            float tight_low = -INFINITY, tight_high = -INFINITY;
+            for (int64_t i = 0; i < left; i++) {
+                int64_t v = loose[i];
+                tight[i] = greedy_tight(scale + v * blocks, error + v * blocks, on_error + r * blocks, on_scale + r * blocks,
+                                        blocks, ar[v]);
+                tight_low = ar[v] - tight[i] > tight_low ? ar[v] - tight[i] : tight_low;
+                tight_high = ar[v] + tight[i] > tight_high ? ar[v] + tight[i] : tight_high;
+            }
+            if (!(tight_low > -INFINITY) || !(tight_high < INFINITY)) continue;
+            floor = greedy_floor(tight_low, tight_high);
+            int64_t found = 0, *out = candidates + rows[r] * cap;
+            for (int64_t i = 0; i < left && found <= cap; i++)
+                if (ar[loose[i]] + tight[i] >= floor) {
+                    if (found < cap) out[found] = loose[i];
                     found++;
                 }
             counts[rows[r]] = found <= cap ? found : -1;
+        }
+    }
+}
+
+void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
+                           const float *error, const float *limits, int64_t V, int64_t cap, int64_t *candidates,
+                           int64_t *counts, int threads) {
+    greedy_candidates(x, M, K, codes, scale, error, limits, V, cap, candidates, counts, threads);
+}
+
+#define GREEDY_CAP 64  /* candidates a row may have before it takes the exact head (SmolLM2-135M: 9 at most) */
+#define GREEDY_RUN 4   /* vocabulary rows computed together: a run of a quantized stream is a pointer into it */
+
+/* Each row's argmax of the exact head's bf16 logits for M rows of bf16 x (M, K): the candidates'
+ * exact logits — each run of GREEDY_RUN of the head's rows (`head`: its blocks, V rows of `format`)
+ * through this build's own linear over one row, one thread (the bits of the full head's: a column's
+ * result is its own) — the first of the largest; -1 where the row takes the exact head. */
+void d3d_greedy_ids(const uint16_t *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
+                    const float *error, const float *limits, int64_t V, const void *head, int64_t format,
+                    int64_t *ids, int threads) {
+    static _Thread_local float *rows_f32 = NULL, *scratch = NULL;
+    static _Thread_local int64_t rows_size = 0, scratch_size = 0;
+    int64_t need = d3d_linear_scratch(1, K, 1);
+    if (rows_size < M * K) free(rows_f32), rows_f32 = (float *)malloc(sizeof(float) * M * K), rows_size = rows_f32 ? M * K : 0;
+    if (scratch_size < need) free(scratch), scratch = (float *)malloc(sizeof(float) * need), scratch_size = scratch ? need : 0;
+    int64_t found[GREEDY_ROWS * GREEDY_CAP], counts[GREEDY_ROWS];
+    for (int64_t m0 = 0; m0 < M; m0 += GREEDY_ROWS) {
+        int64_t R = M - m0 < GREEDY_ROWS ? M - m0 : GREEDY_ROWS;
+        for (int64_t m = 0; m < R; m++) ids[m0 + m] = -1;
+        if (!rows_f32 || !scratch) continue;
+        for (int64_t i = 0; i < R * K; i++) rows_f32[i] = bf16_to_f32(x[m0 * K + i]);
+        greedy_candidates(rows_f32, R, K, codes, scale, error, limits, V, GREEDY_CAP, found, counts, threads);
+        int64_t row_bytes = K / CHUNK * block_bytes(format);
+        for (int64_t m = 0; m < R; m++) {
+            int64_t best = -1, run = -1;
+            float best_value = 0.0f;
+            uint16_t out[GREEDY_RUN];
+            for (int64_t i = 0; i < counts[m]; i++) {  /* ascending: the first of equal maxima wins */
+                int64_t v = found[m * GREEDY_CAP + i];
+                if (v - v % GREEDY_RUN != run) {
+                    run = v - v % GREEDY_RUN;
+                    d3d_weight w = {{{(const char *)head + run * row_bytes, format, V - run < GREEDY_RUN ? V - run : GREEDY_RUN}}};
+                    d3d_linear_bf16(x + (m0 + m) * K, K, &w, NULL, NULL, out, 1, w.parts[0].rows, K, scratch, 1);
+                }
+                float value = bf16_to_f32(out[v - run]);
+                if (best < 0 || value > best_value) best = v, best_value = value;
+            }
+            ids[m0 + m] = best;
         }
     }
 }
@@ -200,7 +310,7 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
  * error = max |w - scale·code| computed exactly in double and rounded up to fp32 — any code would
  * do, the error being measured afterwards. Rows split between the threads. */
 void d3d_greedy_weights(const uint16_t *w, int64_t V, int64_t K, int8_t *codes, float *scale, float *error,
-                        int threads) {
+                        float *limits, int threads) {
     int64_t blocks = K / GREEDY_BLOCK;
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
     for (int64_t v = 0; v < V; v++) {
@@ -225,5 +335,11 @@ void d3d_greedy_weights(const uint16_t *w, int64_t V, int64_t K, int8_t *codes, 
             scale[v * blocks + b] = s;
             error[v * blocks + b] = (double)e < worst ? nextafterf(e, INFINITY) : e;
         }
+        float most_error = 0.0f, most_scale = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            most_error = error[v * blocks + b] > most_error ? error[v * blocks + b] : most_error;
+            most_scale = scale[v * blocks + b] > most_scale ? scale[v * blocks + b] : most_scale;
+        }
+        limits[2 * v] = most_error, limits[2 * v + 1] = most_scale;
     }
 }

@@ -26,23 +26,23 @@ from typing import Any, Callable
 
 import torch
 
-from d3d.kernels.packing import BLOCK, BLOCK_BYTES, WEIGHT_FORMATS, HugePageArena, StreamPart
-from d3d.kernels.structs import Weight
+from d3d.kernels.packing import BLOCK, WEIGHT_FORMATS, HugePageArena, StreamPart
 from d3d.sampling import greedy_ids
 
-CAP = 64  # candidates a row may have before it takes the exact head instead (SmolLM2-135M: 9 at most)
-RUN = 4  # rows of a quantized stream kept together: a run of them is a pointer into it
+CAP = 64  # candidates a row may have before it takes the exact head instead (SmolLM2-135M: 9 at most; greedy.h's GREEDY_CAP)
 ROWS = 4  # rows of hidden state one pass over the codes takes (greedy.h's GREEDY_ROWS)
 
 
 @dataclass
 class GreedyHead:
-    """One head weight (V, K) prepared for `greedy.h`: its codes, block scales and block errors, and
-    the stream part whose runs of rows give the exact logits."""
+    """One head weight (V, K) prepared for `greedy.h`: its codes, block scales and block errors, each
+    vocabulary row's largest error and scale, and the stream part whose runs of rows give the exact
+    logits."""
 
     codes: torch.Tensor  # (V, K) int8
     scale: torch.Tensor  # (V, K / 32) fp32
     error: torch.Tensor  # (V, K / 32) fp32, >= |w - scale · code| over each block
+    limits: torch.Tensor  # (V, 2) fp32: each row's largest error and largest scale
     part: StreamPart
     max_rows: int = ROWS  # calls of more rows take the exact head (set by `fastest_rows`)
 
@@ -50,42 +50,51 @@ class GreedyHead:
     def of(cls, weight: torch.Tensor, part: StreamPart, library: ctypes.CDLL, arena: HugePageArena | None = None) -> "GreedyHead":
         """The codes of `weight`'s exact values (bf16), made by `greedy.h` (d3d_greedy_weights): any code
         per weight will do — each block's error is measured afterwards, exactly, and rounded up to
-        fp32; in `arena`'s huge pages where given, as the streams (35 MB read per call on SmolLM2-135M)."""
+        fp32; in `arena`'s huge pages where given, as the streams (32 MB read per call on SmolLM2-135M)."""
         vocab, width = weight.shape
         blocks = width // BLOCK
         empty = arena.empty if arena is not None else lambda shape, dtype: torch.empty(shape, dtype=dtype)
         codes, scale, error = empty((vocab, width), torch.int8), empty((vocab, blocks), torch.float32), \
             empty((vocab, blocks), torch.float32)
+        limits = empty((vocab, 2), torch.float32)
         values = weight.detach().contiguous()
         library.d3d_greedy_weights(values.data_ptr(), vocab, width, codes.data_ptr(), scale.data_ptr(),
-                                   error.data_ptr(), torch.get_num_threads())
-        return cls(codes, scale, error, part)
+                                   error.data_ptr(), limits.data_ptr(), torch.get_num_threads())
+        return cls(codes, scale, error, limits, part)
 
     @staticmethod
     def bytes_of(vocab: int, width: int) -> int:
-        """The arena bytes `of` takes for a (vocab, width) head: the codes, scales and errors."""
-        return vocab * width + 2 * vocab * (width // BLOCK) * 4
+        """The arena bytes `of` takes for a (vocab, width) head: the codes, scales, errors and limits."""
+        return vocab * width + 2 * vocab * (width // BLOCK) * 4 + vocab * 2 * 4
+
+    @staticmethod
+    def read_of(vocab: int, width: int) -> int:
+        """The bytes one call reads of them: the codes, scales and limits (the errors of a few rows)."""
+        return vocab * width + vocab * (width // BLOCK) * 4 + vocab * 2 * 4
+
+    def _tables(self) -> tuple[int, int, int, int, int]:
+        return (self.codes.data_ptr(), self.scale.data_ptr(), self.error.data_ptr(), self.limits.data_ptr(),
+                self.codes.shape[0])
 
     def candidates(self, library: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(M, CAP) candidate vocabulary rows and their counts (M,) for x (M, K) fp32; a count of -1:
         the row takes the exact head."""
         rows, width = x.shape
-        vocab = self.codes.shape[0]
         found = torch.empty(rows, CAP, dtype=torch.int64)
         counts = torch.empty(rows, dtype=torch.int64)
-        library.d3d_greedy_candidates(x.data_ptr(), rows, width, self.codes.data_ptr(), self.scale.data_ptr(),
-                                      self.error.data_ptr(), vocab, CAP, found.data_ptr(), counts.data_ptr(),
-                                      torch.get_num_threads())
+        library.d3d_greedy_candidates(x.data_ptr(), rows, width, *self._tables(), CAP, found.data_ptr(),
+                                      counts.data_ptr(), torch.get_num_threads())
         return found, counts
 
-    def run_of(self, first: int, rows: int) -> Weight:
-        """The descriptor of rows first … first+rows-1 of the stream part (first a multiple of RUN)."""
-        part = self.part
-        row_bytes = self.codes.shape[1] // BLOCK * BLOCK_BYTES[part.format]
-        weight = Weight()
-        weight.parts[0].data = part.data.data_ptr() + first * row_bytes
-        weight.parts[0].format, weight.parts[0].rows = WEIGHT_FORMATS[part.format], rows
-        return weight
+    def ids(self, library: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax (M,) for x (M, K) bf16, contiguous, from its candidates' exact logits —
+        each run of 4 of the head's rows through the linear kernel over one row, in one thread (a
+        run is too little work to share; threads never change a result) — or -1 where the row takes
+        the exact head."""
+        ids = torch.empty(x.shape[0], dtype=torch.int64)
+        library.d3d_greedy_ids(x.data_ptr(), x.shape[0], x.shape[1], *self._tables(), self.part.data.data_ptr(),
+                               WEIGHT_FORMATS[self.part.format], ids.data_ptr(), torch.get_num_threads())
+        return ids
 
 
 def supports(part: StreamPart, weight: torch.Tensor) -> bool:
@@ -149,37 +158,13 @@ class GreedyHeads:
         return greedy_ids(self.kernels.linear(x, weight, None))
 
     def certified_ids(self, head: GreedyHead, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax (M,) over x (M, K) bf16 from its candidates' exact logits — each run of 4
-        of the head's rows through the linear kernel, one row, one thread (a run is too little work to
-        share; threads never change a result) — or from the full head for rows with too many."""
-        kernels, width = self.kernels, weight.shape[1]
-        found, counts = head.candidates(kernels.library, x.float().contiguous())
-        vocab = head.codes.shape[0]
-        counts, ids = counts.tolist(), [0] * len(counts)
-        fallback = [m for m, count in enumerate(counts) if count < 0]
-        if fallback:
-            for m, token in zip(fallback, self.full_ids(x[fallback], weight).tolist()):
-                ids[m] = token
-        linear = kernels._fn("linear", x.dtype)
-        scratch = torch.empty(kernels.library.d3d_linear_scratch(1, width, 1), dtype=torch.float32)
-        for m, count in enumerate(counts):
-            if count < 0:
-                continue
-            row = x[m:m + 1]
-            best, best_value, runs = -1, 0.0, {}
-            for v in found[m, :count].tolist():  # ascending: the first of equal maxima wins, as `greedy_ids`
-                first = v - v % RUN
-                if first not in runs:
-                    rows = min(RUN, vocab - first)
-                    out = torch.empty(rows, dtype=x.dtype)
-                    linear(row.data_ptr(), row.stride(0), ctypes.byref(head.run_of(first, rows)), None, None,
-                           out.data_ptr(), 1, rows, width, scratch.data_ptr(), 1)
-                    runs[first] = out.float().tolist()
-                value = runs[first][v - first]
-                if best < 0 or value > best_value:
-                    best, best_value = v, value
-            ids[m] = best
-        return torch.tensor(ids, dtype=torch.int64)
+        """Each row's argmax (M,) over x (M, K) bf16 from its candidates' exact logits (`GreedyHead.ids`),
+        or from the full head for rows with too many."""
+        ids = head.ids(self.kernels.library, x.contiguous())
+        fallback = (ids < 0).nonzero().flatten()
+        if len(fallback):
+            ids[fallback] = self.full_ids(x[fallback], weight)
+        return ids
 
 
 def check(ids_of: Callable[[torch.Tensor], torch.Tensor], full_ids: Callable[[torch.Tensor], torch.Tensor],
