@@ -86,68 +86,76 @@ static inline float greedy_tight(const float *sv, const float *ev, const float *
  * A's additions is within E (greedy.h's bound allows (K + 64) roundings). */
 #define GREEDY_ROWS 4
 #define GREEDY_AHEAD 4  /* vocabulary rows ahead whose codes and scales are prefetched */
+static inline __attribute__((always_inline)) void greedy_rows(
+    const int16_t *xc, const float *s, const float *sum_error, const float *sum_scale, const int R, const int P,
+    int64_t K, const int8_t *codes, const float *scale, const float *limits, int64_t V, int64_t v, int64_t v1,
+    float *approx, float *bound, float *low, float *high) {
+    int64_t blocks = K / GREEDY_BLOCK;
+    for (int p = 0; p < P; p++)
+        if (v + p + GREEDY_AHEAD < v1) {
+            const int8_t *later = codes + (v + p + GREEDY_AHEAD) * K;
+            for (int64_t o = 0; o < K; o += 64) __builtin_prefetch(later + o, 0, 0);
+            __builtin_prefetch(scale + (v + p + GREEDY_AHEAD) * blocks, 0, 0);
+            __builtin_prefetch(scale + (v + p + GREEDY_AHEAD) * blocks + blocks - 1, 0, 0);
+        }
+    float a[GREEDY_ROWS][2] = {{0.0f}};
+#ifdef D3D_AVX2
+    __m256 even[GREEDY_ROWS][2], odd[GREEDY_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) even[r][p] = odd[r][p] = _mm256_setzero_ps();
+#define GREEDY_BLOCK_SUM(b, chains)                                                                   \
+    for (int p = 0; p < P; p++) {                                                                    \
+        const int8_t *row_ = codes + (v + p) * K;                                                    \
+        float sv_ = scale[(v + p) * blocks + (b)];                                                   \
+        __m256i w_ = _mm256_loadu_si256((const __m256i *)(row_ + (b) * GREEDY_BLOCK));               \
+        __m256i lo_ = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w_));                              \
+        __m256i hi_ = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w_, 1));                         \
+        for (int r = 0; r < R; r++) {                                                                \
+            const int16_t *xr_ = xc + r * K + (b) * GREEDY_BLOCK;                                    \
+            __m256i p_ = _mm256_add_epi32(_mm256_madd_epi16(lo_, _mm256_loadu_si256((const __m256i *)xr_)), \
+                                          _mm256_madd_epi16(hi_, _mm256_loadu_si256((const __m256i *)(xr_ + 16)))); \
+            chains[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), _mm256_set1_ps(sv_ * s[r * blocks + (b)]), chains[r][p]); \
+        }                                                                                            \
+    }
+    int64_t b2 = 0;
+    for (; b2 + 2 <= blocks; b2 += 2) {
+        GREEDY_BLOCK_SUM(b2, even)
+        GREEDY_BLOCK_SUM(b2 + 1, odd)
+    }
+    if (b2 < blocks) GREEDY_BLOCK_SUM(b2, even)
+#undef GREEDY_BLOCK_SUM
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) a[r][p] = fold_v8(even[r][p], odd[r][p]);
+#else
+    for (int p = 0; p < P; p++)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int r = 0; r < R; r++) {
+                int32_t dot = 0;
+                for (int i = 0; i < GREEDY_BLOCK; i++)
+                    dot += (int32_t)codes[(v + p) * K + b * GREEDY_BLOCK + i] * (int32_t)xc[r * K + b * GREEDY_BLOCK + i];
+                a[r][p] += (float)dot * (scale[(v + p) * blocks + b] * s[r * blocks + b]);
+            }
+#endif
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < R; r++) {
+            float e = limits[2 * (v + p)] * sum_error[r] + limits[2 * (v + p) + 1] * sum_scale[r];
+            float bd = e * 1.01f + fabsf(a[r][p]) * (1.0f / 1048576.0f);
+            approx[r * V + v + p] = a[r][p];
+            bound[r * V + v + p] = bd;
+            low[r] = a[r][p] - bd > low[r] ? a[r][p] - bd : low[r];
+            high[r] = a[r][p] + bd > high[r] ? a[r][p] + bd : high[r];
+        }
+}
+
 static inline __attribute__((always_inline)) void greedy_bounds(
     const int16_t *xc, const float *s, const float *sum_error, const float *sum_scale, const int R, const int P,
     int64_t K, const int8_t *codes, const float *scale, const float *limits, int64_t V, int64_t v0, int64_t v1,
     float *approx, float *bound, float *low, float *high) {
-    int64_t blocks = K / GREEDY_BLOCK;
-    for (int64_t v = v0; v < v1; v += P) {
-        int Q = v1 - v < P ? 1 : P;  /* the last vocabulary row of an odd range alone */
-        for (int p = 0; p < Q; p++)
-            if (v + p + GREEDY_AHEAD < v1) {
-                const int8_t *later = codes + (v + p + GREEDY_AHEAD) * K;
-                for (int64_t o = 0; o < K; o += 64) __builtin_prefetch(later + o, 0, 0);
-                __builtin_prefetch(scale + (v + p + GREEDY_AHEAD) * blocks, 0, 0);
-                __builtin_prefetch(scale + (v + p + GREEDY_AHEAD) * blocks + blocks - 1, 0, 0);
-            }
-        float a[GREEDY_ROWS][2] = {{0.0f}};
-#ifdef D3D_AVX2
-        __m256 even[GREEDY_ROWS][2], odd[GREEDY_ROWS][2];
-        for (int r = 0; r < R; r++)
-            for (int p = 0; p < P; p++) even[r][p] = odd[r][p] = _mm256_setzero_ps();
-#define GREEDY_BLOCK_SUM(b, chains)                                                                   \
-        for (int p = 0; p < Q; p++) {                                                                \
-            const int8_t *row_ = codes + (v + p) * K;                                                \
-            float sv_ = scale[(v + p) * blocks + (b)];                                               \
-            __m256i w_ = _mm256_loadu_si256((const __m256i *)(row_ + (b) * GREEDY_BLOCK));           \
-            __m256i lo_ = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w_));                          \
-            __m256i hi_ = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w_, 1));                     \
-            for (int r = 0; r < R; r++) {                                                            \
-                const int16_t *xr_ = xc + r * K + (b) * GREEDY_BLOCK;                                \
-                __m256i p_ = _mm256_add_epi32(_mm256_madd_epi16(lo_, _mm256_loadu_si256((const __m256i *)xr_)), \
-                                              _mm256_madd_epi16(hi_, _mm256_loadu_si256((const __m256i *)(xr_ + 16)))); \
-                chains[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), _mm256_set1_ps(sv_ * s[r * blocks + (b)]), chains[r][p]); \
-            }                                                                                        \
-        }
-        int64_t b2 = 0;
-        for (; b2 + 2 <= blocks; b2 += 2) {
-            GREEDY_BLOCK_SUM(b2, even)
-            GREEDY_BLOCK_SUM(b2 + 1, odd)
-        }
-        if (b2 < blocks) GREEDY_BLOCK_SUM(b2, even)
-#undef GREEDY_BLOCK_SUM
-        for (int r = 0; r < R; r++)
-            for (int p = 0; p < Q; p++) a[r][p] = fold_v8(even[r][p], odd[r][p]);
-#else
-        for (int p = 0; p < Q; p++)
-            for (int64_t b = 0; b < blocks; b++)
-                for (int r = 0; r < R; r++) {
-                    int32_t dot = 0;
-                    for (int i = 0; i < GREEDY_BLOCK; i++)
-                        dot += (int32_t)codes[(v + p) * K + b * GREEDY_BLOCK + i] * (int32_t)xc[r * K + b * GREEDY_BLOCK + i];
-                    a[r][p] += (float)dot * (scale[(v + p) * blocks + b] * s[r * blocks + b]);
-                }
-#endif
-        for (int p = 0; p < Q; p++)
-            for (int r = 0; r < R; r++) {
-                float e = limits[2 * (v + p)] * sum_error[r] + limits[2 * (v + p) + 1] * sum_scale[r];
-                float bd = e * 1.01f + fabsf(a[r][p]) * (1.0f / 1048576.0f);
-                approx[r * V + v + p] = a[r][p];
-                bound[r * V + v + p] = bd;
-                low[r] = a[r][p] - bd > low[r] ? a[r][p] - bd : low[r];
-                high[r] = a[r][p] + bd > high[r] ? a[r][p] + bd : high[r];
-            }
-    }
+    int64_t v = v0;
+    for (; v + P <= v1; v += P)
+        greedy_rows(xc, s, sum_error, sum_scale, R, P, K, codes, scale, limits, V, v, v1, approx, bound, low, high);
+    for (; v < v1; v++)
+        greedy_rows(xc, s, sum_error, sum_scale, R, 1, K, codes, scale, limits, V, v, v1, approx, bound, low, high);
 }
 
 /* The least value a row's exact logit may have and still be the argmax's, from the largest lower and
