@@ -2,7 +2,9 @@
 
 Usage: python scripts/step_costs.py [--dtype bfloat16|float32] [--weights stored|dequantized|q8_0|…] [--context 256]
        [--repeats 15] [--threads N]
-Prints one JSON line. Works on any d3d checkout (PYTHONPATH=OTHER_CHECKOUT to time another
+Prints one JSON line: the step's median against the fastest read of its bytes (`step_over_floor`,
+the pessimistic form: every slow moment of the host counts against the step), and the two
+alternated read for read (`…_interleaved`: medians, and fastest against fastest). Works on any d3d checkout (PYTHONPATH=OTHER_CHECKOUT to time another
 version on the same machine), so before/after figures come from the same script.
 """
 
@@ -16,19 +18,41 @@ import torch
 from d3d.loading import load_target
 
 
-def floor_ms(num_bytes: int, repeats: int = 15) -> float:
-    """The bandwidth floor: the fastest plain read (a sum, both threads) of that many bytes in huge pages."""
+def read_buffer(num_bytes: int) -> torch.Tensor:
+    """What the floor reads: that many bytes of fp32 ones in huge pages."""
     try:
         from d3d.kernels.packing import HugePageArena
-        buffer = HugePageArena().empty((num_bytes // 4,), torch.float32).fill_(1.0)
+        return HugePageArena().empty((num_bytes // 4,), torch.float32).fill_(1.0)
     except ImportError:  # a checkout from before the arena moved
-        buffer = torch.ones(num_bytes // 4)
+        return torch.ones(num_bytes // 4)
+
+
+def floor_ms(num_bytes: int, repeats: int = 15) -> float:
+    """The bandwidth floor: the fastest plain read (a sum, both threads) of that many bytes in huge pages."""
+    buffer = read_buffer(num_bytes)
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         buffer.sum()
         best = min(best, time.perf_counter() - started)
     return 1000 * best
+
+
+def interleaved(fn, num_bytes: int, repeats: int) -> dict[str, float]:
+    """`fn` and the floor's read of `num_bytes` alternated `repeats` times (after 3 of each): the ratio
+    of their medians and of their fastest — the host's memory speed moves within seconds here, and
+    the step's median against the floor's fastest (`floor_ms`) counts every slow moment against it."""
+    buffer = read_buffer(num_bytes)
+    times: dict[str, list[float]] = {"step": [], "floor": []}
+    for i in range(repeats + 3):
+        for name, run in (("step", fn), ("floor", buffer.sum)):
+            started = time.perf_counter()
+            run()
+            if i >= 3:
+                times[name].append(time.perf_counter() - started)
+    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    return {"median_over_median": round(median["step"] / median["floor"], 2),
+            "best_over_best": round(min(times["step"]) / min(times["floor"]), 2)}
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -90,7 +114,8 @@ def main() -> None:
               "rows_identical_to_steps": f"{identical_rows}/17"}
     if read:
         floor = floor_ms(read)
-        result.update(weight_mb_read=round(read / 1e6, 1), floor_ms=round(floor, 2), step_over_floor=round(step / floor, 2))
+        result.update(weight_mb_read=round(read / 1e6, 1), floor_ms=round(floor, 2), step_over_floor=round(step / floor, 2),
+                      step_over_floor_interleaved=interleaved(lambda: forward(1), read, args.repeats))
     # The step greedy decoding takes (T = 0): the last hidden state's argmax through the certified greedy
     # head where the kernels have one (its codes, scales and errors read instead of the head's stream).
     greedy = getattr(kernels, "greedy", None)
@@ -106,7 +131,8 @@ def main() -> None:
         greedy_read = read - one_row(decoder.head_weight).nbytes + read_of(*decoder.head_weight.shape)
         greedy_floor = floor_ms(greedy_read)
         result.update(greedy_step_ms=round(greedy_ms, 2), greedy_mb_read=round(greedy_read / 1e6, 1),
-                      greedy_floor_ms=round(greedy_floor, 2), greedy_step_over_floor=round(greedy_ms / greedy_floor, 2))
+                      greedy_floor_ms=round(greedy_floor, 2), greedy_step_over_floor=round(greedy_ms / greedy_floor, 2),
+                      greedy_step_over_floor_interleaved=interleaved(greedy_step, greedy_read, args.repeats))
     print(json.dumps(result))
 
 
