@@ -524,6 +524,61 @@ static void t4_one_row(const float *x, int64_t K, const char *w, float *res) {
                 : "ymm8", "ymm9", "ymm10", "ymm11", "memory", "cc");
     res[0] = fold_v8(a0, b0), res[1] = fold_v8(a1, b1), res[2] = fold_v8(a2, b2), res[3] = fold_v8(a3, b3);
 }
+
+/* The same for two rows (a verification of one draft), two columns at a time: each column decoded
+ * once for both rows, the rows `stride` bytes apart; the group's other two columns in a second pass,
+ * from L1. */
+#define T4_PAIR_COLUMN_ASM(c, a, b, e, f)                                                            \
+    "vbroadcasti128 " #c "*48+32(%[w]), %%ymm8\n\t"                                                  \
+    "vpsrlvd %[shift], %%ymm8, %%ymm8\n\t"                                                           \
+    "vpand %[nibble], %%ymm8, %%ymm8\n\t"                                                            \
+    "vbroadcasti128 " #c "*48(%[w]), %%ymm9\n\t"                                                     \
+    "vpshufb %%ymm8, %%ymm9, %%ymm9\n\t"                                                             \
+    "vbroadcasti128 " #c "*48+16(%[w]), %%ymm10\n\t"                                                 \
+    "vpshufb %%ymm8, %%ymm10, %%ymm10\n\t"                                                           \
+    "vpunpcklbw %%ymm10, %%ymm9, %%ymm8\n\t"                                                         \
+    "vpunpckhbw %%ymm10, %%ymm9, %%ymm9\n\t"                                                         \
+    "vpslld $16, %%ymm8, %%ymm10\n\t"                                                                \
+    "vpand %[odd], %%ymm8, %%ymm8\n\t"                                                               \
+    "vpslld $16, %%ymm9, %%ymm11\n\t"                                                                \
+    "vpand %[odd], %%ymm9, %%ymm9\n\t"                                                               \
+    "vfmadd231ps (%[x]), %%ymm10, %[" #a "]\n\t"                                                     \
+    "vfmadd231ps 32(%[x]), %%ymm8, %[" #b "]\n\t"                                                    \
+    "vfmadd231ps 64(%[x]), %%ymm11, %[" #a "]\n\t"                                                   \
+    "vfmadd231ps 96(%[x]), %%ymm9, %[" #b "]\n\t"                                                    \
+    "vfmadd231ps (%[x],%[stride]), %%ymm10, %[" #e "]\n\t"                                           \
+    "vfmadd231ps 32(%[x],%[stride]), %%ymm8, %[" #f "]\n\t"                                          \
+    "vfmadd231ps 64(%[x],%[stride]), %%ymm11, %[" #e "]\n\t"                                         \
+    "vfmadd231ps 96(%[x],%[stride]), %%ymm9, %[" #f "]\n\t"
+static void t4_two_rows(const float *x, int64_t K, const char *w, float *res) {
+    __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), nibble = _mm256_set1_epi8(15);
+    __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    int64_t stride = K * (int64_t)sizeof(float);
+    for (int c0 = 0; c0 < 4; c0 += 2) {
+        v8 a0 = v8_zero(), b0 = a0, a1 = a0, b1 = a0, e0 = a0, f0 = a0, e1 = a0, f1 = a0;  /* row 0: a, b; row 1: e, f */
+        const char *group = w + c0 * (int64_t)sizeof(block_t4);
+        const float *xr = x;
+        int64_t n = K / CHUNK;
+        if (n > 0)
+            __asm__("1:\n\t"
+                    "prefetchnta " T4_STRING(T4_AHEAD) "(%[w])\n\t"
+                    "prefetchnta " T4_STRING(T4_AHEAD) "+64(%[w])\n\t"
+                    "prefetchnta " T4_STRING(T4_AHEAD) "+128(%[w])\n\t"
+                    T4_PAIR_COLUMN_ASM(0, a0, b0, e0, f0)
+                    T4_PAIR_COLUMN_ASM(1, a1, b1, e1, f1)
+                    "addq $192, %[w]\n\t"
+                    "subq $-128, %[x]\n\t"
+                    "decq %[n]\n\t"
+                    "jnz 1b"
+                    : [a0] "+x"(a0), [b0] "+x"(b0), [a1] "+x"(a1), [b1] "+x"(b1), [e0] "+x"(e0), [f0] "+x"(f0),
+                      [e1] "+x"(e1), [f1] "+x"(f1), [w] "+r"(group), [x] "+r"(xr), [n] "+r"(n)
+                    : [stride] "r"(stride), [shift] "x"(shift), [nibble] "x"(nibble), [odd] "x"(odd)
+                    : "ymm8", "ymm9", "ymm10", "ymm11", "memory", "cc");
+        res[c0] = fold_v8(a0, b0), res[c0 + 1] = fold_v8(a1, b1);
+        res[4 + c0] = fold_v8(e0, f0), res[4 + c0 + 1] = fold_v8(e1, f1);
+    }
+}
+#undef T4_PAIR_COLUMN_ASM
 #undef T4_COLUMN_ASM
 #define T4_ONE_ROW 1
 #endif
@@ -531,9 +586,10 @@ static void t4_one_row(const float *x, int64_t K, const char *w, float *res) {
 /* Scratch floats a lanes call takes: the rows in fp32, and per thread a strip and the results. */
 static int64_t lanes_scratch(int64_t M, int64_t K, int threads) { return M * K + threads * (4 * K + 4 * M); }
 
-#ifdef T4_ONE_ROW  /* one row: t4_one_row, from the group's first column */
+#ifdef T4_ONE_ROW  /* one or two rows: t4_one_row, t4_two_rows, from the group's first column */
 #define T4_COLUMNS(xf, M, K, rows, chunk_bytes, ahead, strip, res)                                   \
-    (M == 1 ? t4_one_row(xf, K, rows[0], res) : lanes_columns_t4(xf, M, K, rows, chunk_bytes, ahead, strip, res))
+    (M == 1 ? t4_one_row(xf, K, rows[0], res) : M == 2 ? t4_two_rows(xf, K, rows[0], res)            \
+            : lanes_columns_t4(xf, M, K, rows, chunk_bytes, ahead, strip, res))
 #else
 #define T4_COLUMNS lanes_columns_t4
 #endif
