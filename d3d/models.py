@@ -536,8 +536,7 @@ class Decoder(nn.Module):
         `logits_and_features` takes its logits from, and its features."""
         if positions is None:
             start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-            positions = positions[None].expand(input_ids.shape[0], -1)
+            positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
         hidden, features = self.hidden_and_features(self.embed_tokens(input_ids), positions, cache, mask,
                                                     feature_layers)
         return (hidden[:, -1:] if last_only else hidden), features

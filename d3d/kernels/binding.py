@@ -65,6 +65,16 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def _contiguous_from(tensor: torch.Tensor, dim: int) -> bool:
+    """Whether tensor[i, j, …] (the dims from `dim` on) is contiguous, from its strides alone."""
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape[dim:]), reversed(tensor.stride()[dim:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 @dataclass(frozen=True)
 class DecoderShape:
     """The sizes `RowExactKernels.forward` needs besides the weights."""
@@ -118,6 +128,7 @@ class RowExactKernels:
             getattr(library, f"d3d_linear_reference_{suffix}").argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
         library.d3d_greedy_candidates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i32]
         library.d3d_greedy_ids.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
+        library.d3d_greedy_ids.restype = i64
         library.d3d_greedy_weights.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i32]
         library.d3d_struct_sizes.argtypes = [i32]
         library.d3d_struct_sizes.restype = i64
@@ -159,6 +170,7 @@ class RowExactKernels:
                 print(f"d3d: AMX tiles not used: {self.amx_refused}; the AVX-512 path instead", file=sys.stderr)
         self.path_name = library.d3d_kernel_path().decode()
         self.greedy = greedy.GreedyHeads(self)  # the certified greedy heads (d3d.kernels.greedy)
+        self._kept_scratch = threading.local()  # `_scratch_at`'s buffers, per thread
 
     def tiles_keys(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether this build reads a cache's keys tiled (d3d.cache; attention.h), for keys of this
@@ -405,6 +417,17 @@ class RowExactKernels:
     def _scratch(self, rows: int, width: int) -> torch.Tensor:
         return torch.empty(self.library.d3d_linear_scratch(rows, width, torch.get_num_threads()), dtype=torch.float32)
 
+    def _scratch_at(self, role: str, elements: int, dtype: torch.dtype) -> int:
+        """The address of at least `elements` of scratch for `role`, kept for the calling thread and
+        grown when too small: what a forward writes and reads back within one call. A fresh buffer
+        each call was a torch allocation each — slow right after a forward, whose stream leaves
+        nothing of torch in the caches."""
+        kept = self._kept_scratch.__dict__
+        buffer = kept.get(role)
+        if buffer is None or buffer.numel() < elements or buffer.dtype != dtype:
+            buffer = kept[role] = torch.empty(max(elements, 1), dtype=dtype)
+        return buffer.data_ptr()
+
     # ---- the operations ----
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -472,7 +495,7 @@ class RowExactKernels:
         for struct, segment in zip(structs, segments):
             keys, values = segment.keys, segment.values
             assert keys.dtype == x.dtype == values.dtype and keys.stride()[:2] == values.stride()[:2]
-            assert keys[0, 0].is_contiguous(), "a cache's slots must be contiguous"
+            assert _contiguous_from(keys, 2), "a cache's slots must be contiguous"
             assert segment.start + segment.rows <= slots_of(keys, values), "KV slots out of range"
             struct.v_row, struct.v_part = value_strides(keys, values)
             struct.k_tiled = self._key_layout(keys, values, shape.head_dim)
@@ -489,23 +512,24 @@ class RowExactKernels:
         heads, dim = shape.heads, shape.head_dim
         assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         width = (heads + 2 * shape.kv_heads) * dim
-        work = torch.empty(rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), dtype=x.dtype)
-        scores = torch.empty(self.library.d3d_segments_scratch(structs, len(segments), heads, shape.kv_heads, dim),
-                             dtype=torch.float32)
-        scratch = self._scratch(rows, max(hidden, heads * dim, shape.intermediate))
+        work = self._scratch_at("work", rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), x.dtype)
+        scores = self._scratch_at(
+            "scores", self.library.d3d_segments_scratch(structs, len(segments), heads, shape.kv_heads, dim), torch.float32)
+        scratch = self._scratch_at("linear", self.library.d3d_linear_scratch(
+            rows, max(hidden, heads * dim, shape.intermediate), torch.get_num_threads()), torch.float32)
         out = torch.empty_like(x)
         captured, first = [], 0
         for last in [*capture, table.layers - 1]:  # layers first … last in one call
             if last < first:  # the last layer was captured: nothing left to run
                 continue
-            for struct, segment in zip(structs, segments):
-                struct.k_cache, struct.v_cache = segment.keys[first].data_ptr(), segment.values[first].data_ptr()
+            for struct, segment in zip(structs, segments):  # layer `first`'s slots
+                struct.k_cache = segment.keys.data_ptr() + first * segment.keys.stride(0) * segment.keys.element_size()
+                struct.v_cache = segment.values.data_ptr() + first * segment.values.stride(0) * segment.values.element_size()
             args = ForwardArgs(
                 ctypes.cast(ctypes.addressof(table.structs) + first * ctypes.sizeof(Layer), ctypes.POINTER(Layer)),
                 last + 1 - first, hidden, heads, shape.kv_heads, dim, shape.intermediate, shape.eps, dim ** -0.5,
                 x.data_ptr(), rope.data_ptr(), positions.data_ptr(), rope.shape[1], structs, len(segments), rows,
-                final_norm.data_ptr(), out.data_ptr(), work.data_ptr(), scores.data_ptr(), scratch.data_ptr(),
-                torch.get_num_threads())
+                final_norm.data_ptr(), out.data_ptr(), work, scores, scratch, torch.get_num_threads())
             self._fn("forward", x.dtype)(ctypes.byref(args))
             if last in capture:
                 captured.append(x.clone())

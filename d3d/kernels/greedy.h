@@ -277,8 +277,9 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
 /* Each row's argmax of the exact head's bf16 logits for M rows of bf16 x (M, K): the candidates'
  * exact logits — each run of GREEDY_RUN of the head's rows (`head`: its blocks, V rows of `format`)
  * through this build's own linear over one row, one thread (the bits of the full head's: a column's
- * result is its own) — the first of the largest; -1 where the row takes the exact head. */
-void d3d_greedy_ids(const uint16_t *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
+ * result is its own) — the first of the largest; -1 where the row takes the exact head. Returns the
+ * number of those. */
+int64_t d3d_greedy_ids(const uint16_t *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
                     const float *error, const float *limits, int64_t V, const void *head, int64_t format,
                     int64_t *ids, int threads) {
     static _Thread_local float *rows_f32 = NULL, *scratch = NULL;
@@ -311,6 +312,9 @@ void d3d_greedy_ids(const uint16_t *x, int64_t M, int64_t K, const int8_t *codes
             ids[m0 + m] = best;
         }
     }
+    int64_t left = 0;
+    for (int64_t m = 0; m < M; m++) left += ids[m] < 0;
+    return left;
 }
 
 /* The approximate head of a bf16 head weight w (V, K), K a multiple of 32, made once: per block of

@@ -86,15 +86,15 @@ class GreedyHead:
                                       counts.data_ptr(), torch.get_num_threads())
         return found, counts
 
-    def ids(self, library: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    def ids(self, library: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Each row's argmax (M,) for x (M, K) bf16, contiguous, from its candidates' exact logits —
         each run of 4 of the head's rows through the linear kernel over one row, in one thread (a
         run is too little work to share; threads never change a result) — or -1 where the row takes
-        the exact head."""
+        the exact head; and how many rows do."""
         ids = torch.empty(x.shape[0], dtype=torch.int64)
-        library.d3d_greedy_ids(x.data_ptr(), x.shape[0], x.shape[1], *self._tables(), self.part.data.data_ptr(),
-                               WEIGHT_FORMATS[self.part.format], ids.data_ptr(), torch.get_num_threads())
-        return ids
+        left = library.d3d_greedy_ids(x.data_ptr(), x.shape[0], x.shape[1], *self._tables(), self.part.data.data_ptr(),
+                                      WEIGHT_FORMATS[self.part.format], ids.data_ptr(), torch.get_num_threads())
+        return ids, left
 
 
 def supports(part: StreamPart, weight: torch.Tensor) -> bool:
@@ -160,9 +160,9 @@ class GreedyHeads:
     def certified_ids(self, head: GreedyHead, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Each row's argmax (M,) over x (M, K) bf16 from its candidates' exact logits (`GreedyHead.ids`),
         or from the full head for rows with too many."""
-        ids = head.ids(self.kernels.library, x.contiguous())
-        fallback = (ids < 0).nonzero().flatten()
-        if len(fallback):
+        ids, left = head.ids(self.kernels.library, x.contiguous())
+        if left:
+            fallback = (ids < 0).nonzero().flatten()
             ids[fallback] = self.full_ids(x[fallback], weight)
         return ids
 
