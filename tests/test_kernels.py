@@ -524,3 +524,24 @@ def test_the_profile_build_times_the_attention_passes():
     assert not any(profiled.attention_pass_seconds().values())
     assert torch.equal(out, kernels.attention(q, k, v, None))
     assert not any(kernels.attention_pass_seconds().values())
+
+
+def test_a_forwards_scratch_is_kept_per_thread_up_to_a_size(kernels):
+    """A forward's scratch (`RowExactKernels._scratch_for`): the same buffer again for the same role and
+    thread while it is large enough, a larger one when not, its own for each thread, and a fresh one
+    each call past KEPT_SCRATCH bytes (never held)."""
+    import threading
+
+    from d3d.kernels.binding import KEPT_SCRATCH
+
+    first = kernels._scratch_for("test", 100, torch.float32)
+    assert kernels._scratch_for("test", 50, torch.float32) is first
+    grown = kernels._scratch_for("test", 1000, torch.float32)
+    assert grown is not first and grown.numel() >= 1000 and kernels._scratch_for("test", 1000, torch.float32) is grown
+    assert kernels._scratch_for("test", 10, torch.bfloat16).dtype == torch.bfloat16  # another dtype: its own
+    elsewhere = []
+    worker = threading.Thread(target=lambda: elsewhere.append(kernels._scratch_for("test", 10, torch.bfloat16)))
+    worker.start(), worker.join()
+    assert elsewhere[0] is not kernels._scratch_for("test", 10, torch.bfloat16)
+    huge = KEPT_SCRATCH // 4 + 1
+    assert kernels._scratch_for("test", huge, torch.float32) is not kernels._scratch_for("test", huge, torch.float32)

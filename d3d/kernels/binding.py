@@ -65,6 +65,9 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+KEPT_SCRATCH = 16 << 20  # bytes of a forward's scratch kept per thread and role (larger: fresh each call)
+
+
 def _contiguous_from(tensor: torch.Tensor, dim: int) -> bool:
     """Whether tensor[i, j, …] (the dims from `dim` on) is contiguous, from its strides alone."""
     expected = 1
@@ -170,7 +173,7 @@ class RowExactKernels:
                 print(f"d3d: AMX tiles not used: {self.amx_refused}; the AVX-512 path instead", file=sys.stderr)
         self.path_name = library.d3d_kernel_path().decode()
         self.greedy = greedy.GreedyHeads(self)  # the certified greedy heads (d3d.kernels.greedy)
-        self._kept_scratch = threading.local()  # `_scratch_at`'s buffers, per thread
+        self._kept_scratch = threading.local()  # `_scratch_for`'s buffers, per thread
 
     def tiles_keys(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether this build reads a cache's keys tiled (d3d.cache; attention.h), for keys of this
@@ -417,16 +420,19 @@ class RowExactKernels:
     def _scratch(self, rows: int, width: int) -> torch.Tensor:
         return torch.empty(self.library.d3d_linear_scratch(rows, width, torch.get_num_threads()), dtype=torch.float32)
 
-    def _scratch_at(self, role: str, elements: int, dtype: torch.dtype) -> int:
-        """The address of at least `elements` of scratch for `role`, kept for the calling thread and
-        grown when too small: what a forward writes and reads back within one call. A fresh buffer
-        each call was a torch allocation each — slow right after a forward, whose stream leaves
-        nothing of torch in the caches."""
+    def _scratch_for(self, role: str, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        """At least `elements` of scratch for `role` — what a forward writes and reads back within one
+        call —, kept for the calling thread and grown when too small, up to KEPT_SCRATCH bytes (a
+        larger one is fresh). A fresh buffer each call was a torch allocation each: slow right after
+        a forward, whose weights' stream leaves nothing of torch in the caches."""
         kept = self._kept_scratch.__dict__
         buffer = kept.get(role)
-        if buffer is None or buffer.numel() < elements or buffer.dtype != dtype:
-            buffer = kept[role] = torch.empty(max(elements, 1), dtype=dtype)
-        return buffer.data_ptr()
+        if buffer is not None and buffer.numel() >= elements and buffer.dtype == dtype:
+            return buffer
+        buffer = torch.empty(max(elements, 1), dtype=dtype)
+        if buffer.numel() * buffer.element_size() <= KEPT_SCRATCH:
+            kept[role] = buffer
+        return buffer
 
     # ---- the operations ----
 
@@ -512,10 +518,10 @@ class RowExactKernels:
         heads, dim = shape.heads, shape.head_dim
         assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
         width = (heads + 2 * shape.kv_heads) * dim
-        work = self._scratch_at("work", rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), x.dtype)
-        scores = self._scratch_at(
+        work = self._scratch_for("work", rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), x.dtype)
+        scores = self._scratch_for(
             "scores", self.library.d3d_segments_scratch(structs, len(segments), heads, shape.kv_heads, dim), torch.float32)
-        scratch = self._scratch_at("linear", self.library.d3d_linear_scratch(
+        scratch = self._scratch_for("linear", self.library.d3d_linear_scratch(
             rows, max(hidden, heads * dim, shape.intermediate), torch.get_num_threads()), torch.float32)
         out = torch.empty_like(x)
         captured, first = [], 0
@@ -529,7 +535,8 @@ class RowExactKernels:
                 ctypes.cast(ctypes.addressof(table.structs) + first * ctypes.sizeof(Layer), ctypes.POINTER(Layer)),
                 last + 1 - first, hidden, heads, shape.kv_heads, dim, shape.intermediate, shape.eps, dim ** -0.5,
                 x.data_ptr(), rope.data_ptr(), positions.data_ptr(), rope.shape[1], structs, len(segments), rows,
-                final_norm.data_ptr(), out.data_ptr(), work, scores, scratch, torch.get_num_threads())
+                final_norm.data_ptr(), out.data_ptr(), work.data_ptr(), scores.data_ptr(), scratch.data_ptr(),
+                torch.get_num_threads())
             self._fn("forward", x.dtype)(ctypes.byref(args))
             if last in capture:
                 captured.append(x.clone())
