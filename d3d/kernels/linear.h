@@ -482,7 +482,8 @@ LANES_COLUMNS(lanes_columns_t4, decode_t4)
 #if defined(__GNUC__) && defined(__x86_64__)
 #define T4_STR(x) #x
 #define T4_STRING(x) T4_STR(x)
-#define T4_COLUMN_ASM(c, a, b)                                                                       \
+/* decode_t4 of column c of the group at %[w] into ymm10, ymm8, ymm11, ymm9 (k order) */
+#define T4_DECODE_ASM(c)                                                                             \
     "vbroadcasti128 " #c "*48+32(%[w]), %%ymm8\n\t"   /* the codes */                              \
     "vpsrlvd %[shift], %%ymm8, %%ymm8\n\t"                                                           \
     "vpand %[nibble], %%ymm8, %%ymm8\n\t"                                                            \
@@ -495,29 +496,37 @@ LANES_COLUMNS(lanes_columns_t4, decode_t4)
     "vpslld $16, %%ymm8, %%ymm10\n\t"                                                                \
     "vpand %[odd], %%ymm8, %%ymm8\n\t"                                                               \
     "vpslld $16, %%ymm9, %%ymm11\n\t"                                                                \
-    "vpand %[odd], %%ymm9, %%ymm9\n\t"                                                               \
-    "vfmadd231ps (%[x]), %%ymm10, %[" #a "]\n\t"                                                     \
-    "vfmadd231ps 32(%[x]), %%ymm8, %[" #b "]\n\t"                                                    \
-    "vfmadd231ps 64(%[x]), %%ymm11, %[" #a "]\n\t"                                                   \
-    "vfmadd231ps 96(%[x]), %%ymm9, %[" #b "]\n\t"
+    "vpand %[odd], %%ymm9, %%ymm9\n\t"
+/* the decoded vectors into a row's two chains a, b; `row` the row's address (base, index) */
+#define T4_FMA_ASM(row, a, b)                                                                        \
+    "vfmadd231ps (" row "), %%ymm10, %[" #a "]\n\t"                                                  \
+    "vfmadd231ps 32(" row "), %%ymm8, %[" #b "]\n\t"                                                 \
+    "vfmadd231ps 64(" row "), %%ymm11, %[" #a "]\n\t"                                                \
+    "vfmadd231ps 96(" row "), %%ymm9, %[" #b "]\n\t"
+#define T4_COLUMN_ASM(c, a, b) T4_DECODE_ASM(c) T4_FMA_ASM("%[x]", a, b)
+/* a loop over the K / 32 blocks of a group's stream (%[w], 192 bytes a block, its 3 lines prefetched
+ * T4_AHEAD on) and of the rows (%[x], 32 floats a block): BODY per block */
+#define T4_LOOP_ASM(BODY)                                                                            \
+    "1:\n\t"                                                                                         \
+    "prefetchnta " T4_STRING(T4_AHEAD) "(%[w])\n\t"                                                  \
+    "prefetchnta " T4_STRING(T4_AHEAD) "+64(%[w])\n\t"                                               \
+    "prefetchnta " T4_STRING(T4_AHEAD) "+128(%[w])\n\t"                                              \
+    BODY                                                                                             \
+    "addq $192, %[w]\n\t"                                                                           \
+    "subq $-128, %[x]\n\t"                                                                          \
+    "decq %[n]\n\t"                                                                                 \
+    "jnz 1b"
+/* decode_t4's constants, in registers for the loop */
+#define T4_CONSTANTS                                                                                 \
+    __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), nibble = _mm256_set1_epi8(15);        \
+    __m256i odd = _mm256_set1_epi32((int)0xffff0000u)
 static void t4_one_row(const float *x, int64_t K, const char *w, float *res) {
     v8 a0 = v8_zero(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-    __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), nibble = _mm256_set1_epi8(15);
-    __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    T4_CONSTANTS;
     int64_t n = K / CHUNK;
     if (n > 0)
-        __asm__("1:\n\t"
-                "prefetchnta " T4_STRING(T4_AHEAD) "(%[w])\n\t"
-                "prefetchnta " T4_STRING(T4_AHEAD) "+64(%[w])\n\t"
-                "prefetchnta " T4_STRING(T4_AHEAD) "+128(%[w])\n\t"
-                T4_COLUMN_ASM(0, a0, b0)
-                T4_COLUMN_ASM(1, a1, b1)
-                T4_COLUMN_ASM(2, a2, b2)
-                T4_COLUMN_ASM(3, a3, b3)
-                "addq $192, %[w]\n\t"
-                "subq $-128, %[x]\n\t"
-                "decq %[n]\n\t"
-                "jnz 1b"
+        __asm__(T4_LOOP_ASM(T4_COLUMN_ASM(0, a0, b0) T4_COLUMN_ASM(1, a1, b1) T4_COLUMN_ASM(2, a2, b2)
+                            T4_COLUMN_ASM(3, a3, b3))
                 : [a0] "+x"(a0), [b0] "+x"(b0), [a1] "+x"(a1), [b1] "+x"(b1), [a2] "+x"(a2), [b2] "+x"(b2),
                   [a3] "+x"(a3), [b3] "+x"(b3), [w] "+r"(w), [x] "+r"(x), [n] "+r"(n)
                 : [shift] "x"(shift), [nibble] "x"(nibble), [odd] "x"(odd)
@@ -528,31 +537,9 @@ static void t4_one_row(const float *x, int64_t K, const char *w, float *res) {
 /* The same for two rows (a verification of one draft), two columns at a time: each column decoded
  * once for both rows, the rows `stride` bytes apart; the group's other two columns in a second pass,
  * from L1. */
-#define T4_PAIR_COLUMN_ASM(c, a, b, e, f)                                                            \
-    "vbroadcasti128 " #c "*48+32(%[w]), %%ymm8\n\t"                                                  \
-    "vpsrlvd %[shift], %%ymm8, %%ymm8\n\t"                                                           \
-    "vpand %[nibble], %%ymm8, %%ymm8\n\t"                                                            \
-    "vbroadcasti128 " #c "*48(%[w]), %%ymm9\n\t"                                                     \
-    "vpshufb %%ymm8, %%ymm9, %%ymm9\n\t"                                                             \
-    "vbroadcasti128 " #c "*48+16(%[w]), %%ymm10\n\t"                                                 \
-    "vpshufb %%ymm8, %%ymm10, %%ymm10\n\t"                                                           \
-    "vpunpcklbw %%ymm10, %%ymm9, %%ymm8\n\t"                                                         \
-    "vpunpckhbw %%ymm10, %%ymm9, %%ymm9\n\t"                                                         \
-    "vpslld $16, %%ymm8, %%ymm10\n\t"                                                                \
-    "vpand %[odd], %%ymm8, %%ymm8\n\t"                                                               \
-    "vpslld $16, %%ymm9, %%ymm11\n\t"                                                                \
-    "vpand %[odd], %%ymm9, %%ymm9\n\t"                                                               \
-    "vfmadd231ps (%[x]), %%ymm10, %[" #a "]\n\t"                                                     \
-    "vfmadd231ps 32(%[x]), %%ymm8, %[" #b "]\n\t"                                                    \
-    "vfmadd231ps 64(%[x]), %%ymm11, %[" #a "]\n\t"                                                   \
-    "vfmadd231ps 96(%[x]), %%ymm9, %[" #b "]\n\t"                                                    \
-    "vfmadd231ps (%[x],%[stride]), %%ymm10, %[" #e "]\n\t"                                           \
-    "vfmadd231ps 32(%[x],%[stride]), %%ymm8, %[" #f "]\n\t"                                          \
-    "vfmadd231ps 64(%[x],%[stride]), %%ymm11, %[" #e "]\n\t"                                         \
-    "vfmadd231ps 96(%[x],%[stride]), %%ymm9, %[" #f "]\n\t"
+#define T4_PAIR_COLUMN_ASM(c, a, b, e, f) T4_DECODE_ASM(c) T4_FMA_ASM("%[x]", a, b) T4_FMA_ASM("%[x],%[stride]", e, f)
 static void t4_two_rows(const float *x, int64_t K, const char *w, float *res) {
-    __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), nibble = _mm256_set1_epi8(15);
-    __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    T4_CONSTANTS;
     int64_t stride = K * (int64_t)sizeof(float);
     for (int c0 = 0; c0 < 4; c0 += 2) {
         v8 a0 = v8_zero(), b0 = a0, a1 = a0, b1 = a0, e0 = a0, f0 = a0, e1 = a0, f1 = a0;  /* row 0: a, b; row 1: e, f */
@@ -560,16 +547,7 @@ static void t4_two_rows(const float *x, int64_t K, const char *w, float *res) {
         const float *xr = x;
         int64_t n = K / CHUNK;
         if (n > 0)
-            __asm__("1:\n\t"
-                    "prefetchnta " T4_STRING(T4_AHEAD) "(%[w])\n\t"
-                    "prefetchnta " T4_STRING(T4_AHEAD) "+64(%[w])\n\t"
-                    "prefetchnta " T4_STRING(T4_AHEAD) "+128(%[w])\n\t"
-                    T4_PAIR_COLUMN_ASM(0, a0, b0, e0, f0)
-                    T4_PAIR_COLUMN_ASM(1, a1, b1, e1, f1)
-                    "addq $192, %[w]\n\t"
-                    "subq $-128, %[x]\n\t"
-                    "decq %[n]\n\t"
-                    "jnz 1b"
+            __asm__(T4_LOOP_ASM(T4_PAIR_COLUMN_ASM(0, a0, b0, e0, f0) T4_PAIR_COLUMN_ASM(1, a1, b1, e1, f1))
                     : [a0] "+x"(a0), [b0] "+x"(b0), [a1] "+x"(a1), [b1] "+x"(b1), [e0] "+x"(e0), [f0] "+x"(f0),
                       [e1] "+x"(e1), [f1] "+x"(f1), [w] "+r"(group), [x] "+r"(xr), [n] "+r"(n)
                     : [stride] "r"(stride), [shift] "x"(shift), [nibble] "x"(nibble), [odd] "x"(odd)
@@ -580,6 +558,10 @@ static void t4_two_rows(const float *x, int64_t K, const char *w, float *res) {
 }
 #undef T4_PAIR_COLUMN_ASM
 #undef T4_COLUMN_ASM
+#undef T4_FMA_ASM
+#undef T4_DECODE_ASM
+#undef T4_LOOP_ASM
+#undef T4_CONSTANTS
 #define T4_ONE_ROW 1
 #endif
 
