@@ -419,7 +419,7 @@ class Decoder(nn.Module):
                 c = self.config
                 shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
                 assert cache.pending == length, "the forward must follow reserve() with the same token count"
-                rope, positions = self.rope_table_as(embeds.dtype), self.clamp_positions(positions)
+                rope = self.rope_table_as(embeds.dtype)  # positions past it: its last row, in the kernels
                 hiddens, chunks, begin = [], [], 0
                 for end in chunk_bounds(length, cache.length, mask, PREFILL_CHUNK):
                     hidden, features = kernels.forward(
@@ -510,7 +510,7 @@ class Decoder(nn.Module):
         shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
         hidden, captured = self.row_exact.forward_segments(
             table, shape, embeds, self.rope_table_as(embeds.dtype),
-            self.clamp_positions(torch.cat(positions)), segments, self.norm.weight, feature_layers)
+            torch.cat(positions), segments, self.norm.weight, feature_layers)
         return hidden, torch.cat(captured, -1) if captured else None
 
     def _part_alone(self, part: SequenceRows, feature_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

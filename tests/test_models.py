@@ -195,12 +195,13 @@ def test_row_exact_forward_does_not_depend_on_the_thread_count(threads):
     assert torch.equal(together, reference) and torch.equal(one_by_one, reference)
 
 
-def per_op_forward(decoder: Decoder, ids: torch.Tensor, cache, mask=None, kernels=None) -> torch.Tensor:
+def per_op_forward(decoder: Decoder, ids: torch.Tensor, cache, mask=None, kernels=None, positions=None) -> torch.Tensor:
     """Logits from one kernel call per operation (the layers' own forward), not the fused C forward:
     the row-exact kernels', or those given (`TorchKernels`: PyTorch's own ops)."""
     kernels = kernels or decoder.row_exact
     batch, length = ids.shape
-    positions = torch.arange(cache.length, cache.length + length)[None].expand(batch, -1)
+    if positions is None:
+        positions = torch.arange(cache.length, cache.length + length)[None].expand(batch, -1)
     cache.reserve(length)
     cos, sin = decoder.rope(positions, decoder.dtype)
     x = decoder.embed_tokens(ids)
@@ -229,6 +230,29 @@ def test_fused_forward_is_the_per_op_forward(dtype, family):
         assert torch.equal(fused_cache.keys, per_op_cache.keys) and torch.equal(fused_cache.values, per_op_cache.values)
         fused_cache.commit(kept)
         per_op_cache.commit(kept)
+
+
+@torch.no_grad()
+def test_positions_past_the_rotary_table_take_its_last_row():
+    """Positions past the rotary table (async branches drafted beyond the length limit) reuse its last
+    row: the fused forward, which clamps in the kernels, gives the bits of the position just below the
+    limit and of the per-op forward, which clamps in PyTorch; negative control: one row earlier differs."""
+    decoder = make_decoder(tiny_config(), dtype=torch.bfloat16)
+    last = decoder.rope_table.shape[1] - 1
+    ids = random_ids(1, seed=5)
+
+    def at(position: int, fused: bool = True) -> torch.Tensor:
+        cache = decoder.new_cache()
+        decoder(random_ids(3, seed=6), cache=cache)
+        cache.commit()
+        positions = torch.tensor([[position]])
+        if fused:
+            return decoder.final_hidden(ids, positions=positions, cache=cache)[0]
+        return per_op_forward(decoder, ids, cache, positions=positions)
+
+    beyond = at(last + 5)
+    assert torch.equal(beyond, at(last)) and not torch.equal(beyond, at(last - 1))
+    assert torch.equal(decoder.logits(beyond), at(last + 5, fused=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -186,12 +186,13 @@ static void rope_store_body_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, cons
                                      const int64_t *positions, T_ELEM *q_out, T_ELEM *k_cache,       \
                                      T_ELEM *v_cache, int64_t B, int64_t T, int64_t H, int64_t Hkv,  \
                                      int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head,    \
-                                     int64_t v_row, int64_t v_part, int64_t k_tiled) {               \
+                                     int64_t v_row, int64_t v_part, int64_t k_tiled, int64_t last) { \
     int64_t width = (H + 2 * Hkv) * D;                                                               \
     _Pragma("omp for schedule(static)")  /* threads split (row, head) items: each item's own arithmetic */ \
     for (int64_t item = 0; item < B * T * (H + Hkv); item++) {                                       \
         int64_t m = item / (H + Hkv), h = item % (H + Hkv);                                          \
-        int64_t b = m / T, slot = start + m % T, row_at = (positions ? positions[m] : m) * D;        \
+        int64_t b = m / T, slot = start + m % T, at_row = positions ? positions[m] : m;              \
+        int64_t row_at = (at_row < last ? at_row : last) * D;  /* past the tables: their last row */  \
         const T_ELEM *row = qkv + m * width, *c = cos_ + row_at, *s = sin_ + row_at;                 \
         if (h < H) {                                                                                 \
             rotate_##SUFFIX(row + h * D, c, s, q_out + (m * H + h) * D, D);                          \
@@ -215,7 +216,7 @@ void d3d_rope_store_##SUFFIX(const T_ELEM *qkv, const T_ELEM *cos_, const T_ELEM
                              int64_t Hkv, int64_t D, int64_t start, int64_t kv_batch, int64_t kv_head, \
                              int64_t v_row, int64_t v_part, int64_t k_tiled) {                       \
     rope_store_body_##SUFFIX(qkv, cos_, sin_, NULL, q_out, k_cache, v_cache, B, T, H, Hkv, D, start, \
-                             kv_batch, kv_head, v_row, v_part, k_tiled);                             \
+                             kv_batch, kv_head, v_row, v_part, k_tiled, INT64_MAX);                  \
 }
 
 ROPE_STORE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)

@@ -164,7 +164,8 @@ static inline __attribute__((always_inline)) v8 exp_fixed8(v8 x) {
  * of one call (continuous batching), each row's bits those of the row alone. Cache element
  * (l, g, s, d) of a segment at l*kv_layer + g*kv_head + s*D + d from its k_cache (or tiled, with
  * k_tiled), v_cache's by its v_row and v_part (attention.h).
- * `rope`: (2, P, D) cos and sin tables; `positions` (M) rows of them. A segment's `mask`:
+ * `rope`: (2, P, D) cos and sin tables; `positions` (M) rows of them (past P - 1 the last: only async
+ * branches drafted beyond the length limit reach them, never verified). A segment's `mask`:
  * (rows, start+rows) bytes, or NULL for causal (d3d_segment, attention.h). Scratch: `work`
  * (M, hidden + width + 2 H D + 3 I) elements, `scores` d3d_segments_scratch floats, `linear_scratch` d3d_linear_scratch(M, max width, threads) floats.
  * ------------------------------------------------------------------------------------------- */
@@ -239,7 +240,8 @@ void d3d_forward_##SUFFIX(const d3d_forward_args *a) {                          
             rope_store_body_##SUFFIX(qkv + m * width, rope, rope + a->rope_positions * D, a->positions + m, \
                                      q + m * H * D, (T_ELEM *)g->k_cache + l * g->kv_layer,          \
                                      (T_ELEM *)g->v_cache + l * g->kv_layer, 1, g->rows, H, Hkv, D,  \
-                                     g->start, 0, g->kv_head, g->v_row, g->v_part, g->k_tiled);      \
+                                     g->start, 0, g->kv_head, g->v_row, g->v_part, g->k_tiled,       \
+                                     a->rope_positions - 1);                                         \
         }                                                                                            \
         STAGE(STAGE_ROPE);                                                                           \
         d3d_attention_##SUFFIX##_segments_body(q, attn, a->segments, a->num_segments, l, H, Hkv, D,   \
