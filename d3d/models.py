@@ -422,9 +422,11 @@ class Decoder(nn.Module):
                 rope = self.rope_table_as(embeds.dtype)  # positions past it: its last row, in the kernels
                 hiddens, chunks, begin = [], [], 0
                 for end in chunk_bounds(length, cache.length, mask, PREFILL_CHUNK):
+                    whole = begin == 0 and end == length  # one chunk: the tensors themselves, not views
                     hidden, features = kernels.forward(
-                        table, shape, embeds[:, begin:end], rope, positions[:, begin:end], cache.keys,
-                        cache.values, cache.length + begin, None if mask is None else mask[:, begin:end, :cache.length + end],
+                        table, shape, embeds if whole else embeds[:, begin:end], rope,
+                        positions if whole else positions[:, begin:end], cache.keys, cache.values, cache.length + begin,
+                        mask if mask is None or whole else mask[:, begin:end, :cache.length + end],
                         self.norm.weight, feature_layers)
                     hiddens.append(hidden)
                     chunks.append(torch.cat(features, -1) if features else None)

@@ -473,28 +473,28 @@ class RowExactKernels:
         The same kernels as the per-op calls, so the same bits (tested); capturing splits the call at
         the captured layers and changes no bit either.
 
-        rope: (2, P, D) cos/sin tables in x's dtype; positions (B, T) rows of them, below P. keys,
+        rope: (2, P, D) cos/sin tables in x's dtype; positions (B, T) rows of them (past P - 1: its last). keys,
         values: the KV cache (L, B, H_kv, capacity, D), or split or tiled (d3d.cache); the new tokens' go
         to slots start … start+T-1.
         Each batch row is a segment of `forward_segments`.
         """
-        batch, length, hidden = x.shape
+        batch, length, _ = x.shape
         assert keys.shape[1] == batch, "KV batch rows != x's"
         if mask is not None:
             assert mask.shape == (batch, length, start + length), f"mask {tuple(mask.shape)}"
         segments = [Segment(length, keys[:, b], values[:, b], start, None if mask is None else mask[b])
                     for b in range(batch)]
-        out, captured = self.forward_segments(table, shape, x.reshape(batch * length, hidden), rope,
-                                              positions.reshape(-1), segments, final_norm, capture)
-        return out.view(batch, length, hidden), [c.view(batch, length, hidden) for c in captured]
+        return self.forward_segments(table, shape, x, rope, positions, segments, final_norm, capture)
 
     def forward_segments(self, table: LayerTable, shape: DecoderShape, x: torch.Tensor, rope: torch.Tensor,
                          positions: torch.Tensor, segments: Sequence[Segment], final_norm: torch.Tensor,
                          capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """`forward` over x (M, hidden): the rows of several sequences, each `Segment` after its own
-        cache — every linear layer runs once over all M rows, attention per segment. positions (M,).
-        Row-exact kernels make each row's bits those of its sequence decoded alone."""
-        rows, hidden = x.shape
+        """`forward` over x (M, hidden) — or (B, T, hidden), M = B·T, its rows in order —: the rows of
+        several sequences, each `Segment` after its own cache — every linear layer runs once over all M
+        rows, attention per segment. positions (M,), or (B, T). The outputs have x's shape. Row-exact
+        kernels make each row's bits those of its sequence decoded alone."""
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden
         assert sum(segment.rows for segment in segments) == rows, "segment rows != x's rows"
         structs = (SegmentArgs * len(segments))()
         masks = []  # kept alive through the call
