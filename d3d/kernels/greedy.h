@@ -107,9 +107,8 @@ static inline __attribute__((always_inline)) void greedy_rows(
     for (int p = 0; p < P; p++) {                                                                    \
         const int8_t *row_ = codes + (v + p) * K;                                                    \
         float sv_ = scale[(v + p) * blocks + (b)];                                                   \
-        __m256i w_ = _mm256_loadu_si256((const __m256i *)(row_ + (b) * GREEDY_BLOCK));               \
-        __m256i lo_ = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w_));                              \
-        __m256i hi_ = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w_, 1));                         \
+        __m256i lo_ = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row_ + (b) * GREEDY_BLOCK))); \
+        __m256i hi_ = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row_ + (b) * GREEDY_BLOCK + 16))); \
         for (int r = 0; r < R; r++) {                                                                \
             const int16_t *xr_ = xc + r * K + (b) * GREEDY_BLOCK;                                    \
             __m256i p_ = _mm256_add_epi32(_mm256_madd_epi16(lo_, _mm256_loadu_si256((const __m256i *)xr_)), \
