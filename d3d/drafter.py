@@ -318,9 +318,9 @@ class Drafter(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, T) ids, MASK included → (B, T, hidden)."""
         if self.mask_embedding is None:  # an AR drafter: token ids only
-            return self.decoder.embed_tokens(ids)
+            return self.decoder.embed(ids)
         is_mask = ids == self.config.mask_token_id
-        embeds = self.decoder.embed_tokens(ids.masked_fill(is_mask, 0))
+        embeds = self.decoder.embed(ids.masked_fill(is_mask, 0))
         return torch.where(is_mask[..., None], self.mask_embedding.to(embeds.dtype), embeds)
 
     def packed_hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

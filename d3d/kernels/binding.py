@@ -414,11 +414,13 @@ class RowExactKernels:
     def _attention_scratch(self, batch: int, length: int, heads: int, kv_heads: int, keys: int,
                            dim: int) -> torch.Tensor:
         """The attention's scores of one block of queries, and their softmax sums (attention.h)."""
-        return torch.empty(self.library.d3d_attention_scratch(batch, length, heads, kv_heads, keys, dim),
-                           dtype=torch.float32)
+        return self._scratch_for("scores", self.library.d3d_attention_scratch(batch, length, heads, kv_heads, keys, dim),
+                                 torch.float32)
 
     def _scratch(self, rows: int, width: int) -> torch.Tensor:
-        return torch.empty(self.library.d3d_linear_scratch(rows, width, torch.get_num_threads()), dtype=torch.float32)
+        """A linear's scratch over `rows` rows of inputs up to `width` wide (linear.h)."""
+        return self._scratch_for("linear", self.library.d3d_linear_scratch(rows, width, torch.get_num_threads()),
+                                 torch.float32)
 
     def _scratch_for(self, role: str, elements: int, dtype: torch.dtype) -> torch.Tensor:
         """At least `elements` of scratch for `role` — what a forward writes and reads back within one
@@ -521,8 +523,7 @@ class RowExactKernels:
         work = self._scratch_for("work", rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), x.dtype)
         scores = self._scratch_for(
             "scores", self.library.d3d_segments_scratch(structs, len(segments), heads, shape.kv_heads, dim), torch.float32)
-        scratch = self._scratch_for("linear", self.library.d3d_linear_scratch(
-            rows, max(hidden, heads * dim, shape.intermediate), torch.get_num_threads()), torch.float32)
+        scratch = self._scratch(rows, max(hidden, heads * dim, shape.intermediate))
         out = torch.empty_like(x)
         captured, first = [], 0
         for last in [*capture, table.layers - 1]:  # layers first … last in one call

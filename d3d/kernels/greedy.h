@@ -14,7 +14,7 @@
  * candidates), whose exact logits d3d_greedy_ids computes with the exact head's own chains. E reads
  * two floats per block of every vocabulary row; the pass over all of them takes a looser E' >= E (the
  * row's largest block error and scale, two floats a vocabulary row) and E is computed for the rows E'
- * leaves only — the same candidates (greedy_candidates says why). On SmolLM2-135M's head the
+ * leaves only — the same candidates (d3d_greedy_candidates says why). On SmolLM2-135M's head the
  * candidates number 1 at the median and 9 at most (scripts/head_bound.py); the approximate head
  * reads 32 MB at memory speed where the exact one decodes its blocks to bf16.
  *
@@ -166,13 +166,13 @@ static inline float greedy_floor(float low, float high) {
 
 #define GREEDY_LOOSE_CAP 4096  /* vocabulary rows a row's loose bound may leave before it takes the exact head */
 
-/* d3d_greedy_candidates for rows of fp32 x: the loose pass over all vocabulary rows, then E for the rows
+/* The candidates of rows of fp32 x: the loose pass over all vocabulary rows, then E for the rows
  * it leaves only. Those include every row whose A - E or A + E is the largest (E' >= E), so the largest
  * of each over them is the largest over all, and the candidates are the rows whose A + E reach the
  * floor of those — the rows E alone would have kept. */
-static void greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
-                              const float *error, const float *limits, int64_t V, int64_t cap, int64_t *candidates,
-                              int64_t *counts, int threads) {
+void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
+                           const float *error, const float *limits, int64_t V, int64_t cap, int64_t *candidates,
+                           int64_t *counts, int threads) {
     /* the approximate logits and loose bounds: scratch of the calling thread's, kept (a fresh 1.5 MB
      * a call cost its page faults every step) */
     static _Thread_local float *scratch = NULL;
@@ -264,12 +264,6 @@ static void greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t
     }
 }
 
-void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
-                           const float *error, const float *limits, int64_t V, int64_t cap, int64_t *candidates,
-                           int64_t *counts, int threads) {
-    greedy_candidates(x, M, K, codes, scale, error, limits, V, cap, candidates, counts, threads);
-}
-
 #define GREEDY_CAP 64  /* candidates a row may have before it takes the exact head (SmolLM2-135M: 9 at most) */
 #define GREEDY_RUN 4   /* vocabulary rows computed together: a run of a quantized stream is a pointer into it */
 
@@ -292,7 +286,7 @@ int64_t d3d_greedy_ids(const uint16_t *x, int64_t M, int64_t K, const int8_t *co
         for (int64_t m = 0; m < R; m++) ids[m0 + m] = -1;
         if (!rows_f32 || !scratch) continue;
         for (int64_t i = 0; i < R * K; i++) rows_f32[i] = bf16_to_f32(x[m0 * K + i]);
-        greedy_candidates(rows_f32, R, K, codes, scale, error, limits, V, GREEDY_CAP, found, counts, threads);
+        d3d_greedy_candidates(rows_f32, R, K, codes, scale, error, limits, V, GREEDY_CAP, found, counts, threads);
         int64_t row_bytes = K / CHUNK * block_bytes(format);
         for (int64_t m = 0; m < R; m++) {
             int64_t best = -1, run = -1;
