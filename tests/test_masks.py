@@ -1,11 +1,13 @@
-"""Attention masks, checked against hand-written matrices (True = attend)."""
+"""Attention masks, checked against hand-written matrices (True = attend), and a decoder under them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from conftest import make_decoder, tiny_config
 from d3d.masks import causal_mask, draft_mask
+from d3d.models import Decoder
 
 
 def m(rows: list[str]) -> torch.Tensor:
@@ -64,3 +66,74 @@ def test_draft_mask_no_clean_tokens(mode):
                 "anchor_causal": m(["111..", "11111", "11111"]),
                 "bidirectional": m(["11111", "11111", "11111"])}[mode]
     assert torch.equal(mask, expected)
+
+
+# -- a decoder under explicit masks ----------------------------------------------------------------------------
+
+CLEAN, BLOCK = 5, 4  # rows 0-4 clean, row 5 the anchor, rows 6-8 the block's later positions
+
+
+@torch.no_grad()
+def masked_logits(decoder: Decoder, ids: list[int], mode: str) -> torch.Tensor:
+    mask = draft_mask(CLEAN, BLOCK, 0, mode)[None]
+    return decoder(torch.tensor([ids]), mask=mask)[0]
+
+
+def changed(ids: list[int], position: int) -> list[int]:
+    out = list(ids)
+    out[position] = (out[position] + 1) % 64
+    return out
+
+
+@pytest.fixture
+def mask_decoder():
+    return make_decoder(tiny_config("qwen3"))
+
+
+BASE_IDS = [3, 14, 15, 9, 26, 5, 35, 8, 9]
+ANCHOR = CLEAN
+
+
+def test_anchor_causal_mask(mask_decoder):
+    """anchor_causal: the anchor ignores the block after it; later block positions see each other."""
+    base = masked_logits(mask_decoder, BASE_IDS, "anchor_causal")
+    later = masked_logits(mask_decoder, changed(BASE_IDS, ANCHOR + 2), "anchor_causal")
+    assert torch.equal(base[:ANCHOR + 1], later[:ANCHOR + 1])  # clean rows and anchor untouched
+    assert not torch.allclose(base[ANCHOR + 1], later[ANCHOR + 1])  # position 1 sees position 2
+    # The anchor row is the ordinary causal next-token prediction.
+    plain = mask_decoder(torch.tensor([BASE_IDS[:ANCHOR + 1]]))[0, -1]
+    torch.testing.assert_close(base[ANCHOR], plain, atol=1e-5, rtol=1e-5)
+    # Everything in the block sees the clean context.
+    earlier = masked_logits(mask_decoder, changed(BASE_IDS, 1), "anchor_causal")
+    assert not torch.allclose(base[ANCHOR:], earlier[ANCHOR:])
+
+
+def test_bidirectional_mask(mask_decoder):
+    """bidirectional: an early block position (the anchor too) sees later ones; clean rows do not."""
+    base = masked_logits(mask_decoder, BASE_IDS, "bidirectional")
+    later = masked_logits(mask_decoder, changed(BASE_IDS, ANCHOR + 3), "bidirectional")
+    assert torch.equal(base[:ANCHOR], later[:ANCHOR])
+    assert not torch.allclose(base[ANCHOR], later[ANCHOR])
+    assert not torch.allclose(base[ANCHOR + 1], later[ANCHOR + 1])
+
+
+def test_causal_block_mask(mask_decoder):
+    """causal: no block position sees a later one, and the result equals an unmasked forward."""
+    base = masked_logits(mask_decoder, BASE_IDS, "causal")
+    later = masked_logits(mask_decoder, changed(BASE_IDS, ANCHOR + 2), "causal")
+    assert torch.equal(base[:ANCHOR + 2], later[:ANCHOR + 2])
+    assert not torch.allclose(base[ANCHOR + 2], later[ANCHOR + 2])
+    torch.testing.assert_close(base, mask_decoder(torch.tensor([BASE_IDS]))[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_explicit_mask_over_a_cache(mask_decoder):
+    """A draft mask after cached context: the anchor row equals the cached causal prediction."""
+    ids = torch.tensor([BASE_IDS])
+    cache = mask_decoder.new_cache()
+    mask_decoder(ids[:, :3], cache=cache)
+    cache.commit()
+    mask = draft_mask(2, BLOCK, 3, "anchor_causal")[None]
+    out = mask_decoder(ids[:, 3:], cache=cache, mask=mask)[0]
+    plain = mask_decoder(ids[:, :ANCHOR + 1])[0, -1]
+    torch.testing.assert_close(out[2], plain, atol=1e-5, rtol=1e-5)

@@ -16,10 +16,11 @@ C call (each stage the body of the per-op kernel, so the same bits):
 This package computes; it is handed tensors and sizes and knows nothing of tokens or caches.
 """
 
-from d3d.kernels.binding import DecoderShape, RowExactKernels, Segment, row_exact_kernels
+from d3d.kernels.binding import RowExactKernels, row_exact_kernels
 from d3d.kernels.build import KernelBuildError, build, cpu_flags_line
 from d3d.kernels.layer_table import LayerTable
 from d3d.kernels.packing import WEIGHT_FORMATS, HugePageArena, StreamPart, WeightStream
+from d3d.kernels.segments import DecoderShape, Segment
 from d3d.kernels.structs import LAYER_SLOTS, LINEAR_SLOTS
 from d3d.kernels.torch_ops import KVSlots, TorchKernels
 

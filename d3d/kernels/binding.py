@@ -18,18 +18,18 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from d3d.cache import V_PART, covering_tiles, is_split, is_tiled, slots_of
+from d3d.cache import covering_tiles, is_split, is_tiled, slots_of
 from d3d.config import MAX_HEAD_DIM
 from d3d.kernels import greedy
 from d3d.kernels.build import KernelBuildError, build
 from d3d.kernels.packing import (BLOCK, BLOCK_BYTES, WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks,
                                  column_packed, lane_packed)
+from d3d.kernels.segments import DecoderShape, Segment, contiguous_from, value_strides
 from d3d.kernels.structs import ForwardArgs, Layer, SegmentArgs, Weight
 from d3d.kernels.torch_ops import KVSlots, TorchKernels
 
@@ -37,56 +37,11 @@ if TYPE_CHECKING:
     from d3d.kernels.layer_table import LayerTable
 
 
-def value_strides(keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
-    """(v_row, v_part) of attention.h for values beside their keys: elements between two slots' values
-    and between two V_PART-wide slices of d — rows of D (…, S, D), or a split cache's slices
-    (…, D / V_PART, S, V_PART: d3d.cache), told apart by the extra dimension."""
-    if is_split(keys, values):
-        return values.stride(-2), values.stride(-3)
-    return values.stride(-2), V_PART * values.stride(-1)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One sequence's rows in a fused forward (`RowExactKernels.forward_segments`): `rows` new tokens
-    stored at slots start … start+rows-1 of its own KV cache (keys: (L, H_kv, capacity, D) or tiled:
-    (L, H_kv, ⌈capacity / KEY_TILE⌉, D / 2, KEY_TILE, 2); values the same or split: (L, H_kv, D / V_PART,
-    capacity, V_PART) — views, e.g. one batch row of a `KVCache`),
-    attending over its cache only, causally or by `mask` (rows, start+rows)."""
-
-    rows: int
-    keys: torch.Tensor
-    values: torch.Tensor
-    start: int
-    mask: torch.Tensor | None = None
-
-
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
 KEPT_SCRATCH = 16 << 20  # bytes of a forward's scratch kept per thread and role (larger: fresh each call)
-
-
-def _contiguous_from(tensor: torch.Tensor, dim: int) -> bool:
-    """Whether tensor[i, j, …] (the dims from `dim` on) is contiguous, from its strides alone."""
-    expected = 1
-    for size, stride in zip(reversed(tensor.shape[dim:]), reversed(tensor.stride()[dim:])):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-@dataclass(frozen=True)
-class DecoderShape:
-    """The sizes `RowExactKernels.forward` needs besides the weights."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    eps: float
 
 
 class RowExactKernels:
@@ -503,7 +458,7 @@ class RowExactKernels:
         for struct, segment in zip(structs, segments):
             keys, values = segment.keys, segment.values
             assert keys.dtype == x.dtype == values.dtype and keys.stride()[:2] == values.stride()[:2]
-            assert _contiguous_from(keys, 2), "a cache's slots must be contiguous"
+            assert contiguous_from(keys, 2), "a cache's slots must be contiguous"
             assert segment.start + segment.rows <= slots_of(keys, values), "KV slots out of range"
             struct.v_row, struct.v_part = value_strides(keys, values)
             struct.k_tiled = self._key_layout(keys, values, shape.head_dim)
