@@ -87,22 +87,26 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
     x = (torch.randn(25, width, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
     bias = torch.randn(outputs, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     residual = torch.randn(25, outputs, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(25)])
     grouped = kernels.grouped_rows
     if grouped:  # a few rows read the grouped blocks where this path has a form for them
         made = kernels._grouped_stream(weight, kernels.stream(weight))
-        forms = {"u4": {"t4"}, "s4": {"t4"}} if kernels.lane_packs else {"u4": {"g4", "a4"}, "i8": {"g8"}}
+        forms = {"u4": {"t4"}, "s4": {"t4"}} if kernels.lane_packs else {"u4": {"g4", "a4", "l4"}, "i8": {"g8"}}
         assert (made and made.format) in forms.get(kernels.stream(weight).format, {None}), made
     try:
-        # several rows from the bf16 values, one from the grouped blocks (AVX-512 BF16), or decoding the blocks
+        # several rows from the bf16 values, one from the grouped blocks (AVX-512 BF16), or decoding the blocks;
+        # looked-up blocks (L4) at every row count, through the plain layout's chains
         for dense_rows, kernels.grouped_rows in ((True, grouped), (True, False), (False, False)):
             kernels.dense_rows = dense_rows
-            for rows in (1, 2, 3, 5, 6, 16, 17, 24, 25):  # AVX2: pair tiles over the bf16 values from 3 rows;
+            streams = kernels._weight(weight)[1]
+            looked_up = len(streams) == 3 and streams[2] is not None and streams[2].format == "l4"
+            same = kernels.linear_reference if looked_up else kernels.linear
+            alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(25)])
+            for rows in (1, 2, 3, 4, 5, 6, 16, 17, 24, 25):  # AVX2: pair tiles over the bf16 values from 3 rows;
                 # decoding the blocks, fused tiles to 24 rows and the strip beyond
-                assert torch.equal(kernels.linear(x[:rows], weight, bias), kernels.linear(x[:rows], plain, bias)), rows
+                assert torch.equal(kernels.linear(x[:rows], weight, bias), same(x[:rows], plain, bias)), rows
                 assert torch.equal(kernels.linear(x[:rows], weight, bias), alone[:rows]), rows
                 assert torch.equal(kernels.linear(x[:rows], weight, None, residual[:rows]),
-                                   kernels.linear(x[:rows], plain, None, residual[:rows])), rows
+                                   same(x[:rows], plain, None, residual[:rows])), rows
     finally:
         kernels.dense_rows, kernels.grouped_rows = True, grouped
 
@@ -231,4 +235,18 @@ def test_the_embedded_gguf_streams_its_own_blocks_with_the_dequantized_logits():
             results.append((first, together, torch.stack(steps)))
     (first, together, steps), (first_bf16, together_bf16, steps_bf16) = results
     assert torch.equal(together, steps), "a 17-row forward differs from its one-token steps"
-    assert torch.equal(first, first_bf16) and torch.equal(together, together_bf16) and torch.equal(steps, steps_bf16)
+    looked_up = {name for name, w in weights.items() if kernels.one_row_stream(w).format == "l4"}
+    if not looked_up:
+        assert torch.equal(first, first_bf16) and torch.equal(together, together_bf16) and torch.equal(steps, steps_bf16)
+        return
+    # AVX-512 BF16 with the lookups: the 4-bit weights' chains are the plain layout's, the bf16 weights'
+    # the packed layout's — so weight by weight, the stream's linear is its dequantized values' linear
+    # through the chains it takes, at one row and at 17
+    assert "lm_head.weight" not in looked_up and all(".layers." in name or "layers." in name for name in looked_up)
+    bf16_weights = dequantized.decoder.linear_weights()
+    x = (torch.randn(17, 1536, generator=generator) * 2).to(torch.bfloat16)
+    for name, w in weights.items():
+        rows = x[:, :w.shape[1]]
+        same = kernels.linear_reference if name in looked_up else kernels.linear
+        for count in (1, 17):
+            assert torch.equal(kernels.linear(rows[:count], w, None), same(rows[:count], bf16_weights[name], None)), name

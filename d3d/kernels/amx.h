@@ -208,15 +208,12 @@ static void grouped_panel(const d3d_part *grouped, int64_t g0, int G, int64_t K,
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Q4 blocks as the tiles' first operand (formats.h's A4). A 4-bit block has 16 values, so a column's
- * 32 weights decode as a lookup: the block's table bf16(fma(s, q, o)) for q = 0 … 15 (the decoders'
- * operations, so the same values), indexed by its codes — vpmultishiftqb puts each code in the low
- * bits of a 16-bit index, vpermw reads the table (its 16 entries twice: the index's fifth bit is the
- * next code's). That takes about half the vector operations of grouped_pair, but needs the weights
- * of a tile row to share a column: so the weight tile is the first operand (16 columns x 32 k) and
- * x's rows, as k pairs, the second (16 pairs x up to 16 rows), giving each output (column, row) from
- * the same pair products in the same order as the weights-second form — the products commute, and
- * the hardware gives the same bits either way round (docs/amx.md; tests/test_amx.py compares every
+ * Q4 blocks as the tiles' first operand (formats.h's A4): each column's 32 weights decode as a lookup in
+ * its block's table (linear.h's lookup_block, about half the vector operations of grouped_pair), which
+ * needs the weights of a tile row to share a column: so the weight tile is the first operand (16
+ * columns x 32 k) and x's rows, as k pairs, the second (16 pairs x up to 16 rows), giving each output
+ * (column, row) from the same pair products in the same order as the weights-second form — the
+ * products commute, and the hardware gives the same bits either way round (docs/amx.md; tests/test_amx.py compares every
  * row count's rows with the row alone, across the two forms).
  * ------------------------------------------------------------------------------------------- */
 #if defined(__AVX512VBMI__)
@@ -224,33 +221,10 @@ static void grouped_panel(const d3d_part *grouped, int64_t g0, int G, int64_t K,
 #define A4_AHEAD 12288  /* bytes ahead in a thread's stream prefetched into L2 (Xeon, 2 threads, the
                          * model's 120 Q4 matrices: none or 1.5 KB ahead ~13 GB/s, 6-12 KB ~15-16) */
 
-/* The multishift control: output qword j's words read source qword j % 2 (the 16 code bytes are
- * broadcast to every 128-bit lane) at the 4-bit slots formats.h's A4 puts weights 4j … 4j + 3 in. */
-static inline __m512i a4_control(void) {
-    uint64_t ctrl[8];
-    for (int j = 0; j < 8; j++) {
-        uint64_t c = 0;
-        for (int i = 0; i < 4; i++) {
-            uint64_t bit = 4 * ((j / 2) * 4 + i);
-            c |= bit << (16 * i) | bit << (16 * i + 8);
-        }
-        ctrl[j] = c;
-    }
-    return _mm512_loadu_si512(ctrl);
-}
-
-/* Bit of weight k's code within an A4 block's 16 bytes. */
-static inline int a4_bit(int k) { return 64 * ((k / 4) % 2) + 4 * (4 * (k / 8) + k % 4); }
-
 /* One weight tile: the 16 columns' blocks from `at` on, each a 64-byte row of 32 bf16 values in k order. */
 static inline __attribute__((always_inline)) void a4_tile(const block_u4 *at, __m512i control, uint16_t *buf) {
-    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int j = 0; j < 16; j++) {
-        __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(at[j].scale), codes, _mm512_set1_ps(at[j].offset));
-        __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
-        __m512i index = _mm512_multishift_epi64_epi8(control, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)at[j].q)));
-        _mm512_store_si512(buf + 32 * j, _mm512_permutexvar_epi16(index, table));
-    }
+    const __m512 codes = lookup_codes();
+    for (int j = 0; j < 16; j++) _mm512_store_si512(buf + 32 * j, (__m512i)lookup_block(&at[j], control, codes));
 }
 
 /* Block b of the 16-column group g of an A4 weight (`groups` groups, `blocks` blocks a row): groups
@@ -280,7 +254,7 @@ static int64_t a4_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
             const block_u4 *from = block_at(w, n, b, K, &format);
             block_u4 *to = (block_u4 *)a4_at(out, n / 16, b, groups, blocks) + n % 16;
             to->scale = from->scale, to->offset = from->offset;
-            for (int k = 0; k < CHUNK; k++) to->q[a4_bit(k) / 8] |= (uint8_t)(nibble(from->q, k) << (a4_bit(k) % 8));
+            for (int k = 0; k < CHUNK; k++) place_code(to, k, nibble(from->q, k));
         }
     return size;
 }
@@ -335,7 +309,7 @@ static void amx_a4_body(const uint16_t *x, int64_t x_stride, const d3d_part *a4,
                 transpose16(rows_, moved);
                 for (int j = 0; j < 16; j++) _mm512_store_ps(pairs + (rt * (K / 2) + kp + j) * AMX_ROWS, moved[j]);
             }
-    const __m512i control = a4_control();
+    const __m512i control = lookup_control();
     uint16_t buf[2][16 * AMX_K] __attribute__((aligned(64)));
     float out[AMX_ROWS][AMX_ROWS] __attribute__((aligned(64)));
     int state = 0;

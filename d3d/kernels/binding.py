@@ -114,6 +114,7 @@ class RowExactKernels:
         self.grouped_rows = bool(library.d3d_grouped_linear())
         self._grouped: dict[tuple[int, bool], tuple[weakref.ref, int, WeightStream | None]] = {}  # (id, amx)
         self.arena = HugePageArena()
+        self._kept_scratch = threading.local()  # `_scratch_for`'s buffers, per thread (the AMX check below uses them)
         library.d3d_amx.argtypes = [i32]
         library.d3d_amx.restype = i32
         library.d3d_kernel_path.restype = ctypes.c_char_p
@@ -128,7 +129,6 @@ class RowExactKernels:
                 print(f"d3d: AMX tiles not used: {self.amx_refused}; the AVX-512 path instead", file=sys.stderr)
         self.path_name = library.d3d_kernel_path().decode()
         self.greedy = greedy.GreedyHeads(self)  # the certified greedy heads (d3d.kernels.greedy)
-        self._kept_scratch = threading.local()  # `_scratch_for`'s buffers, per thread
 
     def tiles_keys(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether this build reads a cache's keys tiled (d3d.cache; attention.h), for keys of this
@@ -200,7 +200,8 @@ class RowExactKernels:
         (its own copies; for measurements)."""
         other = RowExactKernels(library, path)
         other._streams, other._dense, other.arena, other.epoch = self._streams, self._dense, self.arena, self.epoch + 1
-        other._grouped = self._grouped
+        if other.path_name == self.path_name:  # another path makes grouped copies of its own forms
+            other._grouped = self._grouped
         if lane_packs is not None and lane_packs != self.lane_packs:
             other._dense, other.lane_packs = {}, lane_packs
         return other
@@ -311,8 +312,9 @@ class RowExactKernels:
         stream = self.stream(weight)
         if not stream.quantized or not self.dense_rows:
             return Weight.of(stream), (stream,)
-        dense = self._own_stream(weight)
         grouped = self._grouped_stream(weight, stream) if self.grouped_rows else None
+        # looked-up blocks (L4) serve every row count, through chains of their own: no bf16 copy
+        dense = None if grouped is not None and grouped.format == "l4" else self._own_stream(weight)
         return Weight.of(stream, dense, grouped), (stream, dense, grouped)
 
     def one_row_stream(self, weight: torch.Tensor) -> WeightStream:
@@ -411,12 +413,14 @@ class RowExactKernels:
                                     torch.get_num_threads())
         return out
 
-    def linear_reference(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (M, K) @ weight (N, K)ᵀ by the reference lanes (rowexact's portable C), whatever this
-        build's own path: where a weight takes the lanes, every lanes kernel must give these bits."""
+    def linear_reference(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x (M, K) @ weight (N, K)ᵀ (+ bias, + residual) by the plain layout's chains (dot_block_*), whatever
+        this build's own path: where a weight takes the lanes or the lookups, every kernel must give these bits."""
         x, weight = x.contiguous(), weight.contiguous()
+        residual = residual.contiguous() if residual is not None else None
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-        self._fn("linear_reference", x.dtype)(x.data_ptr(), x.shape[1], weight.data_ptr(), _ptr(bias), None,
+        self._fn("linear_reference", x.dtype)(x.data_ptr(), x.shape[1], weight.data_ptr(), _ptr(bias), _ptr(residual),
                                               out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1],
                                               torch.get_num_threads())
         return out

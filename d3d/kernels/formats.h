@@ -29,6 +29,10 @@
  *           each column's block_u4 in column order, its codes placed for vpmultishiftqb — weight k's
  *           nibble at bit 64·((k/4) mod 2) + 4·(4·(k/8) + k mod 4) of the 16 bytes. The same values,
  *           decoded as a lookup in the block's table of its 16.
+ *   L4      U4 blocks for the AVX-512 BF16 lookups (linear.h; made where the AMX tiles are off): per
+ *           16-column group (the last zero-padded) and per 32 weights, the group's 16 blocks in
+ *           column order, codes placed as A4's. The same values, decoded as a lookup in the block's
+ *           table — for every row count, through the plain layout's chains.
  *   T4      U4 and S4 blocks as tables, for AVX2 builds' calls of a few rows (linear.h's lanes; made where
  *           the lanes read them): per 32 weights the block's 16 values as bf16 — their low bytes, then
  *           their high bytes — and 16 bytes of codes placed for the lookup (decode_t4); the 4 rows
@@ -51,7 +55,7 @@
  * every decoded weight is 0 or at least 2^-24 in magnitude, being a sum of fp16 multiples.
  */
 
-enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9, D3D_T4 = 10 };
+enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9, D3D_T4 = 10, D3D_L4 = 11 };
 
 #define CHUNK 32  /* weights of a row per block of every quantized format */
 

@@ -262,14 +262,17 @@ static inline __attribute__((always_inline)) __m512i bf16_bits16(__m512 f) {
 static inline __attribute__((always_inline)) __m512 widen16_bf16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
-static inline __attribute__((always_inline)) void store16_bf16(__m512 v, const uint16_t *bias, const uint16_t *residual,
-                                                               uint16_t *y, int live) {
-    __mmask16 m = (__mmask16)((1u << live) - 1);
+static inline __attribute__((always_inline)) void store16_bf16_masked(__m512 v, const uint16_t *bias, const uint16_t *residual,
+                                                                      uint16_t *y, __mmask16 m) {
     if (bias) v = _mm512_add_ps(v, widen16_bf16(bias, m));
     __m512i bits = bf16_bits16(v);
     if (residual)
         bits = bf16_bits16(_mm512_add_ps(widen16_bf16(residual, m), _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))));
     _mm256_mask_storeu_epi16(y, m, _mm512_cvtepi32_epi16(bits));
+}
+static inline __attribute__((always_inline)) void store16_bf16(__m512 v, const uint16_t *bias, const uint16_t *residual,
+                                                               uint16_t *y, int live) {
+    store16_bf16_masked(v, bias, residual, y, (__mmask16)((1u << live) - 1));
 }
 PACKED_LINEAR(packed_bf16, uint16_t, K / 2, 2, broadcast_pair, FMA_BF16, store16_bf16)
 #endif
@@ -1148,11 +1151,238 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
 }
 #endif
 
+
+/* ---------------------------------------------------------------------------------------------
+ * 4-bit blocks looked up (formats.h's L4; AVX-512 BF16 with VBMI, where the AMX tiles are off): a Q4
+ * block has only 16 values, so a column's 32 weights decode as a lookup in the block's table — its 16
+ * values bf16(fma(s, q, o)) made by one fma and one rounding (vcvtne2ps2bf16, exact here as in
+ * grouped_pair), each code put in the low bits of a 16-bit index by vpmultishiftqb, vpermw reading the
+ * table (its entries twice: an index's fifth bit is the next code's) — 5 vector operations per 32
+ * weights with the pair dot product, against grouped_pair's 9. The 32 values are one column's, in k
+ * order: so the chains are the plain layout's (dot_block_bf16: per row and column 16 lanes, lane l
+ * over the pairs 2l, 2l + 1 of each 32 values of k, folded by fold_lanes), not the packed layout's.
+ * A weight read this way therefore takes them at every row count — one row 16 columns at a time,
+ * 2–4 rows decoding each block once for all of them, more rows decoding a group's blocks once into a
+ * strip (L1) that 4 x 4 tiles read — and never the packed bf16 copy; its bits are those of its bf16
+ * values through the plain layout's chains (d3d_linear_reference_bf16), whatever the row count.
+ * ------------------------------------------------------------------------------------------- */
+#if defined(D3D_AVX512_BF16) && defined(__AVX512VBMI__)
+#define D3D_LOOKUP 1
+#define LOOKUP_FUSED 4  /* calls of up to this many rows decode each block straight into their dot products */
+#define LOOKUP_AHEAD 1536  /* bytes ahead in a group's stream prefetched (AMD EPYC Zen 4, 2 threads) */
+
+/* The multishift control: output qword j's words read source qword j % 2 (the 16 code bytes are
+ * broadcast to every 128-bit lane) at the 4-bit slots place_code puts weights 4j … 4j + 3 in. */
+static inline __m512i lookup_control(void) {
+    uint64_t ctrl[8];
+    for (int j = 0; j < 8; j++) {
+        uint64_t c = 0;
+        for (int i = 0; i < 4; i++) {
+            uint64_t bit = 4 * ((j / 2) * 4 + i);
+            c |= bit << (16 * i) | bit << (16 * i + 8);
+        }
+        ctrl[j] = c;
+    }
+    return _mm512_loadu_si512(ctrl);
+}
+static inline __m512 lookup_codes(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+/* Put weight k's code where lookup_block reads it: bit 64·((k/4) mod 2) + 4·(4·(k/8) + k mod 4) of
+ * the block's 16 code bytes (formats.h's A4 and L4). */
+static inline void place_code(block_u4 *to, int k, int code) {
+    int bit = 64 * ((k / 4) % 2) + 4 * (4 * (k / 8) + k % 4);
+    to->q[bit / 8] |= (uint8_t)(code << (bit % 8));
+}
+
+/* The block's 32 weights, bf16 in k order — the values decode_block_scalar gives. */
+static inline __attribute__((always_inline)) __m512bh lookup_block(const block_u4 *at, __m512i control, __m512 codes) {
+    __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(at->scale), codes, _mm512_set1_ps(at->offset));
+    __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+    __m512i index = _mm512_multishift_epi64_epi8(control, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)at->q)));
+    return (__m512bh)_mm512_permutexvar_epi16(index, table);
+}
+
+/* fold_lanes of 16 accumulators at once, the same additions: lane 4c + i of the result folds a[4i + c]. */
+static inline __attribute__((always_inline)) __m512 fold16_transposed(const __m512 a[16]) {
+    __m512 half[8], quarter[4];
+    for (int j = 0; j < 8; j++)  /* lanes i + (i + 8) of a[2j] and a[2j + 1], side by side */
+        half[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44), _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; j++)  /* then i + (i + 4): a[4j + c]'s four in 128-bit lane c */
+        quarter[j] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * j], half[2 * j + 1], 0x88),
+                                   _mm512_shuffle_f32x4(half[2 * j], half[2 * j + 1], 0xDD));
+    /* then (0 + 2) and (1 + 3), then their sum */
+    __m512d f0 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(quarter[0], quarter[1]), _mm512_unpackhi_ps(quarter[0], quarter[1])));
+    __m512d f1 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(quarter[2], quarter[3]), _mm512_unpackhi_ps(quarter[2], quarter[3])));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(f0, f1)), _mm512_castpd_ps(_mm512_unpackhi_pd(f0, f1)));
+}
+/* Lane j = fold_lanes(acc[j]). */
+static inline __attribute__((always_inline)) __m512 fold16(const __m512 acc[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++) t[4 * i + c] = acc[4 * c + i];
+    return fold16_transposed(t);
+}
+
+/* A tile's outputs (lane 4r + c: row r, column c; R rows, C columns) by store16_bf16's rule, rows N apart. */
+static inline __attribute__((always_inline)) void store_tile_bf16(__m512 v, const uint16_t *bias, const uint16_t *residual,
+                                                                  uint16_t *y, int64_t N, int R, int C) {
+    uint16_t b[16] = {0}, res[16] = {0}, out[16];
+    __mmask16 m = 0;
+    for (int r = 0; r < R; r++) {
+        m |= (__mmask16)(((1u << C) - 1) << (4 * r));
+        if (bias) memcpy(b + 4 * r, bias, 2 * (size_t)C);
+        if (residual) memcpy(res + 4 * r, residual + r * N, 2 * (size_t)C);
+    }
+    store16_bf16_masked(v, bias ? b : 0, residual ? res : 0, out, m);
+    for (int r = 0; r < R; r++) memcpy(y + r * N, out + 4 * r, 2 * (size_t)C);
+}
+
+/* Bytes of the L4 copy of a U4 weight (N, K) and, with `out`, the copy: per 16-column group (columns
+ * past N zero) and per block, the 16 columns' blocks side by side, codes placed by place_code. */
+static int64_t lookup_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
+    int64_t blocks = K / CHUNK, groups = (N + 15) / 16, size = groups * 16 * blocks * (int64_t)sizeof(block_u4);
+    if (!out) return size;
+    memset(out, 0, size);
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t format;
+            const block_u4 *from = block_at(w, n, b, K, &format);
+            block_u4 *to = (block_u4 *)out + ((n / 16) * blocks + b) * 16 + n % 16;
+            to->scale = from->scale, to->offset = from->offset;
+            for (int k = 0; k < CHUNK; k++) place_code(to, k, nibble(from->q, k));
+        }
+    return size;
+}
+
+/* 64 bytes into a register of their own, loaded once: GCC otherwise reloads a vector for each product
+ * that reads it (20 loads per 16 pair dot products in a 4 x 4 tile where 8 do). The same value. */
+static inline __attribute__((always_inline)) __m512bh load_reg(const uint16_t *p) {
+#if defined(__GNUC__) && defined(__x86_64__)
+    __m512i v;
+    __asm__ volatile("vmovdqu64 %1, %0" : "=v"(v) : "m"(*(const uint16_t (*)[32])p));
+    return (__m512bh)v;
+#else
+    return (__m512bh)_mm512_loadu_si512(p);
+#endif
+}
+
+/* The group's blocks LOOKUP_AHEAD bytes on from block `at` (16 blocks: 6 lines). */
+static inline __attribute__((always_inline)) void lookup_prefetch(const block_u4 *at) {
+    for (int line = 0; line < 16 * (int)sizeof(block_u4); line += 64)
+        _mm_prefetch((const char *)at + LOOKUP_AHEAD + line, _MM_HINT_T0);
+}
+
+/* One row: a group's 16 columns at once, each block decoded into its column's chain. */
+static inline __attribute__((always_inline)) void lookup_one_row(const uint16_t *x, const block_u4 *at, int64_t blocks,
+                                                                 __m512i control, __m512 codes, __m512 acc[16]) {
+    for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++, at += 16) {
+        lookup_prefetch(at);
+        __m512bh xb = (__m512bh)_mm512_loadu_si512(x + b * CHUNK);
+        for (int c = 0; c < 16; c++) acc[c] = _mm512_dpbf16_ps(acc[c], xb, lookup_block(at + c, control, codes));
+    }
+}
+
+/* R ≤ 4 rows x the 4 columns of a group from `at` on (16 blocks apart): each block decoded once for
+ * every row; acc[4r + c]. The group's first pass (`ahead`) prefetches its stream. */
+static inline __attribute__((always_inline)) void lookup_rows(const uint16_t *x, int64_t x_stride, const block_u4 *at,
+                                                              int64_t blocks, const int R, int ahead, __m512i control,
+                                                              __m512 codes, __m512 acc[16]) {
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++, at += 16) {
+        if (ahead) lookup_prefetch(at);
+        __m512bh xb[LOOKUP_FUSED];
+        for (int r = 0; r < R; r++) xb[r] = load_reg(x + r * x_stride + b * CHUNK);
+        for (int c = 0; c < 4; c++) {
+            __m512bh w = lookup_block(at + c, control, codes);
+            for (int r = 0; r < R; r++) acc[4 * r + c] = _mm512_dpbf16_ps(acc[4 * r + c], xb[r], w);
+        }
+    }
+}
+
+/* R ≤ 4 rows x 4 columns of a strip (per 32 values of k, 16 columns' 32 bf16 side by side), the
+ * columns from `strip` on; acc[4r + c]. R is a constant where it is inlined, so the accumulators stay
+ * in registers. */
+static inline __attribute__((always_inline)) void strip_tile(const uint16_t *x, int64_t x_stride, const uint16_t *strip,
+                                                             int64_t K, const int R, __m512 acc[16]) {
+    __m512 a[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += CHUNK) {
+        const uint16_t *wk = strip + k * 16;
+        __m512bh w[4];
+        for (int c = 0; c < 4; c++) w[c] = load_reg(wk + 32 * c);
+        for (int r = 0; r < R; r++) {
+            __m512bh xr = load_reg(x + r * x_stride + k);
+            for (int c = 0; c < 4; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], xr, w[c]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) acc[4 * r + c] = a[r][c];
+}
+
+/* Every row of a call over an L4 weight; threads own runs of 16-column groups. The strip (16 x K bf16
+ * a thread) lives in the scratch panel_scratch sizes. */
+static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *l4, const uint16_t *bias,
+                             const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
+    int64_t groups = (N + 15) / 16, blocks = K / CHUNK;
+    int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
+    uint16_t *strip = (uint16_t *)(scratch + me * (GROUPS * 16 * K / 2));
+    const __m512i control = lookup_control();
+    const __m512 codes = lookup_codes();
+    for (int64_t g = first; g < last; g++) {
+        const block_u4 *at = (const block_u4 *)l4->data + g * blocks * 16;
+        int64_t n0 = g * 16;
+        int live = N - n0 < 16 ? (int)(N - n0) : 16;
+        __m512 acc[16];
+        if (M == 1) {
+            lookup_one_row(x, at, blocks, control, codes, acc);
+            store16_bf16(fold16(acc), bias ? bias + n0 : 0, residual ? residual + n0 : 0, y + n0, live);
+            continue;
+        }
+        if (M > LOOKUP_FUSED)
+            for (int64_t b = 0; b < blocks; b++) {
+                lookup_prefetch(at + b * 16);
+                for (int c = 0; c < 16; c++)
+                    _mm512_storeu_si512(strip + (b * 16 + c) * CHUNK, (__m512i)lookup_block(at + b * 16 + c, control, codes));
+            }
+        int64_t tiles = (M + 3) / 4;  /* rows in tiles of at most 4, as even as possible (9 → 3, 3, 3) */
+        for (int c0 = 0; c0 < live; c0 += 4) {
+            int C = live - c0 < 4 ? live - c0 : 4;
+            for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+                int R = (int)(M * (t + 1) / tiles - m0);
+                const uint16_t *xr = x + m0 * x_stride;
+                int ahead = c0 == 0 && m0 == 0;
+                if (M > LOOKUP_FUSED) switch (R) {
+                    case 1: strip_tile(xr, x_stride, strip + c0 * CHUNK, K, 1, acc); break;
+                    case 2: strip_tile(xr, x_stride, strip + c0 * CHUNK, K, 2, acc); break;
+                    case 3: strip_tile(xr, x_stride, strip + c0 * CHUNK, K, 3, acc); break;
+                    default: strip_tile(xr, x_stride, strip + c0 * CHUNK, K, 4, acc); break;
+                }
+                else switch (R) {
+                    case 1: lookup_rows(xr, x_stride, at + c0, blocks, 1, ahead, control, codes, acc); break;
+                    case 2: lookup_rows(xr, x_stride, at + c0, blocks, 2, ahead, control, codes, acc); break;
+                    case 3: lookup_rows(xr, x_stride, at + c0, blocks, 3, ahead, control, codes, acc); break;
+                    default: lookup_rows(xr, x_stride, at + c0, blocks, 4, ahead, control, codes, acc); break;
+                }
+                store_tile_bf16(fold16(acc), bias ? bias + n0 + c0 : 0, residual ? residual + m0 * N + n0 + c0 : 0,
+                                y + m0 * N + n0 + c0, N, R, C);
+                m0 += R;
+            }
+        }
+    }
+    _Pragma("omp barrier")
+}
+#endif
+
 #include "amx.h"
 
 /* The format of the grouped copy of `w` that this process's calls of a few rows read (0: none):
  * with AVX-512 BF16, A4 for U4 weights while the AMX tiles are on (where the build has them), else
- * G4 or G8; with the AVX2 lanes, T4 for weights with runs of 4-bit blocks (U4, S4). */
+ * L4 (every row count reads it) where the build has the lookups, else G4; G8 for I8 weights; with
+ * the AVX2 lanes, T4 for weights with runs of 4-bit blocks (U4, S4). */
 int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
     if (K % CHUNK) return 0;
 #if defined(D3D_AVX2) && !defined(D3D_AVX512_BF16)
@@ -1164,6 +1394,9 @@ int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
     if (format != D3D_U4 && format != D3D_I8) return 0;
 #ifdef AMX_A4
     if (amx_on && format == D3D_U4) return D3D_A4;
+#endif
+#ifdef D3D_LOOKUP
+    if (format == D3D_U4) return D3D_L4;
 #endif
     return format == D3D_U4 ? D3D_G4 : D3D_G8;
 #endif
@@ -1177,6 +1410,9 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     if (format == D3D_A4) return a4_pack(w, N, K, out);
 #endif
     if (format == D3D_T4) return table_pack(w, K, out);
+#ifdef D3D_LOOKUP
+    if (format == D3D_L4) return lookup_pack(w, N, K, out);
+#endif
     return group_pack(w, N, K, out);
 }
 
@@ -1222,6 +1458,9 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
         lanes_bf16_body(x, x_stride, &tables, bias, residual, y, M, N, K, scratch);
         return;
     }
+#endif
+#ifdef D3D_LOOKUP
+    if (w->grouped.data && w->grouped.format == D3D_L4) { lookup_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K, scratch); return; }
 #endif
 #ifdef D3D_AVX512_BF16
     if (M <= GROUPED_ROWS && w->grouped.data && w->grouped.format != D3D_A4) { grouped_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K); return; }
