@@ -1168,7 +1168,9 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
  * ------------------------------------------------------------------------------------------- */
 #if defined(D3D_AVX512_BF16) && defined(__AVX512VBMI__)
 #define D3D_LOOKUP 1
+#ifndef LOOKUP_FUSED
 #define LOOKUP_FUSED 4  /* calls of up to this many rows decode each block straight into their dot products */
+#endif
 #define LOOKUP_AHEAD 1536  /* bytes ahead in a group's stream prefetched (AMD EPYC Zen 4, 2 threads) */
 
 /* The multishift control: output qword j's words read source qword j % 2 (the 16 code bytes are
