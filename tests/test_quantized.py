@@ -111,6 +111,39 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
         kernels.dense_rows, kernels.grouped_rows = True, grouped
 
 
+def test_looked_up_4bit_blocks_are_their_values_through_the_plain_chains(kernels):
+    """Where the build has the lookups (AVX-512 BF16 with VBMI) and they are switched on, a Q4_1
+    weight's grouped copy is L4, read at every row count — one row, the fused 2-4, the strip's tiles
+    with remainders — with the bits of its bf16 values through the plain layout's chains
+    (`linear_reference`), bias and residual included, each row the row alone's; and switched off, the
+    grouped blocks (G4) again, with the packed layout's bits."""
+    was = kernels.lookups
+    if not kernels.set_lookups(True):
+        pytest.skip("no 4-bit lookups in this build (AVX-512 BF16 with VBMI only)")
+    try:
+        for outputs, width in ((100, 256), (48, 1536)):
+            raw = random_blocks("Q4_1", outputs, width, seed=11)
+            weight = loader_values("Q4_1", raw)
+            plain = weight.clone()
+            kernels.use_stream(weight, stream_of(kernels, "Q4_1", raw))
+            assert kernels.one_row_stream(weight).format == "l4" and kernels.path_name.startswith("avx512")
+            x = (torch.randn(19, width, generator=torch.Generator().manual_seed(12)) * 3).to(torch.bfloat16)
+            bias = torch.randn(outputs, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+            residual = torch.randn(19, outputs, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+            alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(19)])
+            for rows in (1, 2, 3, 4, 5, 7, 9, 17, 19):
+                assert torch.equal(kernels.linear(x[:rows], weight, bias), kernels.linear_reference(x[:rows], plain, bias)), rows
+                assert torch.equal(kernels.linear(x[:rows], weight, bias), alone[:rows]), rows
+                assert torch.equal(kernels.linear(x[:rows], weight, None, residual[:rows]),
+                                   kernels.linear_reference(x[:rows], plain, None, residual[:rows])), rows
+        kernels.set_lookups(False)
+        assert kernels.one_row_stream(weight).format == "g4"
+        outputs = [kernels.linear(x[:rows], weight, bias) for rows in (1, 17)]
+        assert all(torch.equal(out, kernels.linear(x[:out.shape[0]], plain, bias)) for out in outputs)
+    finally:
+        kernels.set_lookups(was)
+
+
 @pytest.mark.parametrize("parts", [[("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)], [("Q4_K", 64), ("Q4_0", 30)]],
                          ids=["q4_k-q6_k", "q4_k-q4_0"])
 def test_a_fused_weight_of_mixed_types_streams_as_runs(kernels, parts):

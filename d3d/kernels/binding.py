@@ -112,7 +112,7 @@ class RowExactKernels:
         # lanes: U4 and S4 blocks as tables of their 16 values (T4). The same bits. False leaves them
         # to the blocks and the bf16 values (for tests and measurements).
         self.grouped_rows = bool(library.d3d_grouped_linear())
-        self._grouped: dict[tuple[int, bool], tuple[weakref.ref, int, WeightStream | None]] = {}  # (id, amx)
+        self._grouped: dict[tuple[int, bool, bool], tuple[weakref.ref, int, WeightStream | None]] = {}  # (id, amx, lookups)
         self.arena = HugePageArena()
         self._kept_scratch = threading.local()  # `_scratch_for`'s buffers, per thread (the AMX check below uses them)
         library.d3d_amx.argtypes = [i32]
@@ -120,6 +120,11 @@ class RowExactKernels:
         library.d3d_kernel_path.restype = ctypes.c_char_p
         # Intel's AMX tiles for every bf16 linear, where the build, the CPU and Linux allow it and
         # D3D_AMX is not "0" — kept only if its rows pass `_amx_refusal`'s check.
+        # AVX-512 BF16 without the tiles: 4-bit blocks looked up in their tables (formats.h's L4), where
+        # the build has them and D3D_LOOKUPS is "1" — one-token steps faster, verifications slower.
+        library.d3d_lookups.argtypes = [i32]
+        library.d3d_lookups.restype = i32
+        self.lookups = bool(library.d3d_lookups(int(os.environ.get("D3D_LOOKUPS", "0") == "1")))
         self.amx_refused: str | None = None
         self.amx = bool(library.d3d_amx(int(os.environ.get("D3D_AMX", "1") != "0")))
         if self.amx:
@@ -154,6 +159,15 @@ class RowExactKernels:
         self.path_name = self.library.d3d_kernel_path().decode()
         self.epoch += 1
         return self.amx
+
+    def set_lookups(self, on: bool) -> bool:
+        """Switch this process's 4-bit weights to the lookups (L4) or back to the grouped blocks (G4)
+        where the build has them; returns whether they are on. Like `set_amx`: the bits differ, the
+        layer tables are rebuilt, and each form has its own grouped copies."""
+        self.lookups = bool(self.library.d3d_lookups(int(on)))
+        self.path_name = self.library.d3d_kernel_path().decode()
+        self.epoch += 1
+        return self.lookups
 
     def _amx_refusal(self) -> str | None:
         """Why the AMX path must not be used here, or None: each row of a 35-row linear (two full row
@@ -350,7 +364,7 @@ class RowExactKernels:
         """The quantized stream's blocks grouped 16 rows at a time in the form this process's path
         reads (G4/G8, or A4 while the AMX tiles are on; made once per stream and form), or None where
         its formats have no grouped form."""
-        key = (id(weight), self.amx)  # the form depends on the path (set_amx keeps `amx` the library's)
+        key = (id(weight), self.amx, self.lookups)  # the form depends on the path (set_amx, set_lookups)
         entry = self._grouped.get(key)
         if entry is not None and entry[0]() is weight and entry[1] == weight._version:
             return entry[2]

@@ -105,16 +105,16 @@ def supports(part: StreamPart, weight: torch.Tensor) -> bool:
 
 class GreedyHeads:
     """A kernels object's greedy heads, one per head weight, prepared at its first use and again after
-    the weight or any stream changes. On by default but on the AMX tiles (not yet run on such a
-    machine: D3D_GREEDY_HEAD=1 turns it on there, checked when prepared as everywhere; 0 off
-    everywhere). Measured on AMD EPYC Zen 3 (AVX2) and Zen 4 (AVX-512 BF16: the Q8_0 head's argmax
-    of one row 1.03 against 1.24 ms, of two 1.35 against 1.54; from 4 rows the full head is faster,
-    and `fastest_rows` keeps the rows where it wins)."""
+    the weight or any stream changes. On by default where the linears take the fp32 lanes (AVX2, or
+    portable C): measured there (AMD EPYC Zen 3). Off on the AVX-512 BF16 and AMX builds: on an AMD
+    EPYC Zen 4 the grouped Q8_0 head's one row took 0.97 ms against the certified head's 0.93 (the
+    pass is AVX2 code; `fastest_rows` found no row count where it won); D3D_GREEDY_HEAD=1 turns it on
+    there (checked when prepared, as everywhere), 0 off everywhere."""
 
     def __init__(self, kernels: Any) -> None:  # the RowExactKernels that holds it (binding imports this module)
         self.kernels = kernels
         wanted = os.environ.get("D3D_GREEDY_HEAD", "")
-        self.on = wanted == "1" or wanted != "0" and not kernels.path_name.startswith("amx")
+        self.on = wanted == "1" or wanted != "0" and not kernels.path_name.startswith(("amx", "avx512: packed"))
         # id(weight) → (weakref, (its version, the kernels' stream epoch), its head or None where the
         # path does not apply or lost its check)
         self._heads: dict[int, tuple[weakref.ref, tuple[int, int], GreedyHead | None]] = {}

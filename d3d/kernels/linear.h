@@ -1165,9 +1165,14 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
  * 2–4 rows decoding each block once for all of them, more rows decoding a group's blocks once into a
  * strip (L1) that 4 x 4 tiles read — and never the packed bf16 copy; its bits are those of its bf16
  * values through the plain layout's chains (d3d_linear_reference_bf16), whatever the row count.
+ * Off unless asked for (d3d_lookups(1); D3D_LOOKUPS=1): on an AMD EPYC Zen 4 a one-token step took
+ * 0.82 of the grouped path's, but verifications 1.08–1.29 (their fold, and a strip decoded per call
+ * where the packed copy is read as stored), and the default's speculation lost more than AR gained
+ * (docs/performance.md). A process keeps to one form: the bits differ from the grouped path's.
  * ------------------------------------------------------------------------------------------- */
 #if defined(D3D_AVX512_BF16) && defined(__AVX512VBMI__)
 #define D3D_LOOKUP 1
+static int lookups_on;
 #ifndef LOOKUP_FUSED
 #define LOOKUP_FUSED 4  /* calls of up to this many rows decode each block straight into their dot products */
 #endif
@@ -1398,9 +1403,20 @@ int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
     if (amx_on && format == D3D_U4) return D3D_A4;
 #endif
 #ifdef D3D_LOOKUP
-    if (format == D3D_U4) return D3D_L4;
+    if (lookups_on && format == D3D_U4) return D3D_L4;
 #endif
     return format == D3D_U4 ? D3D_G4 : D3D_G8;
+#endif
+}
+
+/* Turn the 4-bit lookups on or off for this process's grouped copies made from now on (where the
+ * build has them); returns whether they are on. */
+int d3d_lookups(int on) {
+#ifdef D3D_LOOKUP
+    return lookups_on = on != 0;
+#else
+    (void)on;
+    return 0;
 #endif
 }
 

@@ -286,8 +286,10 @@ const char *d3d_kernel_path(void) {
 #endif
 #endif
 #if defined(D3D_LOOKUP)
-    return "avx512: packed bf16 pair dot products (bf16; 4-bit blocks looked up in their tables, other quantized blocks grouped, decoded in registers), packed fp32 FMA (fp32)";
-#elif defined(D3D_AVX512_BF16)
+    if (lookups_on)
+        return "avx512: packed bf16 pair dot products (bf16; 4-bit blocks looked up in their tables, other quantized blocks grouped, decoded in registers), packed fp32 FMA (fp32)";
+#endif
+#if defined(D3D_AVX512_BF16)
     return "avx512: packed bf16 pair dot products (bf16; quantized blocks grouped, decoded in registers), packed fp32 FMA (fp32)";
 #elif defined(__AVX512F__)
     return "avx512: avx2 fp32 lanes (bf16, quantized), packed fp32 FMA (fp32)";
