@@ -122,9 +122,10 @@ class RowExactKernels:
         # D3D_AMX is not "0" — kept only if its rows pass `_amx_refusal`'s check.
         # AVX-512 BF16 without the tiles: 4-bit blocks looked up in their tables (formats.h's L4), where
         # the build has them and D3D_LOOKUPS is "1" — one-token steps faster, verifications slower.
-        library.d3d_lookups.argtypes = [i32]
-        library.d3d_lookups.restype = i32
-        self.lookups = bool(library.d3d_lookups(int(os.environ.get("D3D_LOOKUPS", "0") == "1")))
+        self._lookups = getattr(library, "d3d_lookups", None)  # (None: an older build, e.g. scripts/rows_ab.py's)
+        if self._lookups is not None:
+            self._lookups.argtypes, self._lookups.restype = [i32], i32
+        self.lookups = self.set_lookups(os.environ.get("D3D_LOOKUPS", "0") == "1", initial=True)
         self.amx_refused: str | None = None
         self.amx = bool(library.d3d_amx(int(os.environ.get("D3D_AMX", "1") != "0")))
         if self.amx:
@@ -160,13 +161,14 @@ class RowExactKernels:
         self.epoch += 1
         return self.amx
 
-    def set_lookups(self, on: bool) -> bool:
+    def set_lookups(self, on: bool, initial: bool = False) -> bool:
         """Switch this process's 4-bit weights to the lookups (L4) or back to the grouped blocks (G4)
         where the build has them; returns whether they are on. Like `set_amx`: the bits differ, the
         layer tables are rebuilt, and each form has its own grouped copies."""
-        self.lookups = bool(self.library.d3d_lookups(int(on)))
-        self.path_name = self.library.d3d_kernel_path().decode()
-        self.epoch += 1
+        self.lookups = bool(self._lookups(int(on))) if self._lookups is not None else False
+        if not initial:
+            self.path_name = self.library.d3d_kernel_path().decode()
+            self.epoch += 1
         return self.lookups
 
     def _amx_refusal(self) -> str | None:

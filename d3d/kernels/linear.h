@@ -1209,39 +1209,23 @@ static inline __attribute__((always_inline)) __m512bh lookup_block(const block_u
     return (__m512bh)_mm512_permutexvar_epi16(index, table);
 }
 
-/* fold_lanes of 16 accumulators at once, the same additions: lane 4c + i of the result folds a[4i + c]. */
-static inline __attribute__((always_inline)) __m512 fold16_transposed(const __m512 a[16]) {
-    __m512 half[8], quarter[4];
-    for (int j = 0; j < 8; j++)  /* lanes i + (i + 8) of a[2j] and a[2j + 1], side by side */
-        half[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44), _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
-    for (int j = 0; j < 4; j++)  /* then i + (i + 4): a[4j + c]'s four in 128-bit lane c */
-        quarter[j] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * j], half[2 * j + 1], 0x88),
-                                   _mm512_shuffle_f32x4(half[2 * j], half[2 * j + 1], 0xDD));
-    /* then (0 + 2) and (1 + 3), then their sum */
-    __m512d f0 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(quarter[0], quarter[1]), _mm512_unpackhi_ps(quarter[0], quarter[1])));
-    __m512d f1 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(quarter[2], quarter[3]), _mm512_unpackhi_ps(quarter[2], quarter[3])));
+/* fold_lanes of 16 accumulators at once, the same additions, in two halves. fold_quarter: of 4
+ * accumulators, lanes i + (i + 8), then i + (i + 4) — a_c's four partial sums in 128-bit lane c. */
+static inline __attribute__((always_inline)) __m512 fold_quarter(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 h0 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    __m512 h1 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(h0, h1, 0x88), _mm512_shuffle_f32x4(h0, h1, 0xDD));
+}
+/* fold_finish: of 4 quarters, (0 + 2) + (1 + 3) — lane 4c + i the fold of quarter i's lane c. */
+static inline __attribute__((always_inline)) __m512 fold_finish(__m512 q0, __m512 q1, __m512 q2, __m512 q3) {
+    __m512d f0 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(q0, q1), _mm512_unpackhi_ps(q0, q1)));
+    __m512d f1 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(q2, q3), _mm512_unpackhi_ps(q2, q3)));
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(f0, f1)), _mm512_castpd_ps(_mm512_unpackhi_pd(f0, f1)));
 }
-/* Lane j = fold_lanes(acc[j]). */
+/* Lane j = fold_lanes(acc[j]): quarter i holds the columns i, i + 4, i + 8, i + 12. */
 static inline __attribute__((always_inline)) __m512 fold16(const __m512 acc[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 4; i++)
-        for (int c = 0; c < 4; c++) t[4 * i + c] = acc[4 * c + i];
-    return fold16_transposed(t);
-}
-
-/* A tile's outputs (lane 4r + c: row r, column c; R rows, C columns) by store16_bf16's rule, rows N apart. */
-static inline __attribute__((always_inline)) void store_tile_bf16(__m512 v, const uint16_t *bias, const uint16_t *residual,
-                                                                  uint16_t *y, int64_t N, int R, int C) {
-    uint16_t b[16] = {0}, res[16] = {0}, out[16];
-    __mmask16 m = 0;
-    for (int r = 0; r < R; r++) {
-        m |= (__mmask16)(((1u << C) - 1) << (4 * r));
-        if (bias) memcpy(b + 4 * r, bias, 2 * (size_t)C);
-        if (residual) memcpy(res + 4 * r, residual + r * N, 2 * (size_t)C);
-    }
-    store16_bf16_masked(v, bias ? b : 0, residual ? res : 0, out, m);
-    for (int r = 0; r < R; r++) memcpy(y + r * N, out + 4 * r, 2 * (size_t)C);
+    return fold_finish(fold_quarter(acc[0], acc[4], acc[8], acc[12]), fold_quarter(acc[1], acc[5], acc[9], acc[13]),
+                       fold_quarter(acc[2], acc[6], acc[10], acc[14]), fold_quarter(acc[3], acc[7], acc[11], acc[15]));
 }
 
 /* Bytes of the L4 copy of a U4 weight (N, K) and, with `out`, the copy: per 16-column group (columns
@@ -1291,26 +1275,30 @@ static inline __attribute__((always_inline)) void lookup_one_row(const uint16_t 
     }
 }
 
-/* R ≤ 4 rows x the 4 columns of a group from `at` on (16 blocks apart): each block decoded once for
- * every row; acc[4r + c]. The group's first pass (`ahead`) prefetches its stream. */
+/* R ≤ 4 rows x the 4 columns at, at + 4, at + 8, at + 12 of a group (16 blocks a block step): each
+ * block decoded once for every row; acc[4r + c]. The group's first pass (`ahead`) prefetches its stream. */
 static inline __attribute__((always_inline)) void lookup_rows(const uint16_t *x, int64_t x_stride, const block_u4 *at,
                                                               int64_t blocks, const int R, int ahead, __m512i control,
                                                               __m512 codes, __m512 acc[16]) {
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    __m512 a[4][4];  /* the chains, local so that they stay in registers */
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, at += 16) {
         if (ahead) lookup_prefetch(at);
-        __m512bh xb[LOOKUP_FUSED];
+        __m512bh xb[4];
         for (int r = 0; r < R; r++) xb[r] = load_reg(x + r * x_stride + b * CHUNK);
         for (int c = 0; c < 4; c++) {
-            __m512bh w = lookup_block(at + c, control, codes);
-            for (int r = 0; r < R; r++) acc[4 * r + c] = _mm512_dpbf16_ps(acc[4 * r + c], xb[r], w);
+            __m512bh w = lookup_block(at + 4 * c, control, codes);
+            for (int r = 0; r < R; r++) a[r][c] = _mm512_dpbf16_ps(a[r][c], xb[r], w);
         }
     }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[4 * r + c] = a[r][c];
 }
 
-/* R ≤ 4 rows x 4 columns of a strip (per 32 values of k, 16 columns' 32 bf16 side by side), the
- * columns from `strip` on; acc[4r + c]. R is a constant where it is inlined, so the accumulators stay
- * in registers. */
+/* R ≤ 4 rows x 4 columns of a strip (per 32 values of k, 16 columns' 32 bf16 side by side, in the order
+ * 0, 4, 8, 12, 1, 5, 9, 13, …: a pass's 4 columns together): the 4 from `strip` on; acc[4r + c]. R is
+ * a constant where it is inlined, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void strip_tile(const uint16_t *x, int64_t x_stride, const uint16_t *strip,
                                                              int64_t K, const int R, __m512 acc[16]) {
     __m512 a[4][4];
@@ -1319,7 +1307,7 @@ static inline __attribute__((always_inline)) void strip_tile(const uint16_t *x, 
     for (int64_t k = 0; k < K; k += CHUNK) {
         const uint16_t *wk = strip + k * 16;
         __m512bh w[4];
-        for (int c = 0; c < 4; c++) w[c] = load_reg(wk + 32 * c);
+        for (int c = 0; c < 4; c++) w[c] = load_reg(wk + CHUNK * c);
         for (int r = 0; r < R; r++) {
             __m512bh xr = load_reg(x + r * x_stride + k);
             for (int c = 0; c < 4; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], xr, w[c]);
@@ -1353,31 +1341,37 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
             for (int64_t b = 0; b < blocks; b++) {
                 lookup_prefetch(at + b * 16);
                 for (int c = 0; c < 16; c++)
-                    _mm512_storeu_si512(strip + (b * 16 + c) * CHUNK, (__m512i)lookup_block(at + b * 16 + c, control, codes));
+                    _mm512_storeu_si512(strip + (b * 16 + (c % 4) * 4 + c / 4) * CHUNK,
+                                        (__m512i)lookup_block(at + b * 16 + c, control, codes));
             }
         int64_t tiles = (M + 3) / 4;  /* rows in tiles of at most 4, as even as possible (9 → 3, 3, 3) */
-        for (int c0 = 0; c0 < live; c0 += 4) {
-            int C = live - c0 < 4 ? live - c0 : 4;
-            for (int64_t t = 0, m0 = 0; t < tiles; t++) {
-                int R = (int)(M * (t + 1) / tiles - m0);
-                const uint16_t *xr = x + m0 * x_stride;
-                int ahead = c0 == 0 && m0 == 0;
+        for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+            int R = (int)(M * (t + 1) / tiles - m0);
+            const uint16_t *xr = x + m0 * x_stride;
+            __m512 quarters[4][4];  /* [row][pass]: pass p takes the columns p, p + 4, p + 8, p + 12 */
+            for (int p = 0; p < 4; p++) {
+                int ahead = p == 0 && t == 0;
                 if (M > LOOKUP_FUSED) switch (R) {
-                    case 1: strip_tile(xr, x_stride, strip + c0 * CHUNK, K, 1, acc); break;
-                    case 2: strip_tile(xr, x_stride, strip + c0 * CHUNK, K, 2, acc); break;
-                    case 3: strip_tile(xr, x_stride, strip + c0 * CHUNK, K, 3, acc); break;
-                    default: strip_tile(xr, x_stride, strip + c0 * CHUNK, K, 4, acc); break;
+                    case 1: strip_tile(xr, x_stride, strip + p * 4 * CHUNK, K, 1, acc); break;
+                    case 2: strip_tile(xr, x_stride, strip + p * 4 * CHUNK, K, 2, acc); break;
+                    case 3: strip_tile(xr, x_stride, strip + p * 4 * CHUNK, K, 3, acc); break;
+                    default: strip_tile(xr, x_stride, strip + p * 4 * CHUNK, K, 4, acc); break;
                 }
                 else switch (R) {
-                    case 1: lookup_rows(xr, x_stride, at + c0, blocks, 1, ahead, control, codes, acc); break;
-                    case 2: lookup_rows(xr, x_stride, at + c0, blocks, 2, ahead, control, codes, acc); break;
-                    case 3: lookup_rows(xr, x_stride, at + c0, blocks, 3, ahead, control, codes, acc); break;
-                    default: lookup_rows(xr, x_stride, at + c0, blocks, 4, ahead, control, codes, acc); break;
+                    case 1: lookup_rows(xr, x_stride, at + p, blocks, 1, ahead, control, codes, acc); break;
+                    case 2: lookup_rows(xr, x_stride, at + p, blocks, 2, ahead, control, codes, acc); break;
+                    case 3: lookup_rows(xr, x_stride, at + p, blocks, 3, ahead, control, codes, acc); break;
+                    default: lookup_rows(xr, x_stride, at + p, blocks, 4, ahead, control, codes, acc); break;
                 }
-                store_tile_bf16(fold16(acc), bias ? bias + n0 + c0 : 0, residual ? residual + m0 * N + n0 + c0 : 0,
-                                y + m0 * N + n0 + c0, N, R, C);
-                m0 += R;
+                for (int r = 0; r < R; r++)
+                    quarters[r][p] = fold_quarter(acc[4 * r], acc[4 * r + 1], acc[4 * r + 2], acc[4 * r + 3]);
             }
+            for (int r = 0; r < R; r++) {
+                int64_t at_row = (m0 + r) * N + n0;
+                store16_bf16(fold_finish(quarters[r][0], quarters[r][1], quarters[r][2], quarters[r][3]),
+                             bias ? bias + n0 : 0, residual ? residual + at_row : 0, y + at_row, live);
+            }
+            m0 += R;
         }
     }
     _Pragma("omp barrier")
