@@ -112,20 +112,21 @@ class RowExactKernels:
         # lanes: U4 and S4 blocks as tables of their 16 values (T4). The same bits. False leaves them
         # to the blocks and the bf16 values (for tests and measurements).
         self.grouped_rows = bool(library.d3d_grouped_linear())
-        self._grouped: dict[tuple[int, bool, bool], tuple[weakref.ref, int, WeightStream | None]] = {}  # (id, amx, lookups)
+        # (id, amx, lookups) → the grouped copy
+        self._grouped: dict[tuple[int, bool, bool], tuple[weakref.ref, int, WeightStream | None]] = {}
         self.arena = HugePageArena()
         self._kept_scratch = threading.local()  # `_scratch_for`'s buffers, per thread (the AMX check below uses them)
         library.d3d_amx.argtypes = [i32]
         library.d3d_amx.restype = i32
         library.d3d_kernel_path.restype = ctypes.c_char_p
-        # Intel's AMX tiles for every bf16 linear, where the build, the CPU and Linux allow it and
-        # D3D_AMX is not "0" — kept only if its rows pass `_amx_refusal`'s check.
         # AVX-512 BF16 without the tiles: 4-bit blocks looked up in their tables (formats.h's L4), where
         # the build has them and D3D_LOOKUPS is "1" — one-token steps faster, verifications slower.
         self._lookups = getattr(library, "d3d_lookups", None)  # (None: an older build, e.g. scripts/rows_ab.py's)
         if self._lookups is not None:
             self._lookups.argtypes, self._lookups.restype = [i32], i32
         self.lookups = self.set_lookups(os.environ.get("D3D_LOOKUPS", "0") == "1", initial=True)
+        # Intel's AMX tiles for every bf16 linear, where the build, the CPU and Linux allow it and
+        # D3D_AMX is not "0" — kept only if its rows pass `_amx_refusal`'s check.
         self.amx_refused: str | None = None
         self.amx = bool(library.d3d_amx(int(os.environ.get("D3D_AMX", "1") != "0")))
         if self.amx:
