@@ -275,7 +275,7 @@ def test_the_embedded_gguf_streams_its_own_blocks_with_the_dequantized_logits():
     # AVX-512 BF16 with the lookups: the 4-bit weights' chains are the plain layout's, the bf16 weights'
     # the packed layout's — so weight by weight, the stream's linear is its dequantized values' linear
     # through the chains it takes, at one row and at 17
-    assert "lm_head.weight" not in looked_up and all(".layers." in name or "layers." in name for name in looked_up)
+    assert "lm_head.weight" not in looked_up and all("layers." in name for name in looked_up)
     bf16_weights = dequantized.decoder.linear_weights()
     x = (torch.randn(17, 1536, generator=generator) * 2).to(torch.bfloat16)
     for name, w in weights.items():

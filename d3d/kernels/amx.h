@@ -227,12 +227,11 @@ static inline __attribute__((always_inline)) void a4_tile(const block_u4 *at, __
     for (int j = 0; j < 16; j++) _mm512_store_si512(buf + 32 * j, (__m512i)lookup_block(&at[j], control, codes));
 }
 
-/* Block b of the 16-column group g of an A4 weight (`groups` groups, `blocks` blocks a row): groups
- * go in quads of 4 (64 columns; the last quad as many as remain), each quad block by block, so that a
- * thread's run of groups is one stream through memory. */
+/* Block b of the 16-column group g of an A4 weight: groups go in quads of 4 (64 columns; the last
+ * quad as many as remain), each quad block by block, so that a thread's run of groups is one stream
+ * through memory (linear.h's looked_up_at). */
 static inline const block_u4 *a4_at(const void *data, int64_t g, int64_t b, int64_t groups, int64_t blocks) {
-    int64_t quad = g / 4, width = groups - 4 * quad < 4 ? groups - 4 * quad : 4;
-    return (const block_u4 *)data + (quad * 4 * blocks + b * width + g % 4) * 16;
+    return looked_up_at(data, g, b, groups, blocks, 4);
 }
 
 /* a4_at, with the stream A4_AHEAD bytes on prefetched into L2. */
@@ -244,20 +243,7 @@ static inline __attribute__((always_inline)) const block_u4 *a4_next(const void 
 }
 
 /* Bytes of the A4 copy of a U4 weight (N, K), and with `out` the copy (columns past N zero). */
-static int64_t a4_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
-    int64_t blocks = K / CHUNK, groups = (N + 15) / 16, size = groups * 16 * blocks * (int64_t)sizeof(block_u4);
-    if (!out) return size;
-    memset(out, 0, size);
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t format;
-            const block_u4 *from = block_at(w, n, b, K, &format);
-            block_u4 *to = (block_u4 *)a4_at(out, n / 16, b, groups, blocks) + n % 16;
-            to->scale = from->scale, to->offset = from->offset;
-            for (int k = 0; k < CHUNK; k++) place_code(to, k, nibble(from->q, k));
-        }
-    return size;
-}
+static int64_t a4_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) { return looked_up_pack(w, N, K, out, 4); }
 
 #define AMX_A4_ROWS 64  /* calls of up to this many rows decode A4 blocks (more: the bf16 values) */
 

@@ -121,10 +121,9 @@ class RowExactKernels(WeightStreams):
         library.d3d_kernel_path.restype = ctypes.c_char_p
         # AVX-512 BF16 without the tiles: 4-bit blocks looked up in their tables (formats.h's L4), where
         # the build has them and D3D_LOOKUPS is "1" — one-token steps faster, verifications slower.
-        self._lookups = getattr(library, "d3d_lookups", None)  # (None: an older build, e.g. scripts/rows_ab.py's)
-        if self._lookups is not None:
-            self._lookups.argtypes, self._lookups.restype = [i32], i32
-        self.lookups = self.set_lookups(os.environ.get("D3D_LOOKUPS", "0") == "1", initial=True)
+        if hasattr(library, "d3d_lookups"):  # (not in an older build, e.g. one of scripts/rows_ab.py's)
+            library.d3d_lookups.argtypes, library.d3d_lookups.restype = [i32], i32
+        self.set_lookups(os.environ.get("D3D_LOOKUPS", "0") == "1")
         # Intel's AMX tiles for every bf16 linear, where the build, the CPU and Linux allow it and
         # D3D_AMX is not "0" — kept only if its rows pass `_amx_refusal`'s check.
         self.amx_refused: str | None = None
@@ -162,14 +161,13 @@ class RowExactKernels(WeightStreams):
         self.epoch += 1
         return self.amx
 
-    def set_lookups(self, on: bool, initial: bool = False) -> bool:
+    def set_lookups(self, on: bool) -> bool:
         """Switch this process's 4-bit weights to the lookups (L4) or back to the grouped blocks (G4)
         where the build has them; returns whether they are on. Like `set_amx`: the bits differ, the
         layer tables are rebuilt, and each form has its own grouped copies."""
-        self.lookups = bool(self._lookups(int(on))) if self._lookups is not None else False
-        if not initial:
-            self.path_name = self.library.d3d_kernel_path().decode()
-            self.epoch += 1
+        self.lookups = hasattr(self.library, "d3d_lookups") and bool(self.library.d3d_lookups(int(on)))
+        self.path_name = self.library.d3d_kernel_path().decode()
+        self.epoch += 1
         return self.lookups
 
     def _amx_refusal(self) -> str | None:

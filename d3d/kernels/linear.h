@@ -1174,9 +1174,7 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
 #if defined(D3D_AVX512_BF16) && defined(__AVX512VBMI__)
 #define D3D_LOOKUP 1
 static int lookups_on;
-#ifndef LOOKUP_FUSED
 #define LOOKUP_FUSED 4  /* calls of up to this many rows decode each block straight into their dot products */
-#endif
 #define LOOKUP_AHEAD 1536  /* bytes ahead in a group's stream prefetched (AMD EPYC Zen 4, 2 threads) */
 
 /* The multishift control: output qword j's words read source qword j % 2 (the 16 code bytes are
@@ -1229,9 +1227,18 @@ static inline __attribute__((always_inline)) __m512 fold16(const __m512 acc[16])
                        fold_quarter(acc[2], acc[6], acc[10], acc[14]), fold_quarter(acc[3], acc[7], acc[11], acc[15]));
 }
 
-/* Bytes of the L4 copy of a U4 weight (N, K) and, with `out`, the copy: per 16-column group (columns
- * past N zero) and per block, the 16 columns' blocks side by side, codes placed by place_code. */
-static int64_t lookup_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
+/* Block b of the 16-column group g of a weight whose blocks are placed for the lookups (A4, L4):
+ * groups in runs of `run` (the last run as many as remain), each run block by block — the run's
+ * groups' 16 blocks side by side at each block step. L4 takes runs of one group, A4 of four. */
+static inline const block_u4 *looked_up_at(const void *data, int64_t g, int64_t b, int64_t groups, int64_t blocks,
+                                           int64_t run) {
+    int64_t first = g / run * run, width = groups - first < run ? groups - first : run;
+    return (const block_u4 *)data + (first * blocks + b * width + g - first) * 16;
+}
+
+/* Bytes of the A4 or L4 copy of a U4 weight (N, K) in runs of `run` groups, and with `out` the copy
+ * (columns past N zero): each block's scale and offset, its codes placed by place_code. */
+static int64_t looked_up_pack(const d3d_weight *w, int64_t N, int64_t K, void *out, int64_t run) {
     int64_t blocks = K / CHUNK, groups = (N + 15) / 16, size = groups * 16 * blocks * (int64_t)sizeof(block_u4);
     if (!out) return size;
     memset(out, 0, size);
@@ -1240,7 +1247,7 @@ static int64_t lookup_pack(const d3d_weight *w, int64_t N, int64_t K, void *out)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t format;
             const block_u4 *from = block_at(w, n, b, K, &format);
-            block_u4 *to = (block_u4 *)out + ((n / 16) * blocks + b) * 16 + n % 16;
+            block_u4 *to = (block_u4 *)looked_up_at(out, n / 16, b, groups, blocks, run) + n % 16;
             to->scale = from->scale, to->offset = from->offset;
             for (int k = 0; k < CHUNK; k++) place_code(to, k, nibble(from->q, k));
         }
@@ -1329,7 +1336,7 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
     const __m512i control = lookup_control();
     const __m512 codes = lookup_codes();
     for (int64_t g = first; g < last; g++) {
-        const block_u4 *at = (const block_u4 *)l4->data + g * blocks * 16;
+        const block_u4 *at = looked_up_at(l4->data, g, 0, groups, blocks, 1);
         int64_t n0 = g * 16;
         int live = N - n0 < 16 ? (int)(N - n0) : 16;
         __m512 acc[16];
@@ -1424,7 +1431,7 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
 #endif
     if (format == D3D_T4) return table_pack(w, K, out);
 #ifdef D3D_LOOKUP
-    if (format == D3D_L4) return lookup_pack(w, N, K, out);
+    if (format == D3D_L4) return looked_up_pack(w, N, K, out, 1);
 #endif
     return group_pack(w, N, K, out);
 }
