@@ -1283,16 +1283,28 @@ static inline __attribute__((always_inline)) void lookup_one_row(const uint16_t 
     }
 }
 
+#define LOOKUP_STEP_LINES ((16 * (int)sizeof(block_u4) + 63) / 64)  /* cache lines of a group's block step */
+
+/* Pass p's share of the next group's block step `step` (lines p, p + 4, …): spread over a group's 4
+ * passes, the next group's stream arrives while this one's passes compute from cache. */
+static inline __attribute__((always_inline)) void lookup_next(const block_u4 *next, int64_t step, int p) {
+    if (!next) return;
+    for (int line = p; line < LOOKUP_STEP_LINES; line += 4)
+        _mm_prefetch((const char *)(next + step * 16) + 64 * line, _MM_HINT_T0);
+}
+
 /* R ≤ 4 rows x the 4 columns at, at + 4, at + 8, at + 12 of a group (16 blocks a block step): each
- * block decoded once for every row; acc[4r + c]. The group's first pass (`ahead`) prefetches its stream. */
+ * block decoded once for every row; acc[4r + c]. A thread's first pass (`ahead`) prefetches its
+ * stream; pass p also fetches its share of the next group's (`next`, or none). */
 static inline __attribute__((always_inline)) void lookup_rows(const uint16_t *x, int64_t x_stride, const block_u4 *at,
-                                                              int64_t blocks, const int R, int ahead, __m512i control,
-                                                              __m512 codes, __m512 acc[16]) {
+                                                              int64_t blocks, const int R, int ahead, const block_u4 *next,
+                                                              int p, __m512i control, __m512 codes, __m512 acc[16]) {
     __m512 a[4][4];  /* the chains, local so that they stay in registers */
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, at += 16) {
         if (ahead) lookup_prefetch(at);
+        lookup_next(next, b, p);
         __m512bh xb[4];
         for (int r = 0; r < R; r++) xb[r] = load_reg(x + r * x_stride + b * CHUNK);
         for (int c = 0; c < 4; c++) {
@@ -1304,15 +1316,30 @@ static inline __attribute__((always_inline)) void lookup_rows(const uint16_t *x,
         for (int c = 0; c < 4; c++) acc[4 * r + c] = a[r][c];
 }
 
-/* R ≤ 4 rows x 4 columns of a strip (per 32 values of k, 16 columns' 32 bf16 side by side, in the order
- * 0, 4, 8, 12, 1, 5, 9, 13, …: a pass's 4 columns together): the 4 from `strip` on; acc[4r + c]. R is
- * a constant where it is inlined, so the accumulators stay in registers. */
+/* Block j of a group (stream order: block step j / 16, column j % 16) decoded into a strip: per 32
+ * values of k, 16 columns' 32 bf16 side by side in the order 0, 4, 8, 12, 1, 5, 9, 13, … */
+static inline __attribute__((always_inline)) void strip_block(const block_u4 *group, int64_t j, uint16_t *strip,
+                                                              __m512i control, __m512 codes) {
+    int64_t b = j >> 4, c = j & 15;
+    _mm512_storeu_si512(strip + (b * 16 + (c & 3) * 4 + (c >> 2)) * CHUNK, (__m512i)lookup_block(group + j, control, codes));
+}
+
+/* R ≤ 4 rows x 4 columns of a strip: the 4 from `strip` on; acc[4r + c]. Between its k steps it
+ * decodes the next group's blocks from … end into next_strip (`per` a step), so that the decoding
+ * overlaps the products. */
 static inline __attribute__((always_inline)) void strip_tile(const uint16_t *x, int64_t x_stride, const uint16_t *strip,
-                                                             int64_t K, const int R, __m512 acc[16]) {
+                                                             int64_t K, const int R, const block_u4 *next,
+                                                             uint16_t *next_strip, int64_t from, int64_t end, int64_t per,
+                                                             __m512i control, __m512 codes, __m512 acc[16]) {
     __m512 a[4][4];
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
+    int64_t j = from;
     for (int64_t k = 0; k < K; k += CHUNK) {
+        for (int64_t i = 0; i < per && j < end; i++, j++) {
+            if ((j & 15) == 0) lookup_prefetch(next + j);
+            strip_block(next, j, next_strip, control, codes);
+        }
         const uint16_t *wk = strip + k * 16;
         __m512bh w[4];
         for (int c = 0; c < 4; c++) w[c] = load_reg(wk + CHUNK * c);
@@ -1325,18 +1352,29 @@ static inline __attribute__((always_inline)) void strip_tile(const uint16_t *x, 
         for (int c = 0; c < 4; c++) acc[4 * r + c] = a[r][c];
 }
 
-/* Every row of a call over an L4 weight; threads own runs of 16-column groups. The strip (16 x K bf16
- * a thread) lives in the scratch panel_scratch sizes. */
+/* Every row of a call over an L4 weight; threads own runs of 16-column groups (contiguous: runs of
+ * one). Past LOOKUP_FUSED rows a group's blocks are decoded into a strip (16 x K bf16; two a thread,
+ * in the scratch panel_scratch sizes) by the group before's tiles, between their products. */
 static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *l4, const uint16_t *bias,
                              const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
     int64_t groups = (N + 15) / 16, blocks = K / CHUNK;
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
-    uint16_t *strip = (uint16_t *)(scratch + me * (GROUPS * 16 * K / 2));
+    uint16_t *strips[2] = {(uint16_t *)(scratch + me * (GROUPS * 16 * K / 2)),
+                           (uint16_t *)(scratch + me * (GROUPS * 16 * K / 2)) + 16 * K};
     const __m512i control = lookup_control();
     const __m512 codes = lookup_codes();
+    if (M > LOOKUP_FUSED && first < last) {  /* the thread's first strip, before any tile */
+        const block_u4 *at = looked_up_at(l4->data, first, 0, groups, blocks, 1);
+        for (int64_t j = 0; j < 16 * blocks; j++) {
+            if ((j & 15) == 0) lookup_prefetch(at + j);
+            strip_block(at, j, strips[0], control, codes);
+        }
+    }
     for (int64_t g = first; g < last; g++) {
         const block_u4 *at = looked_up_at(l4->data, g, 0, groups, blocks, 1);
+        const block_u4 *next = g + 1 < last ? at + blocks * 16 : 0;
+        uint16_t *strip = strips[(g - first) & 1], *next_strip = strips[(g - first + 1) & 1];
         int64_t n0 = g * 16;
         int live = N - n0 < 16 ? (int)(N - n0) : 16;
         __m512 acc[16];
@@ -1345,31 +1383,29 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
             store16_bf16(fold16(acc), bias ? bias + n0 : 0, residual ? residual + n0 : 0, y + n0, live);
             continue;
         }
-        if (M > LOOKUP_FUSED)
-            for (int64_t b = 0; b < blocks; b++) {
-                lookup_prefetch(at + b * 16);
-                for (int c = 0; c < 16; c++)
-                    _mm512_storeu_si512(strip + (b * 16 + (c % 4) * 4 + c / 4) * CHUNK,
-                                        (__m512i)lookup_block(at + b * 16 + c, control, codes));
-            }
         int64_t tiles = (M + 3) / 4;  /* rows in tiles of at most 4, as even as possible (9 → 3, 3, 3) */
         for (int64_t t = 0, m0 = 0; t < tiles; t++) {
             int R = (int)(M * (t + 1) / tiles - m0);
             const uint16_t *xr = x + m0 * x_stride;
             __m512 quarters[4][4];  /* [row][pass]: pass p takes the columns p, p + 4, p + 8, p + 12 */
             for (int p = 0; p < 4; p++) {
-                int ahead = p == 0 && t == 0;
-                if (M > LOOKUP_FUSED) switch (R) {
-                    case 1: strip_tile(xr, x_stride, strip + p * 4 * CHUNK, K, 1, acc); break;
-                    case 2: strip_tile(xr, x_stride, strip + p * 4 * CHUNK, K, 2, acc); break;
-                    case 3: strip_tile(xr, x_stride, strip + p * 4 * CHUNK, K, 3, acc); break;
-                    default: strip_tile(xr, x_stride, strip + p * 4 * CHUNK, K, 4, acc); break;
+                int ahead = p == 0 && g == first;  /* later groups' streams were fetched by the passes before */
+                if (M > LOOKUP_FUSED) {  /* this tile and pass's share of the next group's blocks */
+                    int64_t total = next ? 16 * blocks : 0, calls = tiles * 4, i = t * 4 + p;
+                    int64_t from = total * i / calls, end = total * (i + 1) / calls, per = (end - from + blocks - 1) / blocks;
+                    const uint16_t *sp = strip + p * 4 * CHUNK;
+                    switch (R) {
+                        case 1: strip_tile(xr, x_stride, sp, K, 1, next, next_strip, from, end, per, control, codes, acc); break;
+                        case 2: strip_tile(xr, x_stride, sp, K, 2, next, next_strip, from, end, per, control, codes, acc); break;
+                        case 3: strip_tile(xr, x_stride, sp, K, 3, next, next_strip, from, end, per, control, codes, acc); break;
+                        default: strip_tile(xr, x_stride, sp, K, 4, next, next_strip, from, end, per, control, codes, acc); break;
+                    }
                 }
-                else switch (R) {
-                    case 1: lookup_rows(xr, x_stride, at + p, blocks, 1, ahead, control, codes, acc); break;
-                    case 2: lookup_rows(xr, x_stride, at + p, blocks, 2, ahead, control, codes, acc); break;
-                    case 3: lookup_rows(xr, x_stride, at + p, blocks, 3, ahead, control, codes, acc); break;
-                    default: lookup_rows(xr, x_stride, at + p, blocks, 4, ahead, control, codes, acc); break;
+                else switch (R) {  /* one tile: each block decoded straight into its products */
+                    case 1: lookup_rows(xr, x_stride, at + p, blocks, 1, ahead, next, p, control, codes, acc); break;
+                    case 2: lookup_rows(xr, x_stride, at + p, blocks, 2, ahead, next, p, control, codes, acc); break;
+                    case 3: lookup_rows(xr, x_stride, at + p, blocks, 3, ahead, next, p, control, codes, acc); break;
+                    default: lookup_rows(xr, x_stride, at + p, blocks, 4, ahead, next, p, control, codes, acc); break;
                 }
                 for (int r = 0; r < R; r++)
                     quarters[r][p] = fold_quarter(acc[4 * r], acc[4 * r + 1], acc[4 * r + 2], acc[4 * r + 3]);
@@ -1523,6 +1559,7 @@ static void linear_f32(const float *x, int64_t x_stride, const d3d_weight *w, co
 int64_t d3d_linear_scratch(int64_t M, int64_t K, int threads) {
     int64_t need = lanes_scratch(M, K, threads), strip = strip_scratch(M, K, threads), panel = panel_scratch(K, threads);
     need = need > strip ? need : strip;
+
     return need > panel ? need : panel;
 }
 
