@@ -1166,8 +1166,8 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
  * strip (L1) that 4 x 4 tiles read — and never the packed bf16 copy; its bits are those of its bf16
  * values through the plain layout's chains (d3d_linear_reference_bf16), whatever the row count.
  * Off unless asked for (d3d_lookups(1); D3D_LOOKUPS=1): on an AMD EPYC Zen 4 a one-token step took
- * 0.80 of the grouped path's, 2–3 rows the same, but 4–17 rows 1.1–1.25× (their fold, and past 4
- * rows a strip decoded per call where the packed copy is read as stored), and the default's
+ * 0.82 of the grouped path's, 2–5 rows the same, but 8–17 rows 1.1–1.2× (their fold: 16 lanes per
+ * output; and the strip's decoding, where the packed copy is read as stored), and the default's
  * speculation lost more than AR gained (docs/performance.md). A process keeps to one form: the bits
  * differ from the grouped path's.
  * ------------------------------------------------------------------------------------------- */
