@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from d3d.cache import V_PART, KVCache
 from d3d.config import ConfigError, ModelConfig
 from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKernels, Segment, TorchKernels,
                          row_exact_kernels)
+from d3d.kernels.plan import MAX_ROWS as PLANNED_ROWS
+from d3d.kernels.plan import ForwardPlan
 from d3d.lazy_rows import LazyRows
 from d3d.sampling import greedy_ids
 
@@ -223,6 +226,7 @@ class Decoder(nn.Module):
         self.register_buffer("rope_table", rope_table(config) if draw else torch.empty(0), persistent=False)
         self._rope_tables: dict[tuple, torch.Tensor] = {}  # the table in other dtypes
         self._layer_table: tuple[tuple[nn.Module, ...], LayerTable | None] | None = None
+        self._plans = threading.local()  # each thread's `ForwardPlan` (`planned_hidden`)
 
     @classmethod
     def for_weights(cls, config: ModelConfig, kernels: KernelChoice = "auto") -> Decoder:
@@ -244,7 +248,11 @@ class Decoder(nn.Module):
 
     def __getstate__(self) -> dict:
         # copies (deepcopy, pickling) rebuild their own caches: the table points at this decoder's weights
-        return {**self.__dict__, "_rope_tables": {}, "_layer_table": None}
+        return {**self.__dict__, "_rope_tables": {}, "_layer_table": None, "_plans": None}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._plans = threading.local()
 
     @staticmethod
     def _load_row_exact(choice: KernelChoice) -> RowExactKernels | None:
@@ -457,8 +465,10 @@ class Decoder(nn.Module):
         table = self._fused_table()
         if table is None or len(parts) == 1 and len(parts[0].ids) > PREFILL_CHUNK:
             return [self._part_alone(part, feature_layers) for part in parts]
-        hidden, features = self._hidden_rows(table, self.embed(torch.cat([part.ids for part in parts])), parts,
-                                             feature_layers)
+        planned = (self.planned_hidden(table, parts[0].ids, parts[0].cache)
+                   if len(parts) == 1 and parts[0].mask is None and not feature_layers else None)
+        hidden, features = (planned, None) if planned is not None else self._hidden_rows(
+            table, self.embed(torch.cat([part.ids for part in parts])), parts, feature_layers)
         ends = torch.tensor([len(part.ids) for part in parts]).cumsum(0).tolist()
         wanted = [range(end - 1, end) if part.last_only else range(end - len(part.ids), end)
                   for part, end in zip(parts, ends)]
@@ -476,6 +486,26 @@ class Decoder(nn.Module):
             out.append((computed, None if features is None else features[end - len(part.ids):end]))
             begin += len(first)
         return out
+
+    def planned_hidden(self, table: LayerTable, ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """The final-normed hidden states (T, hidden) of ids (T,) after `cache` (batch size one; the T
+        slots reserved here), causal, through this thread's `ForwardPlan` of the fused forward over
+        `table` — `hidden_rows`' bits without rebuilding its arguments at every step — or None where a
+        plan does not apply (more than its rows, another batch size)."""
+        if len(ids) > PLANNED_ROWS or cache.batch_size != 1 or cache.keys.dtype != self.embed_tokens.weight.dtype:
+            return None
+        rope, norm = self.rope_table_as(cache.keys.dtype), self.norm.weight
+        plan = self._plans.__dict__.get("plan")
+        if plan is None or not plan.fits(self.row_exact, table, cache.keys, cache.values, rope, norm):
+            c = self.config
+            shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
+            plan = self._plans.plan = ForwardPlan(self.row_exact, table, shape, cache.keys, cache.values, rope, norm)
+        rows, table = len(ids), self.embed_tokens
+        if type(table) is nn.Embedding and table.padding_idx is None and table.max_norm is None:
+            torch.index_select(table.weight, 0, ids, out=plan.x[:rows])  # `embed`'s values, in place
+        else:
+            plan.x[:rows].copy_(self.embed(ids))
+        return plan.run(rows, cache.reserve(rows))
 
     def _fused_table(self) -> LayerTable | None:
         """The row-exact kernels' table where several sequences can share one fused forward, else None."""
@@ -545,6 +575,11 @@ class Decoder(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The final-normed hidden states (B, T, hidden) — (B, 1, hidden) with `last_only` — that
         `logits_and_features` takes its logits from, and its features."""
+        if cache is not None and positions is None and mask is None and not feature_layers and len(input_ids) == 1:
+            table = self._fused_table()  # a decoding step: the fused forward's plan, where it applies
+            hidden = self.planned_hidden(table, input_ids[0], cache) if table is not None else None
+            if hidden is not None:
+                return (hidden[-1:] if last_only else hidden)[None], None
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)

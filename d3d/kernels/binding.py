@@ -114,6 +114,7 @@ class RowExactKernels(WeightStreams):
         self.grouped_rows = bool(library.d3d_grouped_linear())
         # (id, amx, lookups) → the grouped copy
         self._grouped: dict[tuple[int, bool, bool], tuple[weakref.ref, int, WeightStream | None]] = {}
+        self._descriptors: dict = {}  # id(weight) → its descriptor and streams (`_weight`)
         self.arena = HugePageArena()
         self._kept_scratch = threading.local()  # `_scratch_for`'s buffers, per thread (the AMX check below uses them)
         library.d3d_amx.argtypes = [i32]

@@ -1,0 +1,121 @@
+"""A decoding step's fused forward through its `ForwardPlan` (d3d.kernels.plan): the bits of the
+forward that builds its arguments at every call, whatever the cache layout, row count, context, cache
+or thread — and a plan that follows what it was built over."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from conftest import make_decoder, tiny_config
+from d3d.cache import KVCache
+from d3d.kernels.plan import MAX_ROWS
+from d3d.models import SequenceRows
+
+
+def ids_of(length: int, seed: int, vocab: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def unplanned(decoder, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The final hidden states of `ids` (1, T) after `cache` by the forward that builds its arguments each call."""
+    positions = torch.arange(cache.length, cache.length + ids.shape[1])[None]
+    return decoder.hidden_and_features(decoder.embed(ids), positions, cache)[0]
+
+
+def plan_of(decoder):
+    return decoder._plans.__dict__.get("plan")
+
+
+@pytest.mark.parametrize("layout", ["plain", "split", "tiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_a_planned_step_has_the_bits_of_the_forward_it_plans(dtype, layout):
+    """Steps of 1-32 rows after a prompt, in every cache layout, through the plan: the hidden states,
+    keys and values of the forward that builds its arguments at every call; 33 rows take that forward."""
+    config = tiny_config("qwen3", head_dim=64, num_heads=2, num_kv_heads=1, max_position_embeddings=256)
+    decoder = make_decoder(config, dtype=dtype)
+    if layout == "tiled" and not decoder.row_exact.tiles_keys(dtype, 64):
+        pytest.skip("this build reads no tiled keys in this dtype")
+    c = decoder.config
+    caches = [KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 200, 1, dtype, split=layout != "plain",
+                      tile_keys=layout == "tiled") for _ in range(2)]
+    for cache in reversed(caches):  # a prompt of 9 rows, planned too: last in the cache the steps go to
+        decoder(ids_of(9, seed=1), cache=cache)
+        cache.commit()
+    for seed, (rows, kept) in enumerate([(1, 1), (5, 2), (17, 0), (MAX_ROWS, 3), (1, 1), (MAX_ROWS + 1, 0)]):
+        ids = ids_of(rows, seed=10 + seed)
+        before = plan_of(decoder)
+        planned = decoder.final_hidden(ids, cache=caches[0])[0]
+        assert (plan_of(decoder).args.rows == rows) == (rows <= MAX_ROWS)  # the plan ran it, or not
+        assert torch.equal(planned, unplanned(decoder, ids, caches[1])), rows
+        assert plan_of(decoder) is before  # one plan for the cache and all its steps
+        for cache in caches:
+            cache.commit(kept)
+        assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
+
+
+@torch.no_grad()
+def test_a_plan_follows_its_cache_its_weights_and_the_context():
+    """Two caches in turn each get their own bits (the plan rebuilt for each); a weight changed in place
+    is read at the next step; steps far into a long cache (the scores' scratch grown) keep the bits; and
+    a plan holds its cache weakly."""
+    decoder = make_decoder(tiny_config(max_position_embeddings=1024), dtype=torch.bfloat16)
+    first, second, reference = (decoder.new_cache(1000) for _ in range(3))
+    for cache, seed in ((first, 1), (second, 2)):
+        decoder(ids_of(6, seed), cache=cache)
+        cache.commit()
+    step = ids_of(3, seed=3)
+    one, two = decoder.final_hidden(step, cache=first)[0], decoder.final_hidden(step, cache=second)[0]
+    assert not torch.equal(one, two)
+    decoder(ids_of(6, seed=1), cache=reference)
+    reference.commit()
+    assert torch.equal(one, unplanned(decoder, step, reference))
+    for cache in (first, reference):
+        cache.commit(0)
+    decoder.layers[0].mlp.down_proj.weight.mul_(2.0)  # in place, as an optimizer step
+    changed = decoder.final_hidden(step, cache=first)[0]
+    assert not torch.equal(changed, one) and torch.equal(changed, unplanned(decoder, step, reference))
+    for cache in (first, reference):  # 900 tokens on: the scores' scratch must grow
+        cache.commit(0)
+        cache.reserve(900)
+        cache.commit()
+    far = ids_of(4, seed=4)
+    assert torch.equal(decoder.final_hidden(far, cache=first)[0], unplanned(decoder, far, reference))
+    held = weakref.ref(first.keys)
+    del first
+    gc.collect()
+    assert held() is None and plan_of(decoder) is not None  # the plan did not keep the cache
+
+
+@torch.no_grad()
+def test_threads_decode_through_plans_of_their_own():
+    """Two threads decoding with one decoder, each its own cache, both through plans at once: each
+    thread's rows are those it gets alone (a plan is per thread: its structs are written every step)."""
+    decoder = make_decoder(tiny_config(), dtype=torch.bfloat16)
+
+    @torch.no_grad()  # (grad mode is per thread)
+    def decode(seed: int, out: list) -> None:
+        cache = decoder.new_cache(64)
+        decoder(ids_of(4, seed), cache=cache)
+        cache.commit()
+        for i in range(30):
+            rows = decoder.forward_rows([SequenceRows(ids_of(1 + i % 3, seed + i)[0], cache)])[0][0]
+            cache.commit(1)
+            out.append(rows)
+
+    alone = {seed: [] for seed in (1, 2)}
+    for seed, out in alone.items():
+        decode(seed, out)
+    together = {seed: [] for seed in (1, 2)}
+    threads = [threading.Thread(target=decode, args=(seed, out)) for seed, out in together.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for seed in (1, 2):
+        assert len(together[seed]) == 30 and all(torch.equal(a, b) for a, b in zip(alone[seed], together[seed]))
