@@ -3,10 +3,11 @@
 `RowExactKernels.forward_segments` builds its C structs, checks its caches and sizes its buffers at
 every call. For a decoding loop — one sequence, a few causal rows after its own cache, every step —
 that work is the same each time, and it runs right after the previous step, whose weights' stream has
-left nothing of Python or torch in the caches: measured on an AMD EPYC Zen 4, ~0.4 ms of Python before
-and between the C calls of a ~5 ms one-token step, against ~0.1 ms warm (docs/performance.md). A plan
-holds that sequence's `SegmentArgs` and `ForwardArgs`, its buffers and its scratch, and a step sets
-only its row count, start, positions and output: the same C call, so the same bits.
+left nothing of Python or torch in the caches: on an AMD EPYC Zen 4, ~0.7 ms of Python before and
+between the C calls of a ~6 ms one-token step (~0.15 ms where it runs warm), ~0.37 ms through a plan
+(docs/performance.md). A plan holds that sequence's `SegmentArgs` and `ForwardArgs`, its buffers and its
+scratch, and a step sets only its row count, start, positions and output: the same C call, so the
+same bits.
 
 This module computes; `d3d.models.Decoder` decides when a forward takes a plan.
 """
