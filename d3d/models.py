@@ -30,8 +30,7 @@ from d3d.cache import V_PART, KVCache
 from d3d.config import ConfigError, ModelConfig
 from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKernels, Segment, TorchKernels,
                          row_exact_kernels)
-from d3d.kernels.plan import MAX_ROWS as PLANNED_ROWS
-from d3d.kernels.plan import ForwardPlan
+from d3d.kernels.plan import MAX_ROWS as PLANNED_ROWS, ForwardPlan
 from d3d.lazy_rows import LazyRows
 from d3d.sampling import greedy_ids
 
@@ -281,13 +280,16 @@ class Decoder(nn.Module):
         return self.row_exact
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The token embeddings of `ids`: `embed_tokens(ids)`'s values (an `nn.Embedding` without padding
-        index or norm), by `torch.embedding` itself — half the module call's time right after a forward,
-        whose stream leaves nothing of torch in the caches (~60 against ~115 µs on an AMD EPYC Zen 3)."""
+        """`embed_tokens(ids)`'s values; by `torch.embedding` itself where it is a plain lookup — half the
+        module call's time right after a forward (~60 against ~115 µs on an AMD EPYC Zen 3)."""
+        weight = self._plain_embedding()
+        return torch.embedding(weight, ids) if weight is not None else self.embed_tokens(ids)
+
+    def _plain_embedding(self) -> torch.Tensor | None:
+        """The embedding's weight where it is a plain lookup of rows (no padding index or norm), else None."""
         table = self.embed_tokens
-        if type(table) is nn.Embedding and table.padding_idx is None and table.max_norm is None:
-            return torch.embedding(table.weight, ids)
-        return table(ids)
+        plain = type(table) is nn.Embedding and table.padding_idx is None and table.max_norm is None
+        return table.weight if plain else None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -487,12 +489,11 @@ class Decoder(nn.Module):
             begin += len(first)
         return out
 
-    def planned_hidden(self, table: LayerTable, ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
-        """The final-normed hidden states (T, hidden) of ids (T,) after `cache` (batch size one; the T
-        slots reserved here), causal, through this thread's `ForwardPlan` of the fused forward over
-        `table` — `hidden_rows`' bits without rebuilding its arguments at every step — or None where a
-        plan does not apply (more than its rows, another batch size)."""
-        if len(ids) > PLANNED_ROWS or cache.batch_size != 1 or cache.keys.dtype != self.embed_tokens.weight.dtype:
+    def planned_hidden(self, table: LayerTable | None, ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
+        """The final-normed hidden states (T, hidden) of ids (T,) after `cache` (batch size one; T slots
+        reserved here), causal, through this thread's `ForwardPlan` over `table` — `hidden_rows`' bits
+        without rebuilding its arguments each step — or None where no plan applies."""
+        if table is None or len(ids) > PLANNED_ROWS or cache.batch_size != 1 or cache.keys.dtype != self.dtype:
             return None
         rope, norm = self.rope_table_as(cache.keys.dtype), self.norm.weight
         plan = self._plans.__dict__.get("plan")
@@ -500,9 +501,9 @@ class Decoder(nn.Module):
             c = self.config
             shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
             plan = self._plans.plan = ForwardPlan(self.row_exact, table, shape, cache.keys, cache.values, rope, norm)
-        rows, table = len(ids), self.embed_tokens
-        if type(table) is nn.Embedding and table.padding_idx is None and table.max_norm is None:
-            torch.index_select(table.weight, 0, ids, out=plan.x[:rows])  # `embed`'s values, in place
+        rows, weight = len(ids), self._plain_embedding()
+        if weight is not None:
+            torch.index_select(weight, 0, ids, out=plan.x[:rows])  # `embed`'s values, in place
         else:
             plan.x[:rows].copy_(self.embed(ids))
         return plan.run(rows, cache.reserve(rows))
@@ -576,8 +577,7 @@ class Decoder(nn.Module):
         """The final-normed hidden states (B, T, hidden) — (B, 1, hidden) with `last_only` — that
         `logits_and_features` takes its logits from, and its features."""
         if cache is not None and positions is None and mask is None and not feature_layers and len(input_ids) == 1:
-            table = self._fused_table()  # a decoding step: the fused forward's plan, where it applies
-            hidden = self.planned_hidden(table, input_ids[0], cache) if table is not None else None
+            hidden = self.planned_hidden(self._fused_table(), input_ids[0], cache)  # a decoding step's plan
             if hidden is not None:
                 return (hidden[-1:] if last_only else hidden)[None], None
         if positions is None:
