@@ -320,6 +320,17 @@ class RowExactKernels(WeightStreams):
                     for b in range(batch)]
         return self.forward_segments(table, shape, x, rope, positions, segments, final_norm, capture)
 
+    def segment_cache(self, struct: SegmentArgs, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype,
+                      head_dim: int) -> None:
+        """A segment's cache fields of `struct` (d3d_segment) from its keys and values — views of one
+        sequence's cache (`Segment`) — checked against the forward's dtype and the kernels' limits."""
+        assert keys.dtype == dtype == values.dtype and keys.stride()[:2] == values.stride()[:2]
+        assert contiguous_from(keys, 2), "a cache's slots must be contiguous"
+        assert head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} above {MAX_HEAD_DIM}"
+        struct.v_row, struct.v_part = value_strides(keys, values)
+        struct.k_tiled = self._key_layout(keys, values, head_dim)
+        struct.kv_layer, struct.kv_head = keys.stride(0), keys.stride(1)
+
     def forward_segments(self, table: LayerTable, shape: DecoderShape, x: torch.Tensor, rope: torch.Tensor,
                          positions: torch.Tensor, segments: Sequence[Segment], final_norm: torch.Tensor,
                          capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -333,29 +344,21 @@ class RowExactKernels(WeightStreams):
         structs = (SegmentArgs * len(segments))()
         masks = []  # kept alive through the call
         for struct, segment in zip(structs, segments):
-            keys, values = segment.keys, segment.values
-            assert keys.dtype == x.dtype == values.dtype and keys.stride()[:2] == values.stride()[:2]
-            assert contiguous_from(keys, 2), "a cache's slots must be contiguous"
-            assert segment.start + segment.rows <= slots_of(keys, values), "KV slots out of range"
-            struct.v_row, struct.v_part = value_strides(keys, values)
-            struct.k_tiled = self._key_layout(keys, values, shape.head_dim)
+            self.segment_cache(struct, segment.keys, segment.values, x.dtype, shape.head_dim)
+            assert segment.start + segment.rows <= slots_of(segment.keys, segment.values), "KV slots out of range"
             mask = segment.mask
             if mask is not None:
                 mask = mask.to(torch.uint8).contiguous()
                 assert mask.shape == (segment.rows, segment.start + segment.rows), f"mask {tuple(mask.shape)}"
                 masks.append(mask)
-            struct.rows, struct.start, struct.kv_layer, struct.kv_head = (
-                segment.rows, segment.start, keys.stride(0), keys.stride(1))
-            struct.mask = _ptr(mask)
+            struct.rows, struct.start, struct.mask = segment.rows, segment.start, _ptr(mask)
         x = x.contiguous().clone()  # the residual stream, updated in place by the kernel
         positions = positions.contiguous()
         heads, dim = shape.heads, shape.head_dim
-        assert dim <= MAX_HEAD_DIM, f"head_dim {dim} above {MAX_HEAD_DIM}"
-        width = (heads + 2 * shape.kv_heads) * dim
-        work = self._scratch_for("work", rows * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), x.dtype)
+        work = self._scratch_for("work", shape.work_elements(rows, hidden), x.dtype)
         scores = self._scratch_for(
             "scores", self.library.d3d_segments_scratch(structs, len(segments), heads, shape.kv_heads, dim), torch.float32)
-        scratch = self._scratch(rows, max(hidden, heads * dim, shape.intermediate))
+        scratch = self._scratch(rows, shape.linear_width(hidden))
         out = torch.empty_like(x)
         captured, first = [], 0
         for last in [*capture, table.layers - 1]:  # layers first … last in one call

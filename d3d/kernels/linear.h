@@ -1324,6 +1324,15 @@ static inline __attribute__((always_inline)) void strip_block(const block_u4 *gr
     _mm512_storeu_si512(strip + (b * 16 + (c & 3) * 4 + (c >> 2)) * CHUNK, (__m512i)lookup_block(group + j, control, codes));
 }
 
+/* Blocks from … end of a group decoded into its strip, its stream prefetched at each block step. */
+static inline __attribute__((always_inline)) void strip_blocks(const block_u4 *group, int64_t from, int64_t end,
+                                                               uint16_t *strip, __m512i control, __m512 codes) {
+    for (int64_t j = from; j < end; j++) {
+        if ((j & 15) == 0) lookup_prefetch(group + j);
+        strip_block(group, j, strip, control, codes);
+    }
+}
+
 /* R ≤ 4 rows x 4 columns of a strip: the 4 from `strip` on; acc[4r + c]. Between its k steps it
  * decodes the next group's blocks from … end into next_strip (`per` a step), so that the decoding
  * overlaps the products. */
@@ -1334,12 +1343,10 @@ static inline __attribute__((always_inline)) void strip_tile(const uint16_t *x, 
     __m512 a[4][4];
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
-    int64_t j = from;
-    for (int64_t k = 0; k < K; k += CHUNK) {
-        for (int64_t i = 0; i < per && j < end; i++, j++) {
-            if ((j & 15) == 0) lookup_prefetch(next + j);
-            strip_block(next, j, next_strip, control, codes);
-        }
+    for (int64_t k = 0, j = from; k < K; k += CHUNK) {
+        int64_t to = j + per < end ? j + per : end;
+        strip_blocks(next, j, to, next_strip, control, codes);
+        j = to;
         const uint16_t *wk = strip + k * 16;
         __m512bh w[4];
         for (int c = 0; c < 4; c++) w[c] = load_reg(wk + CHUNK * c);
@@ -1360,17 +1367,11 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
     int64_t groups = (N + 15) / 16, blocks = K / CHUNK;
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
-    uint16_t *strips[2] = {(uint16_t *)(scratch + me * (GROUPS * 16 * K / 2)),
-                           (uint16_t *)(scratch + me * (GROUPS * 16 * K / 2)) + 16 * K};
+    uint16_t *mine = (uint16_t *)(scratch + me * (GROUPS * 16 * K / 2)), *strips[2] = {mine, mine + 16 * K};
     const __m512i control = lookup_control();
     const __m512 codes = lookup_codes();
-    if (M > LOOKUP_FUSED && first < last) {  /* the thread's first strip, before any tile */
-        const block_u4 *at = looked_up_at(l4->data, first, 0, groups, blocks, 1);
-        for (int64_t j = 0; j < 16 * blocks; j++) {
-            if ((j & 15) == 0) lookup_prefetch(at + j);
-            strip_block(at, j, strips[0], control, codes);
-        }
-    }
+    if (M > LOOKUP_FUSED && first < last)  /* the thread's first strip, before any tile */
+        strip_blocks(looked_up_at(l4->data, first, 0, groups, blocks, 1), 0, 16 * blocks, strips[0], control, codes);
     for (int64_t g = first; g < last; g++) {
         const block_u4 *at = looked_up_at(l4->data, g, 0, groups, blocks, 1);
         const block_u4 *next = g + 1 < last ? at + blocks * 16 : 0;
@@ -1559,7 +1560,6 @@ static void linear_f32(const float *x, int64_t x_stride, const d3d_weight *w, co
 int64_t d3d_linear_scratch(int64_t M, int64_t K, int threads) {
     int64_t need = lanes_scratch(M, K, threads), strip = strip_scratch(M, K, threads), panel = panel_scratch(K, threads);
     need = need > strip ? need : strip;
-
     return need > panel ? need : panel;
 }
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from d3d.cache import slots_of
-from d3d.kernels.segments import DecoderShape, contiguous_from, value_strides
+from d3d.kernels.segments import DecoderShape
 from d3d.kernels.structs import ForwardArgs, Layer, SegmentArgs
 
 if TYPE_CHECKING:
@@ -40,31 +40,27 @@ class ForwardPlan:
     def __init__(self, kernels: RowExactKernels, table: LayerTable, shape: DecoderShape, cache_keys: torch.Tensor,
                  cache_values: torch.Tensor, rope: torch.Tensor, final_norm: torch.Tensor) -> None:
         keys, values, dtype = cache_keys[:, 0], cache_values[:, 0], cache_keys.dtype  # the segment's views
-        assert values.dtype == rope.dtype == dtype and keys.stride()[:2] == values.stride()[:2]
-        assert contiguous_from(keys, 2), "a cache's slots must be contiguous"
+        assert rope.dtype == dtype
         self.kernels, self.table, self.rope, self.final_norm = kernels, table, rope, final_norm
         self.cache = weakref.ref(cache_keys), weakref.ref(cache_values)
         self.threads, self.epoch = torch.get_num_threads(), kernels.epoch
         self.slots = slots_of(keys, values)
-        hidden, heads, dim = final_norm.shape[0], shape.heads, shape.head_dim
-        width = (heads + 2 * shape.kv_heads) * dim
+        hidden = final_norm.shape[0]
         self.segment = SegmentArgs()
-        self.segment.v_row, self.segment.v_part = value_strides(keys, values)
-        self.segment.k_tiled = kernels._key_layout(keys, values, dim)
-        self.segment.kv_layer, self.segment.kv_head = keys.stride(0), keys.stride(1)
+        kernels.segment_cache(self.segment, keys, values, dtype, shape.head_dim)
         self.segment.k_cache, self.segment.v_cache = keys.data_ptr(), values.data_ptr()
-        self.segment.mask = None
         self.x = torch.empty(MAX_ROWS, hidden, dtype=dtype)  # the residual stream, updated in place
         self.positions = (ctypes.c_int64 * MAX_ROWS)()
-        self.work = torch.empty(MAX_ROWS * (hidden + width + 2 * heads * dim + 3 * shape.intermediate), dtype=dtype)
+        self.work = torch.empty(shape.work_elements(MAX_ROWS, hidden), dtype=dtype)
         self.scratch = torch.empty(max(1, kernels.library.d3d_linear_scratch(
-            MAX_ROWS, max(hidden, heads * dim, shape.intermediate), self.threads)), dtype=torch.float32)
+            MAX_ROWS, shape.linear_width(hidden), self.threads)), dtype=torch.float32)
         self.scores, self.scored_keys = torch.empty(0), 0
         self.args = ForwardArgs(
-            ctypes.cast(ctypes.addressof(table.structs), ctypes.POINTER(Layer)), table.layers, hidden, heads,
-            shape.kv_heads, dim, shape.intermediate, shape.eps, dim ** -0.5, self.x.data_ptr(), rope.data_ptr(),
-            ctypes.addressof(self.positions), rope.shape[1], ctypes.pointer(self.segment), 1, 0, final_norm.data_ptr(),
-            0, self.work.data_ptr(), 0, self.scratch.data_ptr(), self.threads)
+            ctypes.cast(ctypes.addressof(table.structs), ctypes.POINTER(Layer)), table.layers, hidden, shape.heads,
+            shape.kv_heads, shape.head_dim, shape.intermediate, shape.eps, shape.head_dim ** -0.5,
+            self.x.data_ptr(), rope.data_ptr(), ctypes.addressof(self.positions), rope.shape[1],
+            ctypes.pointer(self.segment), 1, 0, final_norm.data_ptr(), 0, self.work.data_ptr(), 0,
+            self.scratch.data_ptr(), self.threads)
         self.forward = kernels._fn("forward", dtype)
 
     def fits(self, kernels: RowExactKernels, table: LayerTable, cache_keys: torch.Tensor, cache_values: torch.Tensor,

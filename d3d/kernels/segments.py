@@ -54,3 +54,12 @@ class DecoderShape:
     head_dim: int
     intermediate: int
     eps: float
+
+    def work_elements(self, rows: int, hidden: int) -> int:
+        """Elements of a fused forward's work buffer over `rows` rows (rowexact.c's `work`)."""
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        return rows * (hidden + width + 2 * self.heads * self.head_dim + 3 * self.intermediate)
+
+    def linear_width(self, hidden: int) -> int:
+        """The widest input of a layer's linears: what a fused forward's linear scratch is sized by."""
+        return max(hidden, self.heads * self.head_dim, self.intermediate)
