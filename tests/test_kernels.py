@@ -8,7 +8,7 @@ import torch
 from conftest import kernels_built_for
 
 from d3d.cache import KEY_TILE, KVCache, key_rows, split_values, tiled_keys
-from d3d.kernels import TorchKernels, row_exact_kernels
+from d3d.kernels import RowExactKernels, TorchKernels, row_exact_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -452,26 +452,108 @@ def test_a_build_that_reads_rows_refuses_tiled_keys(portable):
         portable.attention(randn(1, 1, 3, 64, seed=0, dtype=torch.bfloat16), k, v, None)
 
 
+def fold_lanes(lanes: torch.Tensor) -> torch.Tensor:
+    """rowexact.c's fold_lanes over the last dimension (16 lanes), in fp32."""
+    t8 = lanes[..., :8] + lanes[..., 8:]
+    t4 = t8[..., :4] + t8[..., 4:]
+    return (t4[..., 0] + t4[..., 2]) + (t4[..., 1] + t4[..., 3])
+
+
+def pair_attention(kernels: RowExactKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    """attention.h's pair contract (PAIR_CHAINS, PAIR_SUMS) step by step in fp32 tensors, for one
+    batch row of bf16 q (1, T, H, D), k and v (1, H_kv, S, D): each score the chain over the pairs of
+    d, odd element first, times the scale; p = bf16(exp_fixed(x - top)), their total over 16 lanes in
+    key order, folded; each output the chain over the pairs of keys, odd key first, times 1 / total,
+    rounded to bf16. (Every product here is of two bf16 values, so exact in fp32: an fp32 addition
+    after it is the instruction's fused step; no subnormal arises from these inputs.)"""
+    if len(q) > 1:
+        return torch.cat([pair_attention(kernels, q[b:b + 1], k[b:b + 1], v[b:b + 1], None if mask is None else mask[b:b + 1])
+                          for b in range(len(q))])
+    _, T, H, D = q.shape
+    S, group = k.shape[2], H // k.shape[1]
+    qf, kf, vf = q[0].float(), k[0].float(), v[0].float()
+    visible = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
+    if mask is not None:
+        visible = mask[0].bool()
+    ends = torch.tensor([int(row.nonzero().max()) + 1 if row.any() else 0 for row in visible])
+    out = torch.empty(T, H, D, dtype=torch.bfloat16)
+    for h in range(H):
+        keys, values = kf[h // group], vf[h // group]
+        x = torch.zeros(T, S)
+        for i in range(D // 2):
+            x = x + qf[:, h, 2 * i + 1, None] * keys[None, :, 2 * i + 1]
+            x = x + qf[:, h, 2 * i, None] * keys[None, :, 2 * i]
+        x = torch.where(visible, x * torch.tensor(D ** -0.5, dtype=torch.float32), torch.tensor(float("-inf")))
+        top = x.max(dim=1, keepdim=True).values
+        p = torch.where(visible, kernels.exp_fixed(x - top), torch.zeros(())).to(torch.bfloat16).float()
+        p = torch.cat([p, torch.zeros(T, 1 + 15 + S % 2)], dim=1)  # a zero past the last key, whole lanes
+        lanes = torch.zeros(T, 16)
+        for s0 in range(0, S, 16):
+            lanes = lanes + torch.where(torch.arange(s0, s0 + 16)[None, :] < ends[:, None], p[:, s0:s0 + 16], torch.zeros(()))
+        total = fold_lanes(lanes)
+        inv = torch.where(total > 0, 1.0 / total, torch.zeros(()))
+        padded = torch.cat([values, torch.zeros(1, D)])
+        o = torch.zeros(T, D)
+        for s in range(0, S, 2):
+            seen = (s < ends)[:, None]
+            step = o + p[:, s + 1, None] * padded[None, s + 1]
+            step = step + p[:, s, None] * padded[None, s]
+            o = torch.where(seen, step, o)
+        out[:, h] = (o * inv[:, None]).to(torch.bfloat16)
+    return out[None]
+
+
+def reference_attention(kernels: RowExactKernels, portable: RowExactKernels, dtype: torch.dtype):
+    """What this build's attention of dtype must equal bit for bit: the pair contract where it
+    scores so, else the portable C's."""
+    if kernels.pair_scores(dtype, 64):
+        return lambda q, k, v, mask: pair_attention(kernels, q, k, v, mask)
+    return portable.attention
+
+
+def test_pair_scores_are_a_contract_of_their_own(kernels, portable):
+    """Where bf16 attention scores and sums as pair dot products (AVX-512 BF16), its bits are
+    `pair_attention`'s, step for step, causal and masked, plain and split values, over an odd and an
+    even number of keys, and not the portable C's (the negative control)."""
+    if not kernels.pair_scores(torch.bfloat16, 64):
+        pytest.skip(f"this build scores bf16 as fp32 chains ({kernels.path_name})")
+    assert not portable.pair_scores(torch.bfloat16, 64) and not kernels.pair_scores(torch.float32, 64)
+    for length, keys in ((17, 131), (1, 300), (4, 64)):
+        q = randn(1, length, 9, 64, seed=0, dtype=torch.bfloat16)
+        k = randn(1, 3, keys, 64, seed=1, dtype=torch.bfloat16, scale=3.0)
+        v = randn(1, 3, keys, 64, seed=2, dtype=torch.bfloat16)
+        mask = torch.rand(1, length, keys, generator=torch.Generator().manual_seed(3)) > 0.3
+        for m in (None, mask):
+            expected = pair_attention(kernels, q, k, v, m)
+            for values in (v, split_values(v).contiguous()):
+                assert torch.equal(kernels.attention(q, k, values, m), expected), (length, keys, m is None)
+    assert not torch.equal(kernels.attention(q, k, v, None), portable.attention(q, k, v, None))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("length,heads,kv_heads,keys", [(1, 9, 3, 600), (2, 9, 3, 300), (17, 9, 3, 530), (3, 8, 2, 300)])
 def test_attention_gives_the_portable_bits_at_decoding_shapes(kernels, portable, dtype, length, heads, kv_heads, keys):
     """A one-token step (its key tiles read without storing them, where the build does), a few
     queries and a verification over a context longer than a span of weighted sums (each head's
     chains carried from span to span, several heads together), and a group of 4 query heads per KV
-    head: the portable C's bits, causal and masked, plain and split values, on 1 and 2 threads."""
+    head: the portable C's bits (where bf16 scores as pairs, the pair contract's), causal and masked,
+    plain and split values, on 1 and 2 threads."""
     if kernels.amx and dtype == torch.bfloat16:
         pytest.skip("bf16 attention on AMX tiles is a contract of its own: tests/test_amx.py")
     q = randn(1, length, heads, 64, seed=0, dtype=dtype)
     k = randn(1, kv_heads, keys, 64, seed=1, dtype=dtype, scale=3.0)
     v = randn(1, kv_heads, keys, 64, seed=2, dtype=dtype)
     mask = torch.rand(1, length, keys, generator=torch.Generator().manual_seed(3)) > 0.3
+    reference = reference_attention(kernels, portable, dtype)
+    expected = {m is None: reference(q, k, v, m) for m in (None, mask)}
     previous = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for values in (v, split_values(v).contiguous()):
                 for m in (None, mask):
-                    assert torch.equal(kernels.attention(q, k, values, m), portable.attention(q, k, values, m))
+                    assert torch.equal(kernels.attention(q, k, values, m), expected[m is None])
     finally:
         torch.set_num_threads(previous)
 
@@ -487,7 +569,7 @@ def test_the_vector_paths_give_the_portable_bits(kernels, portable, dtype):
     mask = torch.rand(2, 5, 37, generator=torch.Generator().manual_seed(3)) > 0.3
     for m in (None, mask):
         if not (kernels.amx and dtype == torch.bfloat16):
-            assert torch.equal(kernels.attention(q, k, v, m), portable.attention(q, k, v, m))
+            assert torch.equal(kernels.attention(q, k, v, m), reference_attention(kernels, portable, dtype)(q, k, v, m))
     x = randn(7, 576, seed=4, dtype=dtype, scale=5.0)
     weight = randn(576, seed=5, dtype=dtype)
     assert torch.equal(kernels.rms_norm(x, weight, 1e-5), portable.rms_norm(x, weight, 1e-5))

@@ -17,6 +17,11 @@
  *     (QUERY_CHUNK chains run interleaved: the same operations, in the same order, per chain);
  *  2. per query: max, exp and sum over the visible keys in 16 lanes, then the weighted sum of V
  *     in key order. `scores` is scratch of d3d_attention_scratch(B, T, H, S) floats.
+ * Where the build has AVX-512 BF16, bf16 attention is a contract of its own (d3d_pair_scores): the
+ * scores are vdpbf16ps chains over the pairs of d (PAIR_CHAINS), and the weighted sums, with p
+ * rounded to bf16, chains over the pairs of keys (PAIR_SUMS) — two products an operation where the
+ * fp32 chains take one: a long prompt's prefill and a verification after thousands of tokens are
+ * bound by these operations. Each query's bits are still its own, whatever the query count.
  * ------------------------------------------------------------------------------------------- */
 
 #define KEY_TILE 16
@@ -269,6 +274,86 @@ static inline void sum_values_bf16(const float (*acc)[16], float *o) {
 static inline void sum_values_f32(const float (*acc)[16], float *o) {
     for (int j = 0; j < 16; j++) o[j] = acc[0][j], o[16 + j] = acc[1][j];
 }
+#ifdef D3D_AVX512_BF16
+/* bf16 weighted sums as pair dot products (PAIR_SUMS, with the pair scores; where the group's heads
+ * are summed together and D is even): each p is rounded to bf16 once (EXP_SUM_PAIRS, which also
+ * makes the total the sum of the rounded p), and o[d] is the vdpbf16ps chain over the pairs of keys
+ * (s, s + 1), s = 0, 2, 4, … in order, of p's pair and V's values at d — key s + 1's product first,
+ * then key s's — up to the pair that holds the query's last visible key, then · (1 / total) as the
+ * fp32 sums. A query whose keys end at an odd count has p = 0 beside its last one: the pair adds
+ * +0 · v or 0 · 0 first, which changes no chain (P_ZERO), so a V row past a call's last visible key
+ * is read as 0, never from memory, and a query's bits are its own. Two keys an operation for one. */
+#define PAIR_SUMS_bf16(D, group) (PAIRS_bf16(D) && (group) <= SUM_HEADS)
+/* row[s] for s < S = bf16(exp(row[s] - top)) (0 for -inf), written over the row as 16-bit values
+ * from its start (row[S] = 0 for odd S), and sums[l] += those rounded values for s = l mod 16, in s
+ * order. The bf16 values never overtake the floats still to be read. */
+#define EXP_SUM_PAIRS(row, S, top, sums)                                                             \
+    do {                                                                                             \
+        __m512 sum_ = _mm512_loadu_ps(sums), top_ = _mm512_set1_ps(top);                             \
+        uint16_t *half_ = (uint16_t *)(row);                                                         \
+        for (int64_t s0 = 0; s0 < (S); s0 += LANES) {                                                \
+            __mmask16 live = (S) - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << ((S) - s0)) - 1); \
+            __m512 x = _mm512_maskz_loadu_ps(live, (row) + s0);                                      \
+            __mmask16 seen = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); \
+            __m256i p = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, exp_fixed16(_mm512_sub_ps(x, top_)))); \
+            _mm256_mask_storeu_epi16(half_ + s0, live, p);                                           \
+            sum_ = _mm512_mask_add_ps(sum_, live, sum_, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p), 16))); \
+        }                                                                                            \
+        if ((S) % 2) half_[S] = 0;                                                                   \
+        _mm512_storeu_ps(sums, sum_);                                                                \
+    } while (0)
+/* The pair sums of N ≤ SUM_HEADS heads (their bf16 p rows, their ends) over the pairs of keys from s0
+ * (even) to s1, one V slice (`live` of its 32 values of d), each head's chains carried in acc (head
+ * i's in rows 2i — d = 8L + j in lane 4L + j — and 2i + 1 — d = 8L + 4 + j), as SUM_RANGE_LOOP
+ * carries the fp32 ones. */
+static inline __attribute__((always_inline)) void sum_pairs(const float *const *rows, const int64_t *ends,
+                                                            const int N, const uint16_t *v, int64_t D,
+                                                            int64_t dn, int64_t s0, int64_t s1, float (*acc)[16]) {
+    __mmask32 live = dn >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << dn) - 1);
+    int64_t first_end = ends[0], last_end = ends[0];
+    for (int i = 1; i < N; i++) {
+        first_end = ends[i] < first_end ? ends[i] : first_end;
+        last_end = ends[i] > last_end ? ends[i] : last_end;
+    }
+    int64_t seen = last_end;  /* keys from here on are read as 0 */
+    first_end = first_end < s1 ? first_end : s1;
+    last_end = last_end < s1 ? last_end : s1;
+    __m512 a[SUM_HEADS][2];
+    for (int i = 0; i < N; i++) a[i][0] = _mm512_loadu_ps(acc[2 * i]), a[i][1] = _mm512_loadu_ps(acc[2 * i + 1]);
+    int64_t s = s0;
+#define PAIR_OF_ROWS                                                                                 \
+        const uint16_t *vr = v + s * D;                                                              \
+        __builtin_prefetch(vr + PREFETCH_KEYS * D, 0, 2);                                            \
+        __builtin_prefetch(vr + (PREFETCH_KEYS + 1) * D, 0, 2);                                      \
+        __m512i x0 = _mm512_maskz_loadu_epi16(live, vr);                                             \
+        __m512i x1 = s + 1 < seen ? _mm512_maskz_loadu_epi16(live, vr + D) : _mm512_setzero_si512(); \
+        __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1), hi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+#define PAIR_HEAD(i)                                                                                 \
+        {                                                                                            \
+            __m512bh p_ = (__m512bh)_mm512_set1_epi32(((const int32_t *)rows[i])[s / 2]);            \
+            a[i][0] = _mm512_dpbf16_ps(a[i][0], p_, lo);                                             \
+            a[i][1] = _mm512_dpbf16_ps(a[i][1], p_, hi);                                             \
+        }
+    for (; s < first_end; s += 2) {  /* every head sees key s */
+        PAIR_OF_ROWS
+        for (int i = 0; i < N; i++) PAIR_HEAD(i)
+    }
+    for (; s < last_end; s += 2) {
+        PAIR_OF_ROWS
+        for (int i = 0; i < N; i++)
+            if (s < ends[i]) PAIR_HEAD(i)
+    }
+#undef PAIR_OF_ROWS
+#undef PAIR_HEAD
+    for (int i = 0; i < N; i++) _mm512_storeu_ps(acc[2 * i], a[i][0]), _mm512_storeu_ps(acc[2 * i + 1], a[i][1]);
+}
+#define WEIGHTED_PAIR_RANGE(rows, ends, n, v, D, dn, s0, s1, acc) SUM_RANGE_SWITCH(sum_pairs, rows, ends, n, v, D, dn, s0, s1, acc)
+/* head i's values of d from its pair chains */
+static inline void sum_values_pairs(const float (*acc)[16], float *o) {
+    for (int L = 0; L < 4; L++)
+        for (int j = 0; j < 4; j++) o[8 * L + j] = acc[0][4 * L + j], o[8 * L + 4 + j] = acc[1][4 * L + j];
+}
+#endif
 /* one copy of the loop per head count, so that the accumulators stay in registers; n ≤ SUM_HEADS
  * always (a range's heads_ = SUM_QUERIES(group) · group), the clamp only keeps the cases a build
  * never takes within its arrays */
@@ -295,6 +380,13 @@ static inline void sum_values_bf16(const float (*acc)[16], float *o) { (void)acc
 static inline void sum_values_f32(const float (*acc)[16], float *o) { (void)acc, (void)o; }
 #endif
 
+#ifndef D3D_AVX512_BF16  /* no pair sums (PAIR_SUMS_bf16): every p an fp32 value */
+#define PAIR_SUMS_bf16(D, group) 0
+#define EXP_SUM_PAIRS(row, S, top, sums) (void)0
+#define WEIGHTED_PAIR_RANGE(rows, ends, n, v, D, dn, s0, s1, acc) (void)0
+static inline void sum_values_pairs(const float (*acc)[16], float *o) { (void)acc, (void)o; }
+#endif
+#define PAIR_SUMS_f32(D, group) 0
 /* row[s] = exp(row[s] - top) (0 for -inf), and sums[l] += row[s] for s = l mod 16, in s order. */
 #ifdef __AVX512F__
 #define EXP_SUM(row, S, top, sums)                                                                   \
@@ -350,6 +442,13 @@ static inline void sum_values_f32(const float (*acc)[16], float *o) { (void)acc,
 /* 8 chains keep two FMA units of 4 cycles' latency busy; a chunk of at most 4 queries (a one-token
  * step's 3 heads per KV head) runs 4, not 8 with zeros */
 #define QUERY_CHUNK 8
+#ifdef D3D_AVX512_BF16
+#define PAIR_SCORES 1  /* bf16 scores as pair dot products: PAIR_CHAINS below */
+#define PAIRS_bf16(D) ((D) % 2 == 0)
+#else
+#define PAIRS_bf16(D) 0
+#endif
+#define PAIRS_f32(D) 0
 #define SCORE_FMA(i) a##i##_ = _mm512_fmadd_ps(_mm512_set1_ps((qs)[(i) * (D) + d]), kd_, a##i##_)
 #define SCORE_CHAINS(kt, qs, D, acc, chunk)                                                          \
     do {                                                                                             \
@@ -393,9 +492,26 @@ static inline __attribute__((always_inline)) void key_pairs(const uint16_t *kb, 
  * the same widened values, without storing the transposed tile (a one-token step's job). */
 static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16_t *kb, int64_t n, int64_t D,
                                                                     const float *qs, const int C,
-                                                                    float (*acc)[KEY_TILE], int tiled) {
+                                                                    float (*acc)[KEY_TILE], int tiled, float scale) {
     (void)tiled;  /* this build reads rows only (d3d_tiled_keys) */
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+#ifdef D3D_AVX512_BF16
+    if (PAIRS_bf16(D)) {  /* the pair chains (PAIR_CHAINS), q's pairs as they are */
+        const int32_t *words = (const int32_t *)qs;
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            __m512 pairs[16];
+            key_pairs(kb, n, D, d0, pairs);
+            int np = (D - d0) / 2 < 16 ? (int)((D - d0) / 2) : 16;
+            for (int p = 0; p < np; p++)
+                for (int i = 0; i < C; i++)
+                    a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(words[i * D + d0 / 2 + p]),
+                                            (__m512bh)_mm512_castps_si512(pairs[p]));
+        }
+        for (int i = 0; i < C; i++) _mm512_storeu_ps(acc[i], _mm512_mul_ps(a[i], _mm512_set1_ps(scale)));
+        return;
+    }
+#endif
+    (void)scale;
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         __m512 pairs[16];
         key_pairs(kb, n, D, d0, pairs);
@@ -411,13 +527,67 @@ static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16
 }
 #define FUSES_bf16(D) ((D) % 2 == 0)
 /* out[d] = q[d] · scale (0 where not `live`), one rounding each, 16 at a time. */
-#define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out)                                           \
+#define SCALE_QUERY_FLOATS(SUFFIX, LOAD, qr, D, scale, live, out)                                    \
     for (int64_t d0_ = 0; d0_ < (D); d0_ += 16) {                                                    \
         __mmask16 m_ = !(live) ? 0 : (D) - d0_ >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << ((D) - d0_)) - 1); \
         _mm512_storeu_ps((out) + d0_, _mm512_mul_ps(load16_##SUFFIX((qr) + d0_, m_), _mm512_set1_ps(scale))); \
     }
+#ifdef D3D_AVX512_BF16
+/* bf16 scores as pair dot products (PAIR_SCORES; d3d_pair_scores): the score of a query and a key is
+ * x · scale, one rounding, x the vdpbf16ps chain over their pairs of d in order — each step adds the
+ * product of the pair's odd elements, then of its even ones (the instruction's own order; both
+ * products exact in fp32), rounding each sum to nearest even, subnormals flushed — starting from +0.
+ * Lane l of a chain is key l of a 16-key tile, as in the fp32 chains; a pair step is one operation for
+ * two of theirs. The same chain whether the tile is read transposed (key_pairs) for up to 4 queries
+ * or stored so for more, whatever the query count: a query's scores are its own. (Where q and k hold
+ * no subnormal and scale is a power of two, this is the fp32 chain over d in the order 1, 0, 3, 2, …
+ * with q pre-scaled: tests/test_kernels.py checks it so against the portable C.) */
+/* A query's pairs as they are: out[p] (as 32-bit words) = q[2p], q[2p + 1] (0 where not `live`). */
+#define QUERY_PAIRS(qr, D, live, out)                                                                \
+    for (int64_t d0_ = 0; d0_ < (D); d0_ += 32) {                                                    \
+        __mmask16 m_ = !(live) ? 0 : (D) - d0_ >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << (((D) - d0_) / 2)) - 1); \
+        _mm512_storeu_si512((out) + d0_ / 2, _mm512_maskz_loadu_epi32(m_, (const uint16_t *)(qr) + d0_)); \
+    }
+#define SCALE_QUERY_bf16(LOAD, qr, D, scale, live, out)                                              \
+    if (PAIRS_bf16(D)) { QUERY_PAIRS(qr, D, live, out) } else { SCALE_QUERY_FLOATS(bf16, LOAD, qr, D, scale, live, out) }
+#define PAIR_DP(i) a##i##_ = _mm512_dpbf16_ps(a##i##_, (__m512bh)_mm512_set1_epi32(((const int32_t *)(qs))[(i) * (D) + p]), kp_)
+#define PAIR_CHAINS(kt, qs, D, acc, chunk, scale)                                                    \
+    do {                                                                                             \
+        __m512 a0_ = _mm512_setzero_ps(), a1_ = a0_, a2_ = a0_, a3_ = a0_, a4_ = a0_, a5_ = a0_, a6_ = a0_, a7_ = a0_; \
+        if ((chunk) > 4)                                                                             \
+            for (int64_t p = 0; p < (D) / 2; p++) {                                                  \
+                __m512bh kp_ = (__m512bh)_mm512_loadu_si512((kt)[p]);                                \
+                PAIR_DP(0); PAIR_DP(1); PAIR_DP(2); PAIR_DP(3); PAIR_DP(4); PAIR_DP(5); PAIR_DP(6); PAIR_DP(7); \
+            }                                                                                        \
+        else                                                                                         \
+            for (int64_t p = 0; p < (D) / 2; p++) {                                                  \
+                __m512bh kp_ = (__m512bh)_mm512_loadu_si512((kt)[p]);                                \
+                PAIR_DP(0); PAIR_DP(1); PAIR_DP(2); PAIR_DP(3);                                      \
+            }                                                                                        \
+        __m512 s_ = _mm512_set1_ps(scale);                                                           \
+        _mm512_storeu_ps((acc)[0], _mm512_mul_ps(a0_, s_)); _mm512_storeu_ps((acc)[1], _mm512_mul_ps(a1_, s_)); \
+        _mm512_storeu_ps((acc)[2], _mm512_mul_ps(a2_, s_)); _mm512_storeu_ps((acc)[3], _mm512_mul_ps(a3_, s_)); \
+        _mm512_storeu_ps((acc)[4], _mm512_mul_ps(a4_, s_)); _mm512_storeu_ps((acc)[5], _mm512_mul_ps(a5_, s_)); \
+        _mm512_storeu_ps((acc)[6], _mm512_mul_ps(a6_, s_)); _mm512_storeu_ps((acc)[7], _mm512_mul_ps(a7_, s_)); \
+    } while (0)
+#define SCORE_CHAINS_bf16(kt, qs, D, acc, chunk, scale)                                              \
+    do {                                                                                             \
+        if (PAIRS_bf16(D)) PAIR_CHAINS(kt, qs, D, acc, chunk, scale);                                \
+        else SCORE_CHAINS(kt, qs, D, acc, chunk);                                                    \
+    } while (0)
+#else
+#define SCALE_QUERY_bf16(LOAD, qr, D, scale, live, out) SCALE_QUERY_FLOATS(bf16, LOAD, qr, D, scale, live, out)
+#endif
+#define SCALE_QUERY_f32(LOAD, qr, D, scale, live, out) SCALE_QUERY_FLOATS(f32, LOAD, qr, D, scale, live, out)
+#define SCALE_QUERY(SUFFIX, LOAD, qr, D, scale, live, out) SCALE_QUERY_##SUFFIX(LOAD, qr, D, scale, live, out)
 #define TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt, tiled)                                    \
-    if (FUSES_##SUFFIX(D))                                                                           \
+    if (PAIRS_##SUFFIX(D))  /* the pairs as they are: kt[p] lane l = key l's pair p */                \
+        for (int64_t d0_ = 0; d0_ < (D); d0_ += 32) {                                                \
+            __m512 pairs_[16];                                                                       \
+            key_pairs((const uint16_t *)(kb), (n), (D), d0_, pairs_);                                \
+            for (int p_ = 0; p_ < 16 && d0_ + 2 * p_ < (D); p_++) _mm512_storeu_ps((kt)[d0_ / 2 + p_], pairs_[p_]); \
+        }                                                                                            \
+    else if (FUSES_##SUFFIX(D))                                                                      \
         for (int64_t d0_ = 0; d0_ < (D); d0_ += 32) {                                                \
             __m512 pairs_[16];                                                                       \
             key_pairs((const uint16_t *)(kb), (n), (D), d0_, pairs_);                                \
@@ -511,7 +681,8 @@ static inline __attribute__((always_inline)) void key_pairs8(const uint16_t *kb,
  * per KV head made 3 chains of 4-cycle FMAs wait on each other (AMD EPYC Zen 3). */
 static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16_t *kb, int64_t n, int64_t D,
                                                                     const float *qs, const int C,
-                                                                    float (*acc)[KEY_TILE], int tiled) {
+                                                                    float (*acc)[KEY_TILE], int tiled, float scale) {
+    (void)scale;  /* q comes scaled */
     v8 a[4][2];
     for (int i = 0; i < C; i++) a[i][0] = a[i][1] = v8_zero();
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -686,6 +857,20 @@ static inline float ROW_MAX(const float *row, int64_t S) {
 }
 #endif
 
+#ifndef PAIR_SCORES  /* every score an fp32 chain (PAIR_CHAINS: AVX-512 BF16's bf16 scores) */
+#define SCORE_CHAINS_bf16(kt, qs, D, acc, chunk, scale) SCORE_CHAINS(kt, qs, D, acc, chunk)
+#endif
+#define SCORE_CHAINS_f32(kt, qs, D, acc, chunk, scale) SCORE_CHAINS(kt, qs, D, acc, chunk)
+/* Whether this build scores bf16 queries and keys of head dim D as pair dot products (PAIR_CHAINS),
+ * not fp32 chains. */
+int d3d_pair_scores(int64_t D) {
+#ifdef PAIR_SCORES
+    return PAIRS_bf16(D);
+#else
+    (void)D;
+    return 0;
+#endif
+}
 /* row[l] = acc[l] where key s0 + l is visible (its mask byte is 1; causal: l < visible), else
  * -inf, for l < n. */
 /* FUSED_SCORES: a chunk of queries straight from a bf16 key tile, one copy per chunk size so that
@@ -713,22 +898,22 @@ static inline float ROW_MAX(const float *row, int64_t S) {
     }
 #define TILED_SCORES(kb, D, qs, chunk, out) TILED_SCORES_AHEAD(kb, D, qs, chunk, out, (const char *)NULL)
 #if defined(__AVX512F__) || defined(D3D_AVX2)
-#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled)                                           \
+#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled, scale)                                    \
     switch (chunk) {                                                                                 \
-        case 1: fused_scores_bf16(kb, n, D, qs, 1, acc, tiled); break;                               \
-        case 2: fused_scores_bf16(kb, n, D, qs, 2, acc, tiled); break;                               \
-        case 3: fused_scores_bf16(kb, n, D, qs, 3, acc, tiled); break;                               \
-        case 4: fused_scores_bf16(kb, n, D, qs, 4, acc, tiled); break;                               \
+        case 1: fused_scores_bf16(kb, n, D, qs, 1, acc, tiled, scale); break;                        \
+        case 2: fused_scores_bf16(kb, n, D, qs, 2, acc, tiled, scale); break;                        \
+        case 3: fused_scores_bf16(kb, n, D, qs, 3, acc, tiled, scale); break;                        \
+        case 4: fused_scores_bf16(kb, n, D, qs, 4, acc, tiled, scale); break;                        \
         default: {                                                                                   \
             float *rows_[6] = {acc[0], acc[1], acc[2], acc[3], acc[4], acc[5]};                      \
             TILED_SCORES(kb, D, qs, chunk, rows_)                                                    \
         }                                                                                            \
     }
 #else
-#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled)
+#define FUSED_SCORES_bf16(kb, n, D, qs, chunk, acc, tiled, scale)
 #endif
 #define FUSES_f32(D) 0
-#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc, tiled)
+#define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc, tiled, scale)
 #ifndef TILED_KEYS_bf16
 #define TILED_KEYS_bf16(D) 0
 #endif
@@ -932,9 +1117,9 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                 qs = qs_kept;                                                                        \
             }                                                                                        \
             if (fused) {                                                                             \
-                FUSED_SCORES_##SUFFIX(kb, n, D, qs, chunk, acc, k_tiled)                             \
+                FUSED_SCORES_##SUFFIX(kb, n, D, qs, chunk, acc, k_tiled, scale)                             \
             } else {                                                                                 \
-                SCORE_CHAINS(kt, qs, D, acc, chunk);                                                 \
+                SCORE_CHAINS_##SUFFIX(kt, qs, D, acc, chunk, scale);                                 \
             }                                                                                        \
             for (int i = 0; i < chunk; i++) {                                                        \
                 const uint8_t *mrow = mask ? mask + (b * T + ts_[i]) * S + s0 : NULL;                \
@@ -943,14 +1128,15 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         }                                                                                            \
     }
 
-#define ATTENTION_EXP_ITEM                                                                           \
+#define ATTENTION_EXP_ITEM(SUFFIX)                                                                   \
     {                                                                                                \
         int64_t b = item / (nt * H), t = t0 + (item / H) % nt, h = item % H;                         \
         float *row = ROW(b, t, h);                                                                   \
         int64_t end = visible_end(mask ? mask + (b * T + t) * S : NULL, S, T, t);                    \
         float top = ROW_MAX(row, end);                                                               \
         float sums[LANES] = {0};                                                                     \
-        EXP_SUM(row, end, top, sums);                                                                \
+        if (PAIR_SUMS_##SUFFIX(D, group)) { EXP_SUM_PAIRS(row, end, top, sums); }                    \
+        else { EXP_SUM(row, end, top, sums); }                                                       \
         totals[(b * rows + t - t0) * H + h] = fold_lanes(sums);                                      \
     }
 
@@ -978,6 +1164,7 @@ static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads)
             const float *rows_[QUERY_BLOCK * SUM_HEADS];                                             \
             int64_t ends_[QUERY_BLOCK * SUM_HEADS], at_[QUERY_BLOCK * SUM_HEADS], last_ = 0;  /* at_: (b * T + t) * H + h */ \
             int n_ = 0, heads_ = (int)(per * group);  /* heads summed together */                   \
+            int pairs_ = PAIR_SUMS_##SUFFIX(D, group);                                               \
             for (int64_t t = tb; t < te; t++) {                                                      \
                 int64_t end = visible_end(mask ? mask + (b * T + t) * S : NULL, S, T, t);            \
                 last_ = end > last_ ? end : last_;                                                   \
@@ -990,14 +1177,19 @@ static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads)
                 int64_t s1 = s0 + KEY_SPAN < last_ ? s0 + KEY_SPAN : last_;                          \
                 for (int i0 = 0; i0 < n_; i0 += heads_) {                                            \
                     int nh = n_ - i0 < heads_ ? n_ - i0 : heads_;                                    \
-                    WEIGHTED_SUM_RANGE_##SUFFIX(rows_ + i0, ends_ + i0, nh, vb, v_row, 0, dn, s0, s1, acc_ + 2 * i0); \
+                    if (pairs_) {                                                                    \
+                        WEIGHTED_PAIR_RANGE(rows_ + i0, ends_ + i0, nh, (const uint16_t *)vb, v_row, dn, s0, s1, acc_ + 2 * i0); \
+                    } else {                                                                         \
+                        WEIGHTED_SUM_RANGE_##SUFFIX(rows_ + i0, ends_ + i0, nh, vb, v_row, 0, dn, s0, s1, acc_ + 2 * i0); \
+                    }                                                                                \
                 }                                                                                    \
             }                                                                                        \
             for (int i = 0; i < n_; i++) {                                                          \
                 int64_t t = at_[i] / H % T, h = at_[i] % H;                                          \
                 float total = totals[(b * rows + t - t0) * H + h], inv = total > 0.0f ? 1.0f / total : 0.0f; \
                 float o[PART_DIMS];                                                                  \
-                sum_values_##SUFFIX((const float (*)[16])acc_[2 * i], o);                            \
+                if (pairs_) sum_values_pairs((const float (*)[16])acc_[2 * i], o);                   \
+                else sum_values_##SUFFIX((const float (*)[16])acc_[2 * i], o);                       \
                 T_ELEM *outr = out + at_[i] * D + d0;                                                \
                 for (int64_t d = 0; d < dn; d++) outr[d] = STORE(o[d] * inv);                        \
             }                                                                                        \
@@ -1039,7 +1231,7 @@ static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads)
     _Pragma("omp barrier")                                                                           \
     PASS_DONE(PASS_SCORES);                                                                          \
     /* 2. per query: max, exp and the sum of the exps, up to its last visible key */                 \
-    for (int64_t item = me; item < B * nt * H; item += threads) ATTENTION_EXP_ITEM                   \
+    for (int64_t item = me; item < B * nt * H; item += threads) ATTENTION_EXP_ITEM(SUFFIX)           \
     _Pragma("omp barrier")                                                                           \
     PASS_DONE(PASS_SOFTMAX);                                                                         \
     /* 3. the weighted sums of V, per (query, KV head, PART_DIMS values of d), its heads together */ \
@@ -1110,7 +1302,7 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
             }                                                                                        \
             if (next_) PREFETCH_TILE(T_ELEM, next_);                                                 \
             float acc[QUERY_CHUNK][KEY_TILE];                                                        \
-            FUSED_SCORES_##SUFFIX(k + g_ * kv_head + s0_ * D, n, D, qs_kept, (int)group, acc, k_tiled) \
+            FUSED_SCORES_##SUFFIX(k + g_ * kv_head + s0_ * D, n, D, qs_kept, (int)group, acc, k_tiled, scale) \
             for (int64_t i = 0; i < group; i++)                                                      \
                 STORE_SCORES(ROW(0, 0, g_ * group + i) + s0_, NULL, S - s0_, n, acc[i]);             \
         }                                                                                            \
@@ -1211,7 +1403,7 @@ static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d
     _Pragma("omp barrier")                                                                           \
     PASS_DONE(PASS_SCORES);                                                                          \
     FOR_SHORT_SEGMENTS(T_ELEM, {                                                                     \
-        for (int64_t item = SPAN_FIRST(nt * H); item < SPAN_END(nt * H); item++) ATTENTION_EXP_ITEM  \
+        for (int64_t item = SPAN_FIRST(nt * H); item < SPAN_END(nt * H); item++) ATTENTION_EXP_ITEM(SUFFIX) \
         base_ += nt * H;                                                                             \
     })                                                                                               \
     _Pragma("omp barrier")                                                                           \

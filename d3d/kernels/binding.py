@@ -70,6 +70,9 @@ class RowExactKernels(WeightStreams):
         library.d3d_packed_linear.argtypes = [i32]
         library.d3d_lane_packed_linear.argtypes = []
         library.d3d_tiled_keys.argtypes = [i32, i64]
+        if hasattr(library, "d3d_pair_scores"):  # (not in an older build, e.g. one of scripts/rows_ab.py's)
+            library.d3d_pair_scores.argtypes = [i64]
+            library.d3d_exp_fixed.argtypes = [ptr, ptr, i64]
         library.d3d_linear_scratch.argtypes = [i64, i64, i32]
         library.d3d_linear_scratch.restype = i64
         library.d3d_attention_scratch.argtypes = [i64, i64, i64, i64, i64, i64]
@@ -141,6 +144,21 @@ class RowExactKernels(WeightStreams):
         """Whether this build reads a cache's keys tiled (d3d.cache; attention.h), for keys of this
         dtype and head_dim: a tiled cache passes only where it does."""
         return bool(self.library.d3d_tiled_keys(int(dtype == torch.bfloat16), head_dim))
+
+    def pair_scores(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether this build scores attention of this dtype and head_dim as bf16 pair dot products
+        (attention.h's PAIR_CHAINS: AVX-512 BF16), not as fp32 chains over d — a contract of its own:
+        the fp32 chain over d in the order 1, 0, 3, 2, … where q and k hold no subnormal and the scale
+        is a power of two."""
+        return hasattr(self.library, "d3d_pair_scores") and dtype == torch.bfloat16 \
+            and bool(self.library.d3d_pair_scores(head_dim))
+
+    def exp_fixed(self, x: torch.Tensor) -> torch.Tensor:
+        """The softmax's exp (rowexact.c's exp_fixed) of each element of fp32 x."""
+        x = x.float().contiguous()
+        out = torch.empty_like(x)
+        self.library.d3d_exp_fixed(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
 
     def _key_layout(self, keys: torch.Tensor, values: torch.Tensor, head_dim: int) -> int:
         """attention.h's k_tiled for a cache's keys beside their values; tiled keys need a build that reads them."""

@@ -275,6 +275,12 @@ void d3d_forward_##SUFFIX(const d3d_forward_args *a) {                          
 FORWARD(bf16, uint16_t)
 FORWARD(f32, float)
 
+/* exp_fixed over n floats: the softmax's own exp, for the pair contract's reference
+ * (tests/test_kernels.py). */
+void d3d_exp_fixed(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = exp_fixed(x[i]);
+}
+
 /* Which path this build took, for `d3d doctor`. */
 const char *d3d_kernel_path(void) {
 #ifdef D3D_AMX
@@ -287,10 +293,10 @@ const char *d3d_kernel_path(void) {
 #endif
 #if defined(D3D_LOOKUP)
     if (lookups_on)
-        return "avx512: packed bf16 pair dot products (bf16; 4-bit blocks looked up in their tables, other quantized blocks grouped, decoded in registers), packed fp32 FMA (fp32)";
+        return "avx512: packed bf16 pair dot products (bf16; 4-bit blocks looked up in their tables, other quantized blocks grouped, decoded in registers; attention as pair dot products), packed fp32 FMA (fp32)";
 #endif
 #if defined(D3D_AVX512_BF16)
-    return "avx512: packed bf16 pair dot products (bf16; quantized blocks grouped, decoded in registers), packed fp32 FMA (fp32)";
+    return "avx512: packed bf16 pair dot products (bf16; quantized blocks grouped, decoded in registers; attention as pair dot products), packed fp32 FMA (fp32)";
 #elif defined(__AVX512F__)
     return "avx512: avx2 fp32 lanes (bf16, quantized), packed fp32 FMA (fp32)";
 #elif defined(D3D_AVX2)
