@@ -407,16 +407,30 @@ def tiled_cache_tensors(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor,
     return tiled, values
 
 
+@pytest.fixture(scope="module", params=["avx2", "pairs"])
+def tiling(request) -> RowExactKernels:
+    """A build that reads tiled keys: the AVX2 build, and this machine's where its bf16 attention
+    is the pair chains' (AVX-512 BF16 without the AMX tiles: a tile's pairs are their operands)."""
+    if request.param == "avx2":
+        return request.getfixturevalue("avx2")
+    own = row_exact_kernels()
+    if not (own.pair_scores(torch.bfloat16, 64) and own.tiles_keys(torch.bfloat16, 64)):
+        pytest.skip(f"this build reads no tiled keys for its pair chains ({own.path_name})")
+    return own
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (10, 2)])
 @pytest.mark.parametrize("length,mask_on", [(1, False), (2, False), (17, False), (17, True), (40, False), (40, True), (50, False)])
-def test_tiled_keys_give_the_bits_of_rows(avx2, length, mask_on, heads, kv_heads):
-    """The AVX2 build's attention over a tiled cache's keys — a one-token step's scores, a few
-    queries', a verification's and a long call's (past QUERY_BLOCK), causal and masked, on 1 and 2
-    threads, in chunks of every size the tiles are read in (groups of 3 and 5 query heads: 1-6) —
-    gives the bits it gives over the same keys as rows (stored transposed); its KV store writes them
+def test_tiled_keys_give_the_bits_of_rows(tiling, length, mask_on, heads, kv_heads):
+    """Attention over a tiled cache's keys — a one-token step's scores, a few queries', a
+    verification's and a long call's (past QUERY_BLOCK), causal and masked, on 1 and 2 threads, in
+    chunks of every size the tiles are read in (AVX2: groups of 3 and 5 query heads, 1-6) — gives the
+    bits it gives over the same keys as rows (transposed a tile at a time); its KV store writes them
     alike."""
+    avx2 = tiling
     assert avx2.tiles_keys(torch.bfloat16, 64) and not avx2.tiles_keys(torch.float32, 64)
-    assert not avx2.tiles_keys(torch.bfloat16, 24)  # whole pairs of 8 keys' 16 values of d only
+    if not avx2.pair_scores(torch.bfloat16, 64):
+        assert not avx2.tiles_keys(torch.bfloat16, 24)  # AVX2: whole pairs of 8 keys' 16 values of d only
     keys, dim = 530, 64
     q = randn(1, length, heads, dim, seed=0, dtype=torch.bfloat16)
     k = randn(1, kv_heads, keys, dim, seed=1, dtype=torch.bfloat16, scale=3.0)
@@ -528,6 +542,8 @@ def test_pair_scores_are_a_contract_of_their_own(kernels, portable):
             expected = pair_attention(kernels, q, k, v, m)
             for values in (v, split_values(v).contiguous()):
                 assert torch.equal(kernels.attention(q, k, values, m), expected), (length, keys, m is None)
+            if kernels.tiles_keys(torch.bfloat16, 64):  # a tiled cache's keys: the tiles' pairs as stored
+                assert torch.equal(kernels.attention(q, *tiled_cache_tensors(k, v), m), expected), (length, keys)
     assert not torch.equal(kernels.attention(q, k, v, None), portable.attention(q, k, v, None))
 
 

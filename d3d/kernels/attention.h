@@ -445,6 +445,12 @@ static inline void sum_values_pairs(const float (*acc)[16], float *o) { (void)ac
 #ifdef D3D_AVX512_BF16
 #define PAIR_SCORES 1  /* bf16 scores as pair dot products: PAIR_CHAINS below */
 #define PAIRS_bf16(D) ((D) % 2 == 0)
+#ifndef D3D_AMX
+/* Keys stored tiled (the header; KVCache's tiled keys) are the pair chains' operands as they are: a
+ * tile's pair p is one 64-byte load, lane l key l's pair — no transposition a tile. (Builds with the
+ * AMX tiles read rows: a process may switch between the two paths, its caches may not.) */
+#define TILED_KEYS_bf16(D) PAIRS_bf16(D)
+#endif
 #else
 #define PAIRS_bf16(D) 0
 #endif
@@ -493,15 +499,18 @@ static inline __attribute__((always_inline)) void key_pairs(const uint16_t *kb, 
 static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16_t *kb, int64_t n, int64_t D,
                                                                     const float *qs, const int C,
                                                                     float (*acc)[KEY_TILE], int tiled, float scale) {
-    (void)tiled;  /* this build reads rows only (d3d_tiled_keys) */
+    (void)tiled;  /* tiled keys: the pair chains' only (d3d_tiled_keys) */
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
 #ifdef D3D_AVX512_BF16
     if (PAIRS_bf16(D)) {  /* the pair chains (PAIR_CHAINS), q's pairs as they are */
         const int32_t *words = (const int32_t *)qs;
         for (int64_t d0 = 0; d0 < D; d0 += 32) {
             __m512 pairs[16];
-            key_pairs(kb, n, D, d0, pairs);
             int np = (D - d0) / 2 < 16 ? (int)((D - d0) / 2) : 16;
+            if (tiled)  /* the tile's pairs as stored (lanes past n: its unused slots, scored, never stored) */
+                for (int p = 0; p < np; p++) pairs[p] = _mm512_loadu_ps((const float *)(kb + (d0 / 2 + p) * 2 * KEY_TILE));
+            else
+                key_pairs(kb, n, D, d0, pairs);
             for (int p = 0; p < np; p++)
                 for (int i = 0; i < C; i++)
                     a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(words[i * D + d0 / 2 + p]),
@@ -550,26 +559,34 @@ static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16
     }
 #define SCALE_QUERY_bf16(LOAD, qr, D, scale, live, out)                                              \
     if (PAIRS_bf16(D)) { QUERY_PAIRS(qr, D, live, out) } else { SCALE_QUERY_FLOATS(bf16, LOAD, qr, D, scale, live, out) }
-#define PAIR_DP(i) a##i##_ = _mm512_dpbf16_ps(a##i##_, (__m512bh)_mm512_set1_epi32(((const int32_t *)(qs))[(i) * (D) + p]), kp_)
-#define PAIR_CHAINS(kt, qs, D, acc, chunk, scale)                                                    \
-    do {                                                                                             \
-        __m512 a0_ = _mm512_setzero_ps(), a1_ = a0_, a2_ = a0_, a3_ = a0_, a4_ = a0_, a5_ = a0_, a6_ = a0_, a7_ = a0_; \
-        if ((chunk) > 4)                                                                             \
-            for (int64_t p = 0; p < (D) / 2; p++) {                                                  \
-                __m512bh kp_ = (__m512bh)_mm512_loadu_si512((kt)[p]);                                \
-                PAIR_DP(0); PAIR_DP(1); PAIR_DP(2); PAIR_DP(3); PAIR_DP(4); PAIR_DP(5); PAIR_DP(6); PAIR_DP(7); \
-            }                                                                                        \
-        else                                                                                         \
-            for (int64_t p = 0; p < (D) / 2; p++) {                                                  \
-                __m512bh kp_ = (__m512bh)_mm512_loadu_si512((kt)[p]);                                \
-                PAIR_DP(0); PAIR_DP(1); PAIR_DP(2); PAIR_DP(3);                                      \
-            }                                                                                        \
-        __m512 s_ = _mm512_set1_ps(scale);                                                           \
-        _mm512_storeu_ps((acc)[0], _mm512_mul_ps(a0_, s_)); _mm512_storeu_ps((acc)[1], _mm512_mul_ps(a1_, s_)); \
-        _mm512_storeu_ps((acc)[2], _mm512_mul_ps(a2_, s_)); _mm512_storeu_ps((acc)[3], _mm512_mul_ps(a3_, s_)); \
-        _mm512_storeu_ps((acc)[4], _mm512_mul_ps(a4_, s_)); _mm512_storeu_ps((acc)[5], _mm512_mul_ps(a5_, s_)); \
-        _mm512_storeu_ps((acc)[6], _mm512_mul_ps(a6_, s_)); _mm512_storeu_ps((acc)[7], _mm512_mul_ps(a7_, s_)); \
-    } while (0)
+/* One chain step of query i: its pair p broadcast (a 32-bit load) into the key tile's pair vector. */
+#define PAIR_DP(i) a##i = _mm512_dpbf16_ps(a##i, (__m512bh)_mm512_set1_epi32(q##i[p]), kp)
+/* The pair chains of a chunk of up to QUERY_CHUNK queries (their pairs D floats apart from qs) over a
+ * key tile's pairs kt[p], times the scale. Not inlined: within the attention body GCC kept the
+ * queries' 8 addresses in vector registers and moved them back one by one every step (~1.7 cycles a
+ * product where 1 is the rate); here they stay in general registers. */
+static __attribute__((noinline)) void pair_chains(const float (*kt)[KEY_TILE], const float *qs, int64_t D,
+                                                  float (*acc)[KEY_TILE], int chunk, float scale) {
+    const int32_t *q0 = (const int32_t *)qs, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D,
+                  *q4 = q3 + D, *q5 = q4 + D, *q6 = q5 + D, *q7 = q6 + D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    if (chunk > 4)
+        for (int64_t p = 0; p < D / 2; p++) {
+            __m512bh kp = (__m512bh)_mm512_loadu_si512(kt[p]);
+            PAIR_DP(0); PAIR_DP(1); PAIR_DP(2); PAIR_DP(3); PAIR_DP(4); PAIR_DP(5); PAIR_DP(6); PAIR_DP(7);
+        }
+    else
+        for (int64_t p = 0; p < D / 2; p++) {
+            __m512bh kp = (__m512bh)_mm512_loadu_si512(kt[p]);
+            PAIR_DP(0); PAIR_DP(1); PAIR_DP(2); PAIR_DP(3);
+        }
+    __m512 s = _mm512_set1_ps(scale);
+    _mm512_storeu_ps(acc[0], _mm512_mul_ps(a0, s)); _mm512_storeu_ps(acc[1], _mm512_mul_ps(a1, s));
+    _mm512_storeu_ps(acc[2], _mm512_mul_ps(a2, s)); _mm512_storeu_ps(acc[3], _mm512_mul_ps(a3, s));
+    _mm512_storeu_ps(acc[4], _mm512_mul_ps(a4, s)); _mm512_storeu_ps(acc[5], _mm512_mul_ps(a5, s));
+    _mm512_storeu_ps(acc[6], _mm512_mul_ps(a6, s)); _mm512_storeu_ps(acc[7], _mm512_mul_ps(a7, s));
+}
+#define PAIR_CHAINS(kt, qs, D, acc, chunk, scale) pair_chains(kt, qs, D, acc, chunk, scale)
 #define SCORE_CHAINS_bf16(kt, qs, D, acc, chunk, scale)                                              \
     do {                                                                                             \
         if (PAIRS_bf16(D)) PAIR_CHAINS(kt, qs, D, acc, chunk, scale);                                \
@@ -857,6 +874,10 @@ static inline float ROW_MAX(const float *row, int64_t S) {
 }
 #endif
 
+#ifndef PAIRS_bf16  /* no pair chains in this build */
+#define PAIRS_bf16(D) 0
+#define PAIRS_f32(D) 0
+#endif
 #ifndef PAIR_SCORES  /* every score an fp32 chain (PAIR_CHAINS: AVX-512 BF16's bf16 scores) */
 #define SCORE_CHAINS_bf16(kt, qs, D, acc, chunk, scale) SCORE_CHAINS(kt, qs, D, acc, chunk)
 #endif
@@ -1070,6 +1091,9 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
         const T_ELEM *kb = k + b * kv_batch + g * kv_head + s0 * D;                                  \
         float kt[MAX_HEAD_DIM][KEY_TILE];                                                            \
         int transposed = 0;                                                                          \
+        /* a tiled tile is the pair chains' operand as it is (TILED_KEYS_bf16 on AVX-512) */          \
+        int direct = PAIRS_##SUFFIX(D) && k_tiled;                                                   \
+        const float (*kts)[KEY_TILE] = direct ? (const float (*)[KEY_TILE])(const void *)kb : (const float (*)[KEY_TILE])kt; \
         /* one chunk of at most 4 queries (a one-token step's job), or any chunks of a tiled cache    \
          * where the build reads tiles, read the tile without storing it transposed */                \
         int fused = FUSES_##SUFFIX(D) && ((t1 - first_t) * group <= 4 || FUSES_ANY_CHUNK(k_tiled));  \
@@ -1093,7 +1117,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                 }                                                                                    \
                 continue;                                                                            \
             }                                                                                        \
-            if (!transposed && !fused) {                                                             \
+            if (!transposed && !fused && !direct) {                                                  \
                 TRANSPOSE_TILE(SUFFIX, T_ELEM, LOAD, kb, n, D, kt, k_tiled);                         \
                 transposed = 1;                                                                      \
             }                                                                                        \
@@ -1119,7 +1143,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
             if (fused) {                                                                             \
                 FUSED_SCORES_##SUFFIX(kb, n, D, qs, chunk, acc, k_tiled, scale)                             \
             } else {                                                                                 \
-                SCORE_CHAINS_##SUFFIX(kt, qs, D, acc, chunk, scale);                                 \
+                SCORE_CHAINS_##SUFFIX(kts, qs, D, acc, chunk, scale);                                \
             }                                                                                        \
             for (int i = 0; i < chunk; i++) {                                                        \
                 const uint8_t *mrow = mask ? mask + (b * T + ts_[i]) * S + s0 : NULL;                \
