@@ -3,7 +3,9 @@ process, in one-token steps of the first build — and whether every build gives
 
 A build is a compiled kernel library: this checkout's (`this`), or another checkout's, e.g.
     git worktree add /tmp/before HEAD~1
-    PYTHONPATH=/tmp/before python -c "from d3d.kernels import build; print(build())"
+    PYTHONPATH=/tmp/before python -P -c "from d3d.kernels import build; print(build())"
+(-P: without it, `python -c` run in this checkout imports this checkout's d3d before PYTHONPATH's, and
+builds this checkout's sources.)
 Every build reads the same weight streams (packed once by this checkout), so only the kernels differ
 — except `LABEL=plain`: this build reading bf16 values as stored (PLAIN) where it would lane-pack them,
 and `LABEL=grouped`: this build with the 4-bit lookups off (G4 blocks and bf16 copies, under
