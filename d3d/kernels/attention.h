@@ -547,10 +547,10 @@ static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16
  * product of the pair's odd elements, then of its even ones (the instruction's own order; both
  * products exact in fp32), rounding each sum to nearest even, subnormals flushed — starting from +0.
  * Lane l of a chain is key l of a 16-key tile, as in the fp32 chains; a pair step is one operation for
- * two of theirs. The same chain whether the tile is read transposed (key_pairs) for up to 4 queries
- * or stored so for more, whatever the query count: a query's scores are its own. (Where q and k hold
- * no subnormal and scale is a power of two, this is the fp32 chain over d in the order 1, 0, 3, 2, …
- * with q pre-scaled: tests/test_kernels.py checks it so against the portable C.) */
+ * two of theirs. The same chain whether the tile is transposed into pairs (key_pairs) in registers for
+ * up to 4 queries, stored so for more, or read as a tiled cache stores it, whatever the query count: a
+ * query's scores are its own. (tests/test_kernels.py's pair_attention computes the contract step by
+ * step, scores, softmax and sums.) */
 /* A query's pairs as they are: out[p] (as 32-bit words) = q[2p], q[2p + 1] (0 where not `live`). */
 #define QUERY_PAIRS(qr, D, live, out)                                                                \
     for (int64_t d0_ = 0; d0_ < (D); d0_ += 32) {                                                    \
@@ -1141,7 +1141,7 @@ void NAME(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const uint8_t *mask
                 qs = qs_kept;                                                                        \
             }                                                                                        \
             if (fused) {                                                                             \
-                FUSED_SCORES_##SUFFIX(kb, n, D, qs, chunk, acc, k_tiled, scale)                             \
+                FUSED_SCORES_##SUFFIX(kb, n, D, qs, chunk, acc, k_tiled, scale)                      \
             } else {                                                                                 \
                 SCORE_CHAINS_##SUFFIX(kts, qs, D, acc, chunk, scale);                                \
             }                                                                                        \

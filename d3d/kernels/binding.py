@@ -146,10 +146,10 @@ class RowExactKernels(WeightStreams):
         return bool(self.library.d3d_tiled_keys(int(dtype == torch.bfloat16), head_dim))
 
     def pair_scores(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether this build scores attention of this dtype and head_dim as bf16 pair dot products
-        (attention.h's PAIR_CHAINS: AVX-512 BF16), not as fp32 chains over d — a contract of its own:
-        the fp32 chain over d in the order 1, 0, 3, 2, … where q and k hold no subnormal and the scale
-        is a power of two."""
+        """Whether this build's attention of this dtype and head_dim scores (and, where a KV head's
+        query heads are summed together, weighs V) by bf16 pair dot products — attention.h's
+        PAIR_CHAINS and PAIR_SUMS, AVX-512 BF16 without the AMX tiles —, not by fp32 chains: a
+        contract of its own, whose bits tests/test_kernels.py's `pair_attention` computes step by step."""
         return hasattr(self.library, "d3d_pair_scores") and dtype == torch.bfloat16 \
             and bool(self.library.d3d_pair_scores(head_dim))
 
