@@ -1,4 +1,4 @@
-"""The bf16 pair contract of attention.h (AVX-512 BF16 builds: `PAIR_CHAINS`, `PAIR_SUMS`) computed step
+"""The bf16 pair contract of attention.h (AVX-512 BF16 builds: `pair_chains`, `PAIR_SUMS`) computed step
 by step in fp32 tensors: what tests/test_kernels.py holds those kernels' bits to."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def fold_lanes(lanes: torch.Tensor) -> torch.Tensor:
 
 def pair_attention(kernels: RowExactKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:
-    """attention.h's pair contract (PAIR_CHAINS, PAIR_SUMS) step by step in fp32 tensors, for one
+    """attention.h's pair contract (pair_chains, PAIR_SUMS) step by step in fp32 tensors, for one
     batch row of bf16 q (1, T, H, D), k and v (1, H_kv, S, D): each score the chain over the pairs of
     d, odd element first, times the scale; p = bf16(exp_fixed(x - top)), their total over 16 lanes in
     key order, folded; each output the chain over the pairs of keys, odd key first, times 1 / total,

@@ -148,7 +148,7 @@ class RowExactKernels(WeightStreams):
     def pair_scores(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether this build's attention of this dtype and head_dim scores (and, where a KV head's
         query heads are summed together, weighs V) by bf16 pair dot products — attention.h's
-        PAIR_CHAINS and PAIR_SUMS, AVX-512 BF16 without the AMX tiles —, not by fp32 chains: a
+        pair_chains and PAIR_SUMS, AVX-512 BF16 without the AMX tiles —, not by fp32 chains: a
         contract of its own, whose bits tests/test_kernels.py's `pair_attention` computes step by step."""
         return hasattr(self.library, "d3d_pair_scores") and dtype == torch.bfloat16 \
             and bool(self.library.d3d_pair_scores(head_dim))
