@@ -38,16 +38,17 @@ def reference_generate(target: Decoder, prompt_ids: list[int], config: Generatio
     """Plain autoregressive decoding: one target forward per token."""
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
     generator = make_generator(config.sampling, target.device)
-    step, cache = prefill(target, sequence, config.sampling, generator)
-    yield step
-    while sequence.finish_reason is None:
-        started = time.perf_counter()
-        ids = torch.tensor([[sequence.tokens[-1]]], device=target.device)
-        hidden, _ = target.final_hidden(ids, cache=cache)
-        cache.commit()
-        token = next_token(target, hidden[0], config.sampling, generator)
-        sequence.stats.verify_seconds += time.perf_counter() - started
-        yield sequence.commit([token], 0, 0)
+    with target.holding_weights():
+        step, cache = prefill(target, sequence, config.sampling, generator)
+        yield step
+        while sequence.finish_reason is None:
+            started = time.perf_counter()
+            ids = torch.tensor([[sequence.tokens[-1]]], device=target.device)
+            hidden, _ = target.final_hidden(ids, cache=cache)
+            cache.commit()
+            token = next_token(target, hidden[0], config.sampling, generator)
+            sequence.stats.verify_seconds += time.perf_counter() - started
+            yield sequence.commit([token], 0, 0)
 
 
 @torch.no_grad()
@@ -75,13 +76,14 @@ def generate_from_sources(target: Decoder, sources: list[DraftSource], prompt_id
     `prefixes`: the prefix cache it starts from and leaves its cache to."""
     run = Run(target, sources, prompt_ids, config, adaptive, on_commit, prefixes)
     try:
-        while not run.finished:
-            run.plan()
-            part = run.rows()
-            started = time.perf_counter()
-            (logits, features), = score_rows(target, [part], run.feature_layers)
-            step = run.settle(logits, features, time.perf_counter() - started)
-            if step is not None:
-                yield step
+        with target.holding_weights():
+            while not run.finished:
+                run.plan()
+                part = run.rows()
+                started = time.perf_counter()
+                (logits, features), = score_rows(target, [part], run.feature_layers)
+                step = run.settle(logits, features, time.perf_counter() - started)
+                if step is not None:
+                    yield step
     finally:
         run.release()

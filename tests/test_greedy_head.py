@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_decoder, tiny_config
+from conftest import kernels_built_for, make_decoder, tiny_config
 from d3d.config import GenerationConfig
 from d3d.engine import generate_from_sources, reference_generate
 from d3d.kernels import greedy, row_exact_kernels
 from d3d.lookup import LookupConfig
 from d3d.quantized import quantize_weights
+from d3d.sampling import greedy_ids
 from d3d.sources import LookupSource
 from test_quantized import loader_values, random_blocks, stream_of
 
@@ -164,3 +165,26 @@ def test_decoding_through_the_greedy_head_gives_the_same_tokens(kernels):
         del exact.greedy.ids
     assert plain == want and drafted == want
     assert calls and set(calls) == {1}  # one row at a time: the prefill's last, each plain step's
+
+
+@pytest.mark.parametrize("build", ["native", "x86-64-v2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernels_argmax_is_greedy_ids(dtype, build):
+    """`RowExactKernels.argmax` (greedy.h's d3d_argmax) gives `greedy_ids`' index on every row: ties to
+    the lowest index, -0 equal to +0, rows of -inf, rows holding a NaN (torch's answer there), widths
+    off the vector length, 1 to 3 dimensions — this machine's build and the portable C's."""
+    kernels = row_exact_kernels() if build == "native" else kernels_built_for(build, why="the portable build is x86-64's")
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        rows, width = int(torch.randint(1, 6, (1,), generator=generator)), int(torch.randint(1, 70, (1,), generator=generator))
+        x = (torch.randint(-3, 4, (rows, width), generator=generator).float() * 0.5).to(dtype)  # many ties
+        if trial % 3 == 0:
+            x[x == 0] = -0.0
+        if trial % 7 == 0:
+            x[0, width // 2] = float("nan")
+        if trial % 11 == 0:
+            x[-1] = float("-inf")
+        for shaped in (x, x[0], x[None]):
+            assert torch.equal(kernels.argmax(shaped), greedy_ids(shaped)), (trial, shaped)
+    wide = torch.randn(3, 49_152, generator=generator).to(dtype)
+    assert torch.equal(kernels.argmax(wide), greedy_ids(wide))

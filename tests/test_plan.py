@@ -13,8 +13,11 @@ import torch
 
 from conftest import make_decoder, tiny_config
 from d3d.cache import KVCache
+from d3d.config import GenerationConfig
+from d3d.engine import generate_from_sources, reference_generate
 from d3d.kernels.plan import MAX_ROWS
 from d3d.models import SequenceRows
+from d3d.sampling import greedy_ids
 
 
 def ids_of(length: int, seed: int, vocab: int = 64) -> torch.Tensor:
@@ -119,3 +122,47 @@ def test_threads_decode_through_plans_of_their_own():
         thread.join()
     for seed in (1, 2):
         assert len(together[seed]) == 30 and all(torch.equal(a, b) for a, b in zip(alone[seed], together[seed]))
+
+
+@torch.no_grad()
+def test_a_hold_reads_the_weights_as_they_were_when_it_began():
+    """Within `holding_weights` the layer table is checked once: a weight changed in place inside the
+    hold is read from the next hold on (and by forwards outside any hold at once); a generation holds
+    them, so one changed between generations is read by the next."""
+    decoder = make_decoder(tiny_config(), dtype=torch.bfloat16)
+    step = ids_of(3, seed=3)
+
+    def hidden() -> torch.Tensor:
+        cache = decoder.new_cache(16)
+        decoder(ids_of(6, seed=1), cache=cache)
+        cache.commit()
+        return decoder.final_hidden(step, cache=cache)[0]
+
+    before = hidden()
+    weight = decoder.layers[0].mlp.down_proj.weight
+    with decoder.holding_weights():
+        assert torch.equal(hidden(), before)
+        weight.mul_(2.0)
+        assert torch.equal(hidden(), before)  # held: the table as checked when the hold began
+        with decoder.holding_weights():  # a new hold checks once more
+            after = hidden()
+        assert not torch.equal(after, before)
+    assert torch.equal(hidden(), after)
+    weight.mul_(0.5)
+    assert torch.equal(hidden(), before)  # outside any hold, every forward checks
+    config = GenerationConfig(max_new_tokens=6)
+
+    def generation_logits() -> torch.Tensor:
+        seen: list[torch.Tensor] = []
+        for _ in generate_from_sources(decoder, [], [1, 2, 3], config, on_commit=lambda logits, _: seen.append(logits)):
+            pass
+        return torch.cat(seen)
+
+    first, original = generation_logits(), weight.clone()
+    weight.mul_(-3.0)
+    second = generation_logits()
+    weight.copy_(original)
+    assert torch.equal(generation_logits(), first) and not torch.equal(second, first)
+    assert [t for s in reference_generate(decoder, [1, 2, 3], config) for t in s.tokens] == \
+        [int(i) for i in greedy_ids(first)]
+    assert decoder._holds == 0

@@ -31,6 +31,7 @@ from d3d.kernels.packing import HugePageArena, WeightStream
 from d3d.kernels.segments import DecoderShape, Segment, contiguous_from, value_strides
 from d3d.kernels.structs import ForwardArgs, Layer, SegmentArgs, Weight
 from d3d.kernels.torch_ops import KVSlots, TorchKernels
+from d3d.sampling import greedy_ids
 from d3d.kernels.weights import WeightStreams
 
 if TYPE_CHECKING:
@@ -91,6 +92,9 @@ class RowExactKernels(WeightStreams):
         library.d3d_greedy_ids.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i32]
         library.d3d_greedy_ids.restype = i64
         library.d3d_greedy_weights.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i32]
+        for suffix in ("bf16", "f32"):
+            getattr(library, f"d3d_argmax_{suffix}").argtypes = [ptr, i64, i64, ptr]
+            getattr(library, f"d3d_argmax_{suffix}").restype = i64
         library.d3d_struct_sizes.argtypes = [i32]
         library.d3d_struct_sizes.restype = i64
         if tuple(map(library.d3d_struct_sizes, range(3))) != tuple(map(ctypes.sizeof, (ForwardArgs, Layer, SegmentArgs))):
@@ -159,6 +163,20 @@ class RowExactKernels(WeightStreams):
         out = torch.empty_like(x)
         self.library.d3d_exp_fixed(x.data_ptr(), out.data_ptr(), x.numel())
         return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax over the last dimension of bf16 or fp32 logits — `d3d.sampling.greedy_ids`'s
+        index, the first of the largest (greedy.h's d3d_argmax), without their fp32 copy; rows holding
+        a NaN take greedy_ids' answer."""
+        if logits.dtype not in (torch.bfloat16, torch.float32) or logits.shape[-1] == 0:
+            return greedy_ids(logits)
+        rows = logits if logits.dim() == 2 and logits.is_contiguous() else logits.reshape(-1, logits.shape[-1]).contiguous()
+        ids = torch.empty(rows.shape[0], dtype=torch.int64)
+        function = self.library.d3d_argmax_bf16 if logits.dtype == torch.bfloat16 else self.library.d3d_argmax_f32
+        if function(rows.data_ptr(), rows.shape[0], rows.shape[1], ids.data_ptr()):
+            unordered = (ids < 0).nonzero().flatten()
+            ids[unordered] = greedy_ids(rows[unordered])
+        return ids if logits.dim() == 2 else ids.reshape(logits.shape[:-1])
 
     def _key_layout(self, keys: torch.Tensor, values: torch.Tensor, head_dim: int) -> int:
         """attention.h's k_tiled for a cache's keys beside their values; tiled keys need a build that reads them."""

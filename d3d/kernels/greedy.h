@@ -348,3 +348,69 @@ void d3d_greedy_weights(const uint16_t *w, int64_t V, int64_t K, int8_t *codes, 
         limits[2 * v] = most_error, limits[2 * v + 1] = most_scale;
     }
 }
+
+/* Each row's argmax over M rows of N logits — the first index of the largest value, as torch's
+ * `max(-1).indices` on the fp32 values (d3d.sampling.greedy_ids): -0 and +0 equal, ties to the
+ * lowest index — or -1 for a row holding a NaN (the caller takes torch's answer there; returns how
+ * many rows those are). Two passes
+ * a row, the largest value then its first index: on SmolLM2-135M's 49,152 logits a few µs, where
+ * converting them to fp32 and reducing in torch took ~0.14 ms a step (AMD EPYC Zen 4). */
+#define ARGMAX_ROW(SUFFIX, T_ELEM, TO_F32)                                                          \
+static int64_t argmax_row_##SUFFIX(const T_ELEM *x, int64_t N) {                                     \
+    float top = -INFINITY;                                                                           \
+    int nan = 0;                                                                                     \
+    int64_t i = 0;                                                                                   \
+    ARGMAX_TOP_##SUFFIX                                                                              \
+    for (; i < N; i++) {                                                                             \
+        float v = TO_F32(x[i]);                                                                      \
+        nan |= v != v;                                                                               \
+        top = v > top ? v : top;                                                                     \
+    }                                                                                                \
+    if (nan) return -1;                                                                              \
+    i = 0;                                                                                           \
+    ARGMAX_FIRST_##SUFFIX                                                                            \
+    for (; i < N; i++)                                                                               \
+        if (TO_F32(x[i]) == top) return i;                                                           \
+    return 0;  /* N == 0 */                                                                          \
+}                                                                                                    \
+int64_t d3d_argmax_##SUFFIX(const T_ELEM *x, int64_t M, int64_t N, int64_t *ids) {                   \
+    int64_t unordered = 0;                                                                           \
+    for (int64_t m = 0; m < M; m++) unordered += (ids[m] = argmax_row_##SUFFIX(x + m * N, N)) < 0;   \
+    return unordered;                                                                                \
+}
+#define IDENTITY_F32(v) (v)
+#ifdef D3D_AVX2
+/* The first pass 8 lanes at a time: lane-wise maxima (v8 max of non-NaN values is IEEE's) and a
+ * lane-wise NaN flag, folded after; the scalar loop takes the tail. */
+#define ARGMAX_TOP_LANES(LOAD)                                                                       \
+    {                                                                                                \
+        v8 best = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();                        \
+        for (; i + 8 <= N; i += 8) {                                                                 \
+            v8 v = LOAD;                                                                             \
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));                  \
+            best = _mm256_max_ps(best, v);                                                           \
+        }                                                                                            \
+        float lanes[8];                                                                              \
+        v8_store(lanes, best);                                                                       \
+        for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;                           \
+        nan = _mm256_movemask_ps(unordered) != 0;                                                    \
+    }
+/* The second pass 8 lanes at a time: the first lane equal to the largest value. */
+#define ARGMAX_FIRST_LANES(LOAD)                                                                     \
+    for (v8 wanted = _mm256_set1_ps(top); i + 8 <= N; i += 8) {                                      \
+        v8 v = LOAD;                                                                                 \
+        int equal = _mm256_movemask_ps(_mm256_cmp_ps(v, wanted, _CMP_EQ_OQ));                        \
+        if (equal) return i + __builtin_ctz((unsigned)equal);                                        \
+    }
+#define ARGMAX_TOP_bf16 ARGMAX_TOP_LANES(v8_from_bf16(x + i))
+#define ARGMAX_TOP_f32 ARGMAX_TOP_LANES(v8_load(x + i))
+#define ARGMAX_FIRST_bf16 ARGMAX_FIRST_LANES(v8_from_bf16(x + i))
+#define ARGMAX_FIRST_f32 ARGMAX_FIRST_LANES(v8_load(x + i))
+#else
+#define ARGMAX_TOP_bf16
+#define ARGMAX_TOP_f32
+#define ARGMAX_FIRST_bf16
+#define ARGMAX_FIRST_f32
+#endif
+ARGMAX_ROW(bf16, uint16_t, bf16_to_f32)
+ARGMAX_ROW(f32, float, IDENTITY_F32)
