@@ -341,48 +341,49 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     worker = DraftWorker(drafter, async_config.concurrent, async_config.drafter_threads)
     no_drafts = torch.empty(0, dtype=torch.long, device=target.device)
     try:
-        block_logits: torch.Tensor | None = None  # (B, V) drafted for the block after tokens[-1]
-        while sequence.finish_reason is None:
-            # 1. this round's drafts: drafted ahead last round (a hit), else now, on the critical path
-            num_drafts = min(block_size - 1, sequence.room - 1)  # the bonus token always needs a slot
-            started = time.perf_counter()
-            if num_drafts > 0 and block_logits is None:
-                block_logits = source.block_logits(sequence.tokens)
-            draft_tokens, draft_probs = (drafts_from_logits(block_logits[:num_drafts], sampling, generator)
-                                         if num_drafts > 0 else (no_drafts, None))
-            # 2. the worker drafts the next round's block for the likely verdicts; k accepted commits
-            # k+1 tokens, and a branch is useful only if two slots remain to draft into
-            max_k = min(num_drafts, sequence.room - 3)
-            packed, anchor_slot = None, len(sequence.tokens) - 1
-            if max_k >= 0 and budget > 0:
-                drafts = draft_tokens.tolist()
-                plan = partial(bounded_plan, planner, list(sequence.tokens), drafts, max_k, budget)
-                guesses = block_logits if async_config.guess_source == "block" else None
-                clean = sequence.tokens[drafter_cache.length:]  # ends with the anchor
-                packed = worker.submit(drafting_job(drafter, drafter_cache, clean, drafts, plan, guesses))
-            # 3. verification, meanwhile
-            drafted = time.perf_counter()
-            verdict = verify_block(target, target_cache, sequence.tokens[-1], draft_tokens, draft_probs,
-                                   sampling, generator)
-            verified = time.perf_counter()
-            result = packed.result() if packed is not None else None
-            waited = time.perf_counter()
-            account(sequence.stats, started, drafted, verified, waited, result, async_config.concurrent)
-            if timeline is not None:
-                timeline += round_spans(started, drafted, verified, waited, result, async_config.concurrent)
-            # 4. the verdict picks the next block among the branches (a hit), or none
-            block_logits, hit = None, False
-            if result is not None:
-                drafter_cache.crop(anchor_slot + verdict.num_accepted + 1)  # a, d_1..d_k are committed now
-                block_logits, hit = next_block(result, verdict.num_accepted, verdict.bonus_token,
-                                               async_config.miss_policy)
-            new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
-            step = sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted,
-                                   source.name if num_drafts > 0 else "none")
-            if num_drafts > 0 and sequence.finish_reason is None and sequence.room >= 2:
-                # a next block is needed: was it ready, or at least drafted for this k?
-                planned = result is not None and any(k == verdict.num_accepted for k, _ in result.branches)
-                sequence.stats.record_branch(verdict.num_accepted, hit, planned)
-            yield step
+        with target.holding_weights():
+            block_logits: torch.Tensor | None = None  # (B, V) drafted for the block after tokens[-1]
+            while sequence.finish_reason is None:
+                # 1. this round's drafts: drafted ahead last round (a hit), else now, on the critical path
+                num_drafts = min(block_size - 1, sequence.room - 1)  # the bonus token always needs a slot
+                started = time.perf_counter()
+                if num_drafts > 0 and block_logits is None:
+                    block_logits = source.block_logits(sequence.tokens)
+                draft_tokens, draft_probs = (drafts_from_logits(block_logits[:num_drafts], sampling, generator)
+                                             if num_drafts > 0 else (no_drafts, None))
+                # 2. the worker drafts the next round's block for the likely verdicts; k accepted commits
+                # k+1 tokens, and a branch is useful only if two slots remain to draft into
+                max_k = min(num_drafts, sequence.room - 3)
+                packed, anchor_slot = None, len(sequence.tokens) - 1
+                if max_k >= 0 and budget > 0:
+                    drafts = draft_tokens.tolist()
+                    plan = partial(bounded_plan, planner, list(sequence.tokens), drafts, max_k, budget)
+                    guesses = block_logits if async_config.guess_source == "block" else None
+                    clean = sequence.tokens[drafter_cache.length:]  # ends with the anchor
+                    packed = worker.submit(drafting_job(drafter, drafter_cache, clean, drafts, plan, guesses))
+                # 3. verification, meanwhile
+                drafted = time.perf_counter()
+                verdict = verify_block(target, target_cache, sequence.tokens[-1], draft_tokens, draft_probs,
+                                       sampling, generator)
+                verified = time.perf_counter()
+                result = packed.result() if packed is not None else None
+                waited = time.perf_counter()
+                account(sequence.stats, started, drafted, verified, waited, result, async_config.concurrent)
+                if timeline is not None:
+                    timeline += round_spans(started, drafted, verified, waited, result, async_config.concurrent)
+                # 4. the verdict picks the next block among the branches (a hit), or none
+                block_logits, hit = None, False
+                if result is not None:
+                    drafter_cache.crop(anchor_slot + verdict.num_accepted + 1)  # a, d_1..d_k are committed now
+                    block_logits, hit = next_block(result, verdict.num_accepted, verdict.bonus_token,
+                                                   async_config.miss_policy)
+                new_tokens = draft_tokens[:verdict.num_accepted].tolist() + [verdict.bonus_token]
+                step = sequence.commit(new_tokens, len(draft_tokens), verdict.num_accepted,
+                                       source.name if num_drafts > 0 else "none")
+                if num_drafts > 0 and sequence.finish_reason is None and sequence.room >= 2:
+                    # a next block is needed: was it ready, or at least drafted for this k?
+                    planned = result is not None and any(k == verdict.num_accepted for k, _ in result.branches)
+                    sequence.stats.record_branch(verdict.num_accepted, hit, planned)
+                yield step
     finally:
         worker.close()

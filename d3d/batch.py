@@ -222,12 +222,13 @@ class Batch:
     def run_all(self) -> dict[int, list[Step]]:
         """Step until every run has finished; each run's steps by key (a failed run raises)."""
         steps: dict[int, list[Step]] = {key: [] for key in self.runs}
-        while self.runs:
-            for outcome in self.step():
-                if outcome.error is not None:
-                    raise outcome.error
-                if outcome.step is not None:
-                    steps.setdefault(outcome.key, []).append(outcome.step)
+        with self.target.holding_weights():
+            while self.runs:
+                for outcome in self.step():
+                    if outcome.error is not None:
+                        raise outcome.error
+                    if outcome.step is not None:
+                        steps.setdefault(outcome.key, []).append(outcome.step)
         return steps
 
 
