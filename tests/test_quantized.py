@@ -90,16 +90,16 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
     grouped = kernels.grouped_rows
     if grouped:  # a few rows read the grouped blocks where this path has a form for them
         made = kernels._grouped_stream(weight, kernels.stream(weight))
-        forms = {"u4": {"t4"}, "s4": {"t4"}} if kernels.lane_packs else {"u4": {"g4", "a4", "l4"}, "i8": {"g8"}}
+        forms = {"u4": {"t4"}, "s4": {"t4"}} if kernels.lane_packs else {"u4": {"g4", "a4", "l4", "ql"}, "i8": {"g8"}}
         assert (made and made.format) in forms.get(kernels.stream(weight).format, {None}), made
     try:
         # several rows from the bf16 values, one from the grouped blocks (AVX-512 BF16), or decoding the blocks;
-        # looked-up blocks (L4) at every row count, through the plain layout's chains
+        # looked-up blocks at every row count, through their own chains: L4 the plain layout's, QL the quads'
         for dense_rows, kernels.grouped_rows in ((True, grouped), (True, False), (False, False)):
             kernels.dense_rows = dense_rows
             streams = kernels._weight(weight)[1]
-            looked_up = len(streams) == 3 and streams[2] is not None and streams[2].format == "l4"
-            same = kernels.linear_reference if looked_up else kernels.linear
+            form = streams[2].format if len(streams) == 3 and streams[2] is not None else None
+            same = chains_of(kernels, form)
             alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(25)])
             for rows in (1, 2, 3, 4, 5, 6, 16, 17, 24, 25):  # AVX2: pair tiles over the bf16 values from 3 rows;
                 # decoding the blocks, fused tiles to 24 rows and the strip beyond
@@ -117,8 +117,10 @@ def test_looked_up_4bit_blocks_are_their_values_through_the_plain_chains(kernels
     with remainders — with the bits of its bf16 values through the plain layout's chains
     (`linear_reference`), bias and residual included, each row the row alone's; and switched off, the
     grouped blocks (G4) again, with the packed layout's bits."""
-    was = kernels.lookups
+    was, quads_were = kernels.lookups, kernels.quads
+    kernels.set_quads(False)  # (its own test below)
     if not kernels.set_lookups(True):
+        kernels.set_quads(quads_were)
         pytest.skip("no 4-bit lookups in this build (AVX-512 BF16 with VBMI only)")
     try:
         for outputs, width in ((100, 256), (48, 1536)):
@@ -142,6 +144,75 @@ def test_looked_up_4bit_blocks_are_their_values_through_the_plain_chains(kernels
         assert all(torch.equal(out, kernels.linear(x[:out.shape[0]], plain, bias)) for out in outputs)
     finally:
         kernels.set_lookups(was)
+        kernels.set_quads(quads_were)
+
+
+def chains_of(kernels, form: str | None):
+    """The linear whose bits a weight read in this grouped form has, over its dequantized values: the
+    plain layout's chains (L4), the quads' (QL), else the path's own for a bf16 weight."""
+    return {"l4": kernels.linear_reference, "ql": quad_reference}.get(form, kernels.linear)
+
+
+def quad_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The quads' chains (linear.h's QL), step by step in fp32: per row, column and pair slot s, one
+    vdpbf16ps chain over the steps i of 8 (k = 8i + 2s and 8i + 2s + 1: the odd product added first,
+    each product of two bf16 exact in fp32), the slots folded as (s0 + s1) + (s2 + s3); then the bias,
+    rounding to bf16, the residual, rounding again (store16_bf16)."""
+    xf, wf = x.float(), weight.float()
+    chains = torch.zeros(xf.shape[0], wf.shape[0], 4)
+    for i in range(xf.shape[1] // 8):
+        for s in range(4):
+            k = 8 * i + 2 * s
+            chains[..., s] = (chains[..., s] + xf[:, k + 1, None] * wf[None, :, k + 1]) + xf[:, k, None] * wf[None, :, k]
+    out = (chains[..., 0] + chains[..., 1]) + (chains[..., 2] + chains[..., 3])
+    out = (out + bias.float() if bias is not None else out).to(torch.bfloat16)
+    return out if residual is None else (residual.float() + out.float()).to(torch.bfloat16)
+
+
+def test_4bit_blocks_looked_up_in_quads_are_their_values_through_the_quads_chains(kernels):
+    """Where the build has the quads (AVX-512 BF16 with VBMI) and they are on, a Q4_1 weight's grouped
+    copy is QL — one row 8 quads at a time, 2-4 rows decoding each vector once, more rows its bf16
+    values in quads (QUAD_PACKED) in tiles of up to 6 — with the bits of `quad_reference`, bias and
+    residual included, each row the row alone's; widths whose last run of 32 columns is partial. Switched
+    off, the grouped blocks (G4) again, with the packed layout's bits — which differ from the quads' on
+    2 of these 1,900 outputs (the negative control: the reference tells the chains apart)."""
+    was, lookups_were = kernels.quads, kernels.lookups
+    kernels.set_lookups(False)  # (they come first where both are on)
+    if not kernels.set_quads(True):
+        kernels.set_lookups(lookups_were)
+        pytest.skip("no 4-bit quads in this build (AVX-512 BF16 with VBMI only)")
+    weights = []
+    try:
+        for outputs, width in ((100, 256), (200, 96), (48, 1536)):
+            raw = random_blocks("Q4_1", outputs, width, seed=11)
+            weight = loader_values("Q4_1", raw)
+            plain = weight.clone()
+            kernels.use_stream(weight, stream_of(kernels, "Q4_1", raw))
+            weights.append((weight, plain))
+            assert kernels.one_row_stream(weight).format == "ql" and "quads" in kernels.path_name
+            x = (torch.randn(19, width, generator=torch.Generator().manual_seed(12)) * 3).to(torch.bfloat16)
+            bias = torch.randn(outputs, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+            residual = torch.randn(19, outputs, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+            alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(19)])
+            for rows in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 19):
+                out = kernels.linear(x[:rows], weight, bias)
+                assert torch.equal(out, quad_reference(x[:rows], plain, bias)), (outputs, width, rows)
+                assert torch.equal(out, alone[:rows]), (outputs, width, rows)
+                assert torch.equal(kernels.linear(x[:rows], weight, None, residual[:rows]),
+                                   quad_reference(x[:rows], plain, None, residual[:rows])), (outputs, width, rows)
+        kernels.set_quads(False)
+        for weight, plain in weights:
+            assert kernels.one_row_stream(weight).format == "g4"
+            x = (torch.randn(19, weight.shape[1], generator=torch.Generator().manual_seed(12)) * 3).to(torch.bfloat16)
+            for rows in (1, 19):
+                assert torch.equal(kernels.linear(x[:rows], weight, None), kernels.linear(x[:rows], plain, None))
+        weight, plain = weights[0]
+        x = (torch.randn(19, 256, generator=torch.Generator().manual_seed(12)) * 3).to(torch.bfloat16)
+        assert not torch.equal(kernels.linear(x, weight, None), quad_reference(x, plain))
+    finally:
+        kernels.set_quads(was)
+        kernels.set_lookups(lookups_were)
 
 
 @pytest.mark.parametrize("parts", [[("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)], [("Q4_K", 64), ("Q4_0", 30)]],
@@ -268,7 +339,7 @@ def test_the_embedded_gguf_streams_its_own_blocks_with_the_dequantized_logits():
             results.append((first, together, torch.stack(steps)))
     (first, together, steps), (first_bf16, together_bf16, steps_bf16) = results
     assert torch.equal(together, steps), "a 17-row forward differs from its one-token steps"
-    looked_up = {name for name, w in weights.items() if kernels.one_row_stream(w).format == "l4"}
+    looked_up = {name for name, w in weights.items() if kernels.one_row_stream(w).format in ("l4", "ql")}
     if not looked_up:
         assert torch.equal(first, first_bf16) and torch.equal(together, together_bf16) and torch.equal(steps, steps_bf16)
         return
@@ -280,6 +351,6 @@ def test_the_embedded_gguf_streams_its_own_blocks_with_the_dequantized_logits():
     x = (torch.randn(17, 1536, generator=generator) * 2).to(torch.bfloat16)
     for name, w in weights.items():
         rows = x[:, :w.shape[1]]
-        same = kernels.linear_reference if name in looked_up else kernels.linear
+        same = chains_of(kernels, kernels.one_row_stream(w).format)
         for count in (1, 17):
             assert torch.equal(kernels.linear(rows[:count], w, None), same(rows[:count], bf16_weights[name], None)), name

@@ -119,7 +119,7 @@ class RowExactKernels(WeightStreams):
         # lanes: U4 and S4 blocks as tables of their 16 values (T4). The same bits. False leaves them
         # to the blocks and the bf16 values (for tests and measurements).
         self.grouped_rows = bool(library.d3d_grouped_linear())
-        # (id, amx, lookups) → the grouped copy
+        # (id, amx, lookups, quads) → the grouped copy
         self._grouped: dict[tuple[int, bool, bool], tuple[weakref.ref, int, WeightStream | None]] = {}
         self._descriptors: dict = {}  # id(weight) → its descriptor and streams (`_weight`)
         self.arena = HugePageArena()
@@ -131,6 +131,11 @@ class RowExactKernels(WeightStreams):
         # the build has them and D3D_LOOKUPS is "1" — one-token steps faster, verifications slower.
         if hasattr(library, "d3d_lookups"):  # (not in an older build, e.g. one of scripts/rows_ab.py's)
             library.d3d_lookups.argtypes, library.d3d_lookups.restype = [i32], i32
+        # ... or looked up in quads of 4 columns (formats.h's QL), where D3D_QUADS is "1"
+        if hasattr(library, "d3d_quads"):
+            library.d3d_quads.argtypes, library.d3d_quads.restype = [i32], i32
+        self.quads = False
+        self.set_quads(os.environ.get("D3D_QUADS", "0") == "1")
         self.set_lookups(os.environ.get("D3D_LOOKUPS", "0") == "1")
         # Intel's AMX tiles for every bf16 linear, where the build, the CPU and Linux allow it and
         # D3D_AMX is not "0" — kept only if its rows pass `_amx_refusal`'s check.
@@ -206,6 +211,15 @@ class RowExactKernels(WeightStreams):
         self.path_name = self.library.d3d_kernel_path().decode()
         self.epoch += 1
         return self.lookups
+
+    def set_quads(self, on: bool) -> bool:
+        """Switch this process's 4-bit weights to the quads (QL, and their bf16 values in quads for calls
+        of many rows) or back where the build has them; returns whether they are on. As `set_lookups`:
+        the bits differ, the layer tables are rebuilt, each form has its own copies."""
+        self.quads = hasattr(self.library, "d3d_quads") and bool(self.library.d3d_quads(int(on)))
+        self.path_name = self.library.d3d_kernel_path().decode()
+        self.epoch += 1
+        return self.quads
 
     def _amx_refusal(self) -> str | None:
         """Why the AMX path must not be used here, or None: each row of a 35-row linear (two full row

@@ -33,6 +33,14 @@
  *           16-column group (the last zero-padded) and per 32 weights, the group's 16 blocks in
  *           column order, codes placed as A4's. The same values, decoded as a lookup in the block's
  *           table — for every row count, through the plain layout's chains.
+ *   QL      U4 blocks in quads for the AVX-512 BF16 lookups (linear.h's quads; on request): a quad is 4
+ *           output columns, a run 8 quads (32 columns, the last zero-padded); per run and per 32
+ *           weights, its 8 quads' block_ql — the 4 columns' scales and offsets, then for each of the
+ *           block's 4 steps of 8 weights the 32 codes of the quad's vector at that step (word w: column
+ *           w/8, weight 8·step + w mod 8), placed as A4's. The same values, decoded as a lookup in the
+ *           quad's 4 tables of 16 — through the quads' chains (linear.h), at every row count.
+ *   QUAD_PACKED  the bf16 values of a QL weight for its calls of many rows: per 16 output columns (N
+ *           zero-padded) and per step of 8 weights, the 4 quads' vectors as above (128 bf16).
  *   T4      U4 and S4 blocks as tables, for AVX2 builds' calls of a few rows (linear.h's lanes; made where
  *           the lanes read them): per 32 weights the block's 16 values as bf16 — their low bytes, then
  *           their high bytes — and 16 bytes of codes placed for the lookup (decode_t4); the 4 rows
@@ -55,7 +63,7 @@
  * every decoded weight is 0 or at least 2^-24 in magnitude, being a sum of fp16 multiples.
  */
 
-enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9, D3D_T4 = 10, D3D_L4 = 11 };
+enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9, D3D_T4 = 10, D3D_L4 = 11, D3D_QL = 12, D3D_QUAD_PACKED = 13 };
 
 #define CHUNK 32  /* weights of a row per block of every quantized format */
 
@@ -64,6 +72,7 @@ typedef struct { float scale; int8_t q[32]; } block_i8;
 typedef struct { float scale[2]; uint8_t low[16], high[8]; } block_u6;
 typedef struct { float scale; uint8_t q[16]; } block_s4;
 typedef struct { float scale[16], offset[16]; uint8_t q[16][16]; } block_g4;  /* 16 rows of block_u4 */
+typedef struct { float scale[4], offset[4]; uint8_t q[4][16]; } block_ql;  /* a quad's 4 columns, 32 weights */
 typedef struct { float scale[16]; int8_t q[16][32]; } block_g8;  /* 16 rows of block_i8 */
 typedef struct { uint8_t low[16], high[16], q[16]; } block_t4;  /* a U4 or S4 block as its table */
 

@@ -1195,10 +1195,11 @@ static inline __m512 lookup_codes(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5
 
 /* Put weight k's code where lookup_block reads it: bit 64·((k/4) mod 2) + 4·(4·(k/8) + k mod 4) of
  * the block's 16 code bytes (formats.h's A4 and L4). */
-static inline void place_code(block_u4 *to, int k, int code) {
+static inline void place_nibble(uint8_t q[16], int k, int code) {
     int bit = 64 * ((k / 4) % 2) + 4 * (4 * (k / 8) + k % 4);
-    to->q[bit / 8] |= (uint8_t)(code << (bit % 8));
+    q[bit / 8] |= (uint8_t)(code << (bit % 8));
 }
+static inline void place_code(block_u4 *to, int k, int code) { place_nibble(to->q, k, code); }
 
 /* The block's 32 weights, bf16 in k order — the values decode_block_scalar gives. */
 static inline __attribute__((always_inline)) __m512bh lookup_block(const block_u4 *at, __m512i control, __m512 codes) {
@@ -1421,6 +1422,204 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
     }
     _Pragma("omp barrier")
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * 4-bit blocks looked up in quads (formats.h's QL, QUAD_PACKED; AVX-512 BF16 with VBMI, on request):
+ * a vector of 32 bf16 weights is a quad — 4 output columns × 8 consecutive k —, so its 4 columns'
+ * tables of 16 values (one fma and half a rounding each per block) fit the two registers one
+ * vpermi2w reads, and each code, placed by vpmultishiftqb and its column's bits set by one
+ * vpternlogd, decodes in one lookup: 4 vector operations per 32 weights with the pair dot product,
+ * where the grouped blocks' decode (grouped_pair) takes 9. A lane of a quad is one column's pair
+ * slot (lane 4c + s: column c, the pairs 4i + s of each step i), so the chains are the quads' own:
+ * per row, column and slot one vdpbf16ps chain over the steps in k order, the 4 slots folded as
+ * (s0 + s1) + (s2 + s3) (quad_fold), then the bias and residual as store16_bf16 adds them. Calls of up
+ * to QUAD_FUSED rows decode each vector once for all of them; more rows read the bf16 values laid
+ * out in the same quads (QUAD_PACKED) in 6 x 4 tiles, the packed layout's shape — the same chains,
+ * so every row count gives the row alone's bits (tests/test_quantized.py's quad reference).
+ * ------------------------------------------------------------------------------------------- */
+#define QUAD_RUN 8    /* quads side by side in the QL stream: a one-row call's chains, 32 columns */
+#define QUAD_FUSED 4  /* calls of up to this many rows decode the blocks; more read QUAD_PACKED */
+#define QUAD_AHEAD 2  /* block steps of a run (768 bytes each) ahead that its stream prefetches */
+static int quads_on;
+
+static inline __m512i quad_columns(void) {  /* word w: its column in the quad, in the index's bits 4-5 */
+    uint16_t c[32];
+    for (int w = 0; w < 32; w++) c[w] = (uint16_t)((w / 8) << 4);
+    return _mm512_loadu_si512(c);
+}
+
+/* The 8 quads of run r at block b. */
+static inline const block_ql *quad_at(const void *data, int64_t r, int64_t b, int64_t blocks) {
+    return (const block_ql *)data + (r * blocks + b) * QUAD_RUN;
+}
+
+/* Bytes of the QL copy of a U4 weight (N, K), and with `out` the copy (columns past N zero). */
+static int64_t quad_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
+    int64_t blocks = K / CHUNK, runs = (N + 4 * QUAD_RUN - 1) / (4 * QUAD_RUN);
+    int64_t size = runs * blocks * QUAD_RUN * (int64_t)sizeof(block_ql);
+    if (!out) return size;
+    memset(out, 0, size);
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t format;
+            const block_u4 *from = block_at(w, n, b, K, &format);
+            block_ql *to = (block_ql *)quad_at(out, n / (4 * QUAD_RUN), b, blocks) + n % (4 * QUAD_RUN) / 4;
+            int c = (int)(n % 4);  /* each column writes its own scale, offset and code bytes */
+            to->scale[c] = from->scale, to->offset[c] = from->offset;
+            for (int k = 0; k < CHUNK; k++) place_nibble(to->q[k / 8], 8 * c + k % 8, nibble(from->q, k));
+        }
+    return size;
+}
+
+/* A quad block's 4 tables, as the two registers vpermi2w reads: index 16c + q is column c's value of
+ * code q, bf16(fma(s_c, q, o_c)) — the values decode_block_scalar gives. */
+static inline __attribute__((always_inline)) void quad_tables(const block_ql *at, __m512 codes, __m512i *t01, __m512i *t23) {
+    __m512 v[4];
+    for (int c = 0; c < 4; c++) v[c] = _mm512_fmadd_ps(_mm512_set1_ps(at->scale[c]), codes, _mm512_set1_ps(at->offset[c]));
+    *t01 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]), *t23 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
+}
+
+/* Step s of a quad block: its vector of 32 weights. */
+static inline __attribute__((always_inline)) __m512bh quad_vector(const block_ql *at, int s, __m512i t01, __m512i t23,
+                                                                  __m512i control, __m512i columns) {
+    __m512i codes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)at->q[s]));
+    __m512i index = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(control, codes), _mm512_set1_epi16(15),
+                                              columns, 0xEA);  /* (code & 15) | column */
+    return (__m512bh)_mm512_permutex2var_epi16(t01, index, t23);
+}
+
+/* 4 quads' chains (16 columns) folded: lane 4j + c = column c of quad j, (s0 + s1) + (s2 + s3). */
+static inline __attribute__((always_inline)) __m512 quad_fold(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 f[4], a[4] = {a0, a1, a2, a3};
+    for (int j = 0; j < 4; j++) {
+        __m512 h = _mm512_add_ps(a[j], _mm512_permute_ps(a[j], 0xB1));  /* s0 + s1 in lane 4c, s2 + s3 in 4c + 2 */
+        f[j] = _mm512_add_ps(h, _mm512_permute_ps(h, 0x4E));            /* their sum in lane 4c */
+    }
+    const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm512_shuffle_f32x4(_mm512_permutex2var_ps(f[0], first, f[1]), _mm512_permutex2var_ps(f[2], first, f[3]), 0x44);
+}
+
+/* The row's 8 weights of step i, in every 128-bit lane: the pairs each quad lane multiplies. */
+static inline __attribute__((always_inline)) __m512bh quad_x(const uint16_t *row, int64_t i) {
+    return (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row + 8 * i)));
+}
+
+/* R ≤ QUAD_FUSED rows x QN quads (from quad q0 of run r): each vector decoded once for every row. */
+static inline __attribute__((always_inline)) void quad_tile(const uint16_t *x, int64_t x_stride, const void *data,
+                                                            int64_t r, int q0, int64_t blocks, const int R, const int QN,
+                                                            __m512 acc[QUAD_FUSED][QUAD_RUN]) {
+    const __m512i control = lookup_control(), columns = quad_columns();
+    const __m512 codes = lookup_codes();
+    __m512 a[QUAD_FUSED][QUAD_RUN];  /* local, as quad_packed_tile's */
+    for (int m = 0; m < R; m++)
+        for (int j = 0; j < QN; j++) a[m][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const block_ql *at = quad_at(data, r, b, blocks) + q0;
+        for (int line = 0; line < QN * (int)sizeof(block_ql); line += 64)
+            _mm_prefetch((const char *)at + QUAD_AHEAD * QUAD_RUN * sizeof(block_ql) + line, _MM_HINT_T0);
+        for (int j = 0; j < QN; j++) {
+            __m512i t01, t23;
+            quad_tables(at + j, codes, &t01, &t23);
+            for (int s = 0; s < 4; s++) {
+                __m512bh w = quad_vector(at + j, s, t01, t23, control, columns);
+                for (int m = 0; m < R; m++) a[m][j] = _mm512_dpbf16_ps(a[m][j], quad_x(x + m * x_stride, 4 * b + s), w);
+            }
+        }
+    }
+    for (int m = 0; m < R; m++)
+        for (int j = 0; j < QN; j++) acc[m][j] = a[m][j];
+}
+
+/* Calls of up to QUAD_FUSED rows over a QL weight; threads own runs of 8 quads (one row: all 8 at
+ * once; several: 4 at a time). */
+static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *ql, const uint16_t *bias,
+                           const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+    int64_t runs = (N + 4 * QUAD_RUN - 1) / (4 * QUAD_RUN), blocks = K / CHUNK;
+    int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    int64_t first = runs * me / threads, last = runs * (me + 1) / threads;
+    const int QN = M == 1 ? QUAD_RUN : 4;
+    for (int64_t r = first; r < last; r++)
+        for (int q0 = 0; q0 < QUAD_RUN; q0 += QN) {
+            __m512 acc[QUAD_FUSED][QUAD_RUN];
+            switch (M) {
+                case 1: quad_tile(x, x_stride, ql->data, r, q0, blocks, 1, QUAD_RUN, acc); break;
+                case 2: quad_tile(x, x_stride, ql->data, r, q0, blocks, 2, 4, acc); break;
+                case 3: quad_tile(x, x_stride, ql->data, r, q0, blocks, 3, 4, acc); break;
+                default: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, 4, acc); break;
+            }
+            for (int j = 0; j < QN; j += 4) {
+                int64_t n0 = r * 4 * QUAD_RUN + (q0 + j) * 4;
+                if (n0 >= N) break;
+                int live = N - n0 < 16 ? (int)(N - n0) : 16;
+                for (int64_t m = 0; m < M; m++)
+                    store16_bf16(quad_fold(acc[m][j], acc[m][j + 1], acc[m][j + 2], acc[m][j + 3]), bias ? bias + n0 : 0,
+                                 residual ? residual + m * N + n0 : 0, y + m * N + n0, live);
+            }
+        }
+    _Pragma("omp barrier")
+}
+
+/* R ≤ 6 rows x 16 columns of a QUAD_PACKED weight (its 16-column group at wg), prefetching its share
+ * (`ahead_lines` lines from `ahead`) of the next group's. */
+static inline __attribute__((always_inline)) void quad_packed_tile(const uint16_t *x, int64_t x_stride, const uint16_t *wg,
+                                                                   int64_t steps, const int R, __m512 acc[TILE_ROWS][4],
+                                                                   const char *ahead, int64_t ahead_lines) {
+    __m512 a[TILE_ROWS][4];  /* the chains, local so that they stay in registers (a pointer's array is stored every step) */
+    for (int m = 0; m < R; m++)
+        for (int j = 0; j < 4; j++) a[m][j] = _mm512_setzero_ps();
+    int64_t per = (ahead_lines + steps - 1) / steps;
+    for (int64_t i = 0; i < steps; i++) {
+        __m512bh w[4];
+        for (int j = 0; j < 4; j++) w[j] = load_reg(wg + i * 128 + 32 * j);
+        for (int64_t p = i * per; p < (i + 1) * per && p < ahead_lines; p++) _mm_prefetch(ahead + 64 * p, _MM_HINT_T1);
+        for (int m = 0; m < R; m++) {
+            __m512bh xm = quad_x(x + m * x_stride, i);
+            for (int j = 0; j < 4; j++) a[m][j] = _mm512_dpbf16_ps(a[m][j], xm, w[j]);
+        }
+    }
+    for (int m = 0; m < R; m++)
+        for (int j = 0; j < 4; j++) acc[m][j] = a[m][j];
+}
+
+/* Calls of more than QUAD_FUSED rows over a QL weight: its QUAD_PACKED values, rows in tiles of at
+ * most 6 (as even as possible); threads own runs of 16-column groups. */
+static void quad_packed_body(const uint16_t *x, int64_t x_stride, const uint16_t *wq, const uint16_t *bias,
+                             const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+    int64_t groups = (N + 15) / 16, steps = K / 8, group_elems = steps * 128;
+    int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
+    int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+    for (int64_t g = first; g < last; g++) {
+        const uint16_t *wg = wq + g * group_elems;
+        int64_t next_lines = g + 1 < last ? group_elems * 2 / 64 : 0, share = (next_lines + tiles - 1) / tiles;
+        int64_t n0 = g * 16;
+        int live = N - n0 < 16 ? (int)(N - n0) : 16;
+        for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+            int R = (int)((M - m0) / (tiles - t));
+            const char *ahead = (const char *)(wg + group_elems) + 64 * share * t;
+            int64_t ahead_lines = next_lines - share * t < share ? next_lines - share * t : share;
+            if (ahead_lines < 0) ahead_lines = 0;
+            __m512 acc[TILE_ROWS][4];
+            const uint16_t *xt = x + m0 * x_stride;
+            switch (R) {
+                case 1: quad_packed_tile(xt, x_stride, wg, steps, 1, acc, ahead, ahead_lines); break;
+                case 2: quad_packed_tile(xt, x_stride, wg, steps, 2, acc, ahead, ahead_lines); break;
+                case 3: quad_packed_tile(xt, x_stride, wg, steps, 3, acc, ahead, ahead_lines); break;
+                case 4: quad_packed_tile(xt, x_stride, wg, steps, 4, acc, ahead, ahead_lines); break;
+                case 5: quad_packed_tile(xt, x_stride, wg, steps, 5, acc, ahead, ahead_lines); break;
+                default: quad_packed_tile(xt, x_stride, wg, steps, 6, acc, ahead, ahead_lines); break;
+            }
+            for (int m = 0; m < R; m++) {
+                int64_t row = m0 + m;
+                store16_bf16(quad_fold(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), bias ? bias + n0 : 0,
+                             residual ? residual + row * N + n0 : 0, y + row * N + n0, live);
+            }
+            m0 += R;
+        }
+    }
+    _Pragma("omp barrier")
+}
 #endif
 
 #include "amx.h"
@@ -1443,6 +1642,7 @@ int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
 #endif
 #ifdef D3D_LOOKUP
     if (lookups_on && format == D3D_U4) return D3D_L4;
+    if (quads_on && format == D3D_U4) return D3D_QL;
 #endif
     return format == D3D_U4 ? D3D_G4 : D3D_G8;
 #endif
@@ -1459,6 +1659,16 @@ int d3d_lookups(int on) {
 #endif
 }
 
+/* Turn the quads (QL) on or off likewise; returns whether they are on. */
+int d3d_quads(int on) {
+#ifdef D3D_LOOKUP
+    return quads_on = on != 0;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 /* Bytes of that copy (0: none) and, with `out`, the copy. */
 int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     int64_t format = d3d_group_format(w, K);
@@ -1469,6 +1679,7 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     if (format == D3D_T4) return table_pack(w, K, out);
 #ifdef D3D_LOOKUP
     if (format == D3D_L4) return looked_up_pack(w, N, K, out, 1);
+    if (format == D3D_QL) return quad_pack(w, N, K, out);
 #endif
     return group_pack(w, N, K, out);
 }
@@ -1518,6 +1729,17 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
 #endif
 #ifdef D3D_LOOKUP
     if (w->grouped.data && w->grouped.format == D3D_L4) { lookup_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K, scratch); return; }
+    if (w->grouped.data && w->grouped.format == D3D_QL) {
+        if (M > QUAD_FUSED && w->dense.data && w->dense.format == D3D_QUAD_PACKED)
+            quad_packed_body(x, x_stride, w->dense.data, bias, residual, y, M, N, K);
+        else if (M <= QUAD_FUSED)
+            quad_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K);
+        else  /* no bf16 copy: the decoding tiles, QUAD_FUSED rows at a time (the same chains) */
+            for (int64_t m0 = 0; m0 < M; m0 += QUAD_FUSED)
+                quad_bf16_body(x + m0 * x_stride, x_stride, &w->grouped, bias, residual ? residual + m0 * N : 0,
+                               y + m0 * N, M - m0 < QUAD_FUSED ? M - m0 : QUAD_FUSED, N, K);
+        return;
+    }
 #endif
 #ifdef D3D_AVX512_BF16
     if (M <= GROUPED_ROWS && w->grouped.data && w->grouped.format != D3D_A4) { grouped_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K); return; }

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 # formats.h's enum, by name
-WEIGHT_FORMATS = {"plain": 0, "packed": 1, "u4": 2, "i8": 3, "u6": 4, "s4": 5, "g4": 6, "g8": 7, "a4": 8, "lane_packed": 9, "t4": 10, "l4": 11}
+WEIGHT_FORMATS = {"plain": 0, "packed": 1, "u4": 2, "i8": 3, "u6": 4, "s4": 5, "g4": 6, "g8": 7, "a4": 8, "lane_packed": 9, "t4": 10, "l4": 11, "ql": 12, "quad_packed": 13}
 QUANTIZED_FORMATS = ("u4", "i8", "u6", "s4")
 BLOCK = 32  # weights of a row per block of every quantized format
 BLOCK_BYTES = {"u4": 24, "i8": 36, "u6": 32, "s4": 20}  # formats.h's block structs
@@ -167,6 +167,15 @@ def column_packed(weight: torch.Tensor, arena: HugePageArena) -> torch.Tensor:
     padded = padded_rows(weight, 64)  # whole 4-group tiles
     pair = 2 if weight.dtype == torch.bfloat16 else 1
     return arena.copy(padded.view(-1, 16, width // pair, pair).transpose(1, 2))
+
+
+def quad_packed(weight: torch.Tensor, arena: HugePageArena) -> torch.Tensor:
+    """The bf16 weight (N, K), K a multiple of 8, in the quads' layout (formats.h's QUAD_PACKED): per 16
+    output columns (N zero-padded) and per step of 8 of K, 4 quads of 4 columns × 8 values —
+    (N/16, K/8, 4, 4, 8)."""
+    width = weight.shape[1]
+    assert weight.dtype == torch.bfloat16 and width % 8 == 0, (weight.dtype, width)
+    return arena.copy(padded_rows(weight, 16).view(-1, 4, 4, width // 8, 8).permute(0, 3, 1, 2, 4))
 
 
 LANE_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)  # a step's columns, as vpunpck{l,h}wd widen them

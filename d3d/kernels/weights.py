@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from d3d.kernels.packing import (BLOCK, BLOCK_BYTES, WEIGHT_FORMATS, HugePageArena, WeightStream, check_blocks,
-                                 column_packed, lane_packed)
+                                 column_packed, lane_packed, quad_packed)
 from d3d.kernels.structs import Weight
 
 
@@ -32,10 +32,11 @@ class WeightStreams:
     grouped_rows: bool
     amx: bool
     lookups: bool
+    quads: bool
     epoch: int
     _streams: dict[int, tuple[weakref.ref, int, WeightStream]]
-    _dense: dict[int, tuple[weakref.ref, int, WeightStream]]
-    _grouped: dict[tuple[int, bool, bool], tuple[weakref.ref, int, WeightStream | None]]
+    _dense: dict[int | tuple[str, int], tuple[weakref.ref, int, WeightStream]]
+    _grouped: dict[tuple[int, bool, bool, bool], tuple[weakref.ref, int, WeightStream | None]]
     _descriptors: dict[int, tuple[weakref.ref, tuple[int, int], tuple, tuple[Weight, tuple[WeightStream | None, ...]]]]
 
     def _remember(self, weight: torch.Tensor, stream: WeightStream) -> WeightStream:
@@ -124,7 +125,7 @@ class WeightStreams:
         """The C descriptor of the weight, and the streams it points into (keep them alive): made once
         per weight and kept while the weight, its version and this path's choices are (a linear call
         after a forward, whose stream leaves nothing of Python in the caches, spent ~60 µs remaking it)."""
-        key = (self.epoch, self.dense_rows, self.grouped_rows, self.amx, self.lookups)
+        key = (self.epoch, self.dense_rows, self.grouped_rows, self.amx, self.lookups, self.quads)
         entry = self._descriptors.get(id(weight))
         now = (weight._version, weight.data_ptr())  # changed in place, or given other storage
         if entry is not None and entry[0]() is weight and entry[1] == now and entry[2] == key:
@@ -139,9 +140,21 @@ class WeightStreams:
         if not stream.quantized or not self.dense_rows:
             return Weight.of(stream), (stream,)
         grouped = self._grouped_stream(weight, stream) if self.grouped_rows else None
-        # looked-up blocks (L4) serve every row count, through chains of their own: no bf16 copy
-        dense = None if grouped is not None and grouped.format == "l4" else self._own_stream(weight)
+        # looked-up blocks (L4) serve every row count, through chains of their own: no bf16 copy; quads
+        # (QL) take their bf16 values in quads past a few rows, the same chains
+        form = grouped.format if grouped is not None else None
+        dense = None if form == "l4" else self._quad_stream(weight) if form == "ql" else self._own_stream(weight)
         return Weight.of(stream, dense, grouped), (stream, dense, grouped)
+
+    def _quad_stream(self, weight: torch.Tensor) -> WeightStream:
+        """The weight's bf16 values in quads (formats.h's QUAD_PACKED), made once per weight and version."""
+        key = ("quads", id(weight))
+        entry = self._dense.get(key)
+        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+            return entry[2]
+        packed = WeightStream.whole("quad_packed", quad_packed(weight, self.arena), weight.shape[0])
+        self._dense[key] = (weakref.ref(weight, lambda _, key=key: self._dense.pop(key, None)), weight._version, packed)
+        return packed
 
     def one_row_stream(self, weight: torch.Tensor) -> WeightStream:
         """What a call of one row reads for `weight`: the grouped copy its descriptor carries (every
@@ -176,7 +189,7 @@ class WeightStreams:
         """The quantized stream's blocks grouped 16 rows at a time in the form this process's path
         reads (G4/G8, or A4 while the AMX tiles are on; made once per stream and form), or None where
         its formats have no grouped form."""
-        key = (id(weight), self.amx, self.lookups)  # the form depends on the path (set_amx, set_lookups)
+        key = (id(weight), self.amx, self.lookups, self.quads)  # the form depends on the path (set_amx, set_lookups, set_quads)
         entry = self._grouped.get(key)
         if entry is not None and entry[0]() is weight and entry[1] == weight._version:
             return entry[2]
