@@ -33,7 +33,7 @@
  *           16-column group (the last zero-padded) and per 32 weights, the group's 16 blocks in
  *           column order, codes placed as A4's. The same values, decoded as a lookup in the block's
  *           table — for every row count, through the plain layout's chains.
- *   QL      U4 blocks in quads for the AVX-512 BF16 lookups (linear.h's quads; on request): a quad is 4
+ *   QL      U4 blocks in quads for the AVX-512 BF16 lookups (linear.h's quads; where the AMX tiles are off): a quad is 4
  *           output columns, a run 8 quads (32 columns, the last zero-padded); per run and per 32
  *           weights, its 8 quads' block_ql — the 4 columns' scales and offsets, then for each of the
  *           block's 4 steps of 8 weights the 32 codes of the quad's vector at that step (word w: column
