@@ -102,8 +102,9 @@ def test_quantized_weights_on_tiles_give_their_bf16_values_bits(tiles, type_name
 
 def test_each_path_reads_its_own_grouped_copy(tiles):
     """`set_amx` switches the process's path (what scripts/amx_check.py alternates); a Q4_1 weight's
-    grouped copy follows it — the tiles' first-operand form (A4) on, the pair vectors (G4) off — and
-    on each path a call's rows are the rows alone."""
+    grouped copy follows it — the tiles' first-operand form (A4) on; off, the quads (QL) where the build
+    has them and they are on, else the pair vectors (G4) — and on each path a call's rows are the rows
+    alone."""
     if not small(tiles):
         pytest.skip("switching the process's own kernels off would change every other test's path")
     raw = random_blocks("Q4_1", 40, 256, seed=8)
@@ -115,7 +116,7 @@ def test_each_path_reads_its_own_grouped_copy(tiles):
     assert tiles._grouped_stream(weight, tiles.stream(weight)).format == ("a4" if vbmi else "g4")
     try:
         assert not tiles.set_amx(False) and not tiles.path_name.startswith("amx")
-        assert tiles._grouped_stream(weight, tiles.stream(weight)).format == "g4"
+        assert tiles._grouped_stream(weight, tiles.stream(weight)).format == ("ql" if tiles.quads else "g4")
         off = tiles.linear(x, weight, None)
         assert torch.equal(off, torch.cat([tiles.linear(x[i:i + 1], weight, None) for i in range(5)]))
     finally:

@@ -90,7 +90,7 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
     grouped = kernels.grouped_rows
     if grouped:  # a few rows read the grouped blocks where this path has a form for them
         made = kernels._grouped_stream(weight, kernels.stream(weight))
-        forms = {"u4": {"t4"}, "s4": {"t4"}} if kernels.lane_packs else {"u4": {"g4", "a4", "l4", "ql"}, "i8": {"g8"}}
+        forms = {"u4": {"t4"}, "s4": {"t4"}} if kernels.lane_packs else {"u4": {"g4", "a4", "l4", "ql"}, "s4": {"qs", None}, "i8": {"g8"}}
         assert (made and made.format) in forms.get(kernels.stream(weight).format, {None}), made
     try:
         # several rows from the bf16 values, one from the grouped blocks (AVX-512 BF16), or decoding the blocks;
@@ -150,7 +150,7 @@ def test_looked_up_4bit_blocks_are_their_values_through_the_plain_chains(kernels
 def chains_of(kernels, form: str | None):
     """The linear whose bits a weight read in this grouped form has, over its dequantized values: the
     plain layout's chains (L4), the quads' (QL), else the path's own for a bf16 weight."""
-    return {"l4": kernels.linear_reference, "ql": quad_reference}.get(form, kernels.linear)
+    return {"l4": kernels.linear_reference, "ql": quad_reference, "qs": quad_reference}.get(form, kernels.linear)
 
 
 def quad_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -170,13 +170,15 @@ def quad_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out if residual is None else (residual.float() + out.float()).to(torch.bfloat16)
 
 
-def test_4bit_blocks_looked_up_in_quads_are_their_values_through_the_quads_chains(kernels):
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_0"])
+def test_4bit_blocks_looked_up_in_quads_are_their_values_through_the_quads_chains(kernels, type_name):
     """Where the build has the quads (AVX-512 BF16 with VBMI) and they are on, a Q4_1 weight's grouped
-    copy is QL — one row 8 quads at a time, 2-4 rows decoding each vector once, more rows its bf16
+    copy is QL (a Q4_0 weight's QS: its offsets -0, its codes q - 8) — one row 8 quads at a time, 2-4 rows decoding each vector once, more rows its bf16
     values in quads (QUAD_PACKED) in tiles of up to 6 — with the bits of `quad_reference`, bias and
     residual included, each row the row alone's; widths whose last run of 32 columns is partial. Switched
-    off, the grouped blocks (G4) again, with the packed layout's bits — which differ from the quads' on
-    2 of these 1,900 outputs (the negative control: the reference tells the chains apart)."""
+    off, the grouped blocks (G4; Q4_0 has none: its blocks and bf16 values) again, with the packed layout's
+    bits — which differ from the quads' on 2 of Q4_1's 1,900 outputs (the negative control: the reference
+    tells the chains apart)."""
     was, lookups_were = kernels.quads, kernels.lookups
     kernels.set_lookups(False)  # (they come first where both are on)
     if not kernels.set_quads(True):
@@ -185,12 +187,12 @@ def test_4bit_blocks_looked_up_in_quads_are_their_values_through_the_quads_chain
     weights = []
     try:
         for outputs, width in ((100, 256), (200, 96), (48, 1536)):
-            raw = random_blocks("Q4_1", outputs, width, seed=11)
-            weight = loader_values("Q4_1", raw)
+            raw = random_blocks(type_name, outputs, width, seed=11)
+            weight = loader_values(type_name, raw)
             plain = weight.clone()
-            kernels.use_stream(weight, stream_of(kernels, "Q4_1", raw))
+            kernels.use_stream(weight, stream_of(kernels, type_name, raw))
             weights.append((weight, plain))
-            assert kernels.one_row_stream(weight).format == "ql" and "quads" in kernels.path_name
+            assert kernels.one_row_stream(weight).format == {"Q4_1": "ql", "Q4_0": "qs"}[type_name] and "quads" in kernels.path_name
             x = (torch.randn(19, width, generator=torch.Generator().manual_seed(12)) * 3).to(torch.bfloat16)
             bias = torch.randn(outputs, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
             residual = torch.randn(19, outputs, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
@@ -203,13 +205,14 @@ def test_4bit_blocks_looked_up_in_quads_are_their_values_through_the_quads_chain
                                    quad_reference(x[:rows], plain, None, residual[:rows])), (outputs, width, rows)
         kernels.set_quads(False)
         for weight, plain in weights:
-            assert kernels.one_row_stream(weight).format == "g4"
+            assert kernels.one_row_stream(weight).format == {"Q4_1": "g4", "Q4_0": "s4"}[type_name]
             x = (torch.randn(19, weight.shape[1], generator=torch.Generator().manual_seed(12)) * 3).to(torch.bfloat16)
             for rows in (1, 19):
                 assert torch.equal(kernels.linear(x[:rows], weight, None), kernels.linear(x[:rows], plain, None))
         weight, plain = weights[0]
         x = (torch.randn(19, 256, generator=torch.Generator().manual_seed(12)) * 3).to(torch.bfloat16)
-        assert not torch.equal(kernels.linear(x, weight, None), quad_reference(x, plain))
+        if type_name == "Q4_1":
+            assert not torch.equal(kernels.linear(x, weight, None), quad_reference(x, plain))
     finally:
         kernels.set_quads(was)
         kernels.set_lookups(lookups_were)
@@ -339,7 +342,7 @@ def test_the_embedded_gguf_streams_its_own_blocks_with_the_dequantized_logits():
             results.append((first, together, torch.stack(steps)))
     (first, together, steps), (first_bf16, together_bf16, steps_bf16) = results
     assert torch.equal(together, steps), "a 17-row forward differs from its one-token steps"
-    looked_up = {name for name, w in weights.items() if kernels.one_row_stream(w).format in ("l4", "ql")}
+    looked_up = {name for name, w in weights.items() if kernels.one_row_stream(w).format in ("l4", "ql", "qs")}
     if not looked_up:
         assert torch.equal(first, first_bf16) and torch.equal(together, together_bf16) and torch.equal(steps, steps_bf16)
         return

@@ -39,7 +39,8 @@
  *           block's 4 steps of 8 weights the 32 codes of the quad's vector at that step (word w: column
  *           w/8, weight 8·step + w mod 8), placed as A4's. The same values, decoded as a lookup in the
  *           quad's 4 tables of 16 — through the quads' chains (linear.h), at every row count.
- *   QUAD_PACKED  the bf16 values of a QL weight for its calls of many rows: per 16 output columns (N
+ *   QS      S4 blocks in quads, as QL (each offset −0, the table's codes q − 8: s·(q − 8), as S4's).
+ *   QUAD_PACKED  the bf16 values of a QL or QS weight for its calls of many rows: per 16 output columns (N
  *           zero-padded) and per step of 8 weights, the 4 quads' vectors as above (128 bf16).
  *   T4      U4 and S4 blocks as tables, for AVX2 builds' calls of a few rows (linear.h's lanes; made where
  *           the lanes read them): per 32 weights the block's 16 values as bf16 — their low bytes, then
@@ -63,7 +64,7 @@
  * every decoded weight is 0 or at least 2^-24 in magnitude, being a sum of fp16 multiples.
  */
 
-enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9, D3D_T4 = 10, D3D_L4 = 11, D3D_QL = 12, D3D_QUAD_PACKED = 13 };
+enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9, D3D_T4 = 10, D3D_L4 = 11, D3D_QL = 12, D3D_QUAD_PACKED = 13, D3D_QS = 14 };
 
 #define CHUNK 32  /* weights of a row per block of every quantized format */
 

@@ -1466,11 +1466,13 @@ static int64_t quad_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t format;
-            const block_u4 *from = block_at(w, n, b, K, &format);
+            const void *from = block_at(w, n, b, K, &format);
             block_ql *to = (block_ql *)quad_at(out, n / (4 * QUAD_RUN), b, blocks) + n % (4 * QUAD_RUN) / 4;
             int c = (int)(n % 4);  /* each column writes its own scale, offset and code bytes */
-            to->scale[c] = from->scale, to->offset[c] = from->offset;
-            for (int k = 0; k < CHUNK; k++) place_nibble(to->q[k / 8], 8 * c + k % 8, nibble(from->q, k));
+            const uint8_t *q = format == D3D_U4 ? ((const block_u4 *)from)->q : ((const block_s4 *)from)->q;
+            to->scale[c] = format == D3D_U4 ? ((const block_u4 *)from)->scale : ((const block_s4 *)from)->scale;
+            to->offset[c] = format == D3D_U4 ? ((const block_u4 *)from)->offset : -0.0f;
+            for (int k = 0; k < CHUNK; k++) place_nibble(to->q[k / 8], 8 * c + k % 8, nibble(q, k));
         }
     return size;
 }
@@ -1511,9 +1513,8 @@ static inline __attribute__((always_inline)) __m512bh quad_x(const uint16_t *row
 /* R ≤ QUAD_FUSED rows x QN quads (from quad q0 of run r): each vector decoded once for every row. */
 static inline __attribute__((always_inline)) void quad_tile(const uint16_t *x, int64_t x_stride, const void *data,
                                                             int64_t r, int q0, int64_t blocks, const int R, const int QN,
-                                                            __m512 acc[QUAD_FUSED][QUAD_RUN]) {
+                                                            __m512 codes, __m512 acc[QUAD_FUSED][QUAD_RUN]) {
     const __m512i control = lookup_control(), columns = quad_columns();
-    const __m512 codes = lookup_codes();
     __m512 a[QUAD_FUSED][QUAD_RUN];  /* local, as quad_packed_tile's */
     for (int m = 0; m < R; m++)
         for (int j = 0; j < QN; j++) a[m][j] = _mm512_setzero_ps();
@@ -1542,14 +1543,16 @@ static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     int64_t first = runs * me / threads, last = runs * (me + 1) / threads;
     const int QN = M == 1 ? QUAD_RUN : 4;
+    /* a table's codes: q for U4 blocks (QL), q - 8 for S4's (QS, whose offsets are -0: s·(q - 8), its sign of zero included) */
+    const __m512 codes = ql->format == D3D_QS ? _mm512_sub_ps(lookup_codes(), _mm512_set1_ps(8.0f)) : lookup_codes();
     for (int64_t r = first; r < last; r++)
         for (int q0 = 0; q0 < QUAD_RUN; q0 += QN) {
             __m512 acc[QUAD_FUSED][QUAD_RUN];
             switch (M) {
-                case 1: quad_tile(x, x_stride, ql->data, r, q0, blocks, 1, QUAD_RUN, acc); break;
-                case 2: quad_tile(x, x_stride, ql->data, r, q0, blocks, 2, 4, acc); break;
-                case 3: quad_tile(x, x_stride, ql->data, r, q0, blocks, 3, 4, acc); break;
-                default: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, 4, acc); break;
+                case 1: quad_tile(x, x_stride, ql->data, r, q0, blocks, 1, QUAD_RUN, codes, acc); break;
+                case 2: quad_tile(x, x_stride, ql->data, r, q0, blocks, 2, 4, codes, acc); break;
+                case 3: quad_tile(x, x_stride, ql->data, r, q0, blocks, 3, 4, codes, acc); break;
+                default: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, 4, codes, acc); break;
             }
             for (int j = 0; j < QN; j += 4) {
                 int64_t n0 = r * 4 * QUAD_RUN + (q0 + j) * 4;
@@ -1629,8 +1632,9 @@ static void quad_packed_body(const uint16_t *x, int64_t x_stride, const uint16_t
 
 /* The format of the grouped copy of `w` that this process's calls of a few rows read (0: none):
  * with AVX-512 BF16, A4 for U4 weights while the AMX tiles are on (where the build has them), else
- * L4 (every row count reads it) where the build has the lookups, else G4; G8 for I8 weights; with
- * the AVX2 lanes, T4 for weights with runs of 4-bit blocks (U4, S4). */
+ * L4 where the lookups are on, else QL (QS for S4) where the quads are (L4 and the quads: every row
+ * count reads them), else G4; G8 for I8 weights; with the AVX2 lanes, T4 for weights with runs of
+ * 4-bit blocks (U4, S4). */
 int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
     if (K % CHUNK) return 0;
 #if defined(D3D_AVX2) && !defined(D3D_AVX512_BF16)
@@ -1639,14 +1643,20 @@ int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
     return 0;
 #else
     int64_t format = parts_format(w);
-    if (format != D3D_U4 && format != D3D_I8) return 0;
+    if (format != D3D_U4 && format != D3D_I8 && format != D3D_S4) return 0;
 #ifdef AMX_A4
     if (amx_on && format == D3D_U4) return D3D_A4;
 #endif
 #ifdef D3D_LOOKUP
-    if (lookups_on && format == D3D_U4) return D3D_L4;
-    if (quads_on && format == D3D_U4) return D3D_QL;
+    int tiles = 0;  /* the AMX tiles read their own forms (and the bf16 values), never the lookups' */
+#ifdef D3D_AMX
+    tiles = amx_on;
 #endif
+    if (!tiles && lookups_on && format == D3D_U4) return D3D_L4;
+    if (!tiles && quads_on && format == D3D_U4) return D3D_QL;
+    if (!tiles && quads_on && format == D3D_S4) return D3D_QS;
+#endif
+    if (format == D3D_S4) return 0;  /* S4 has a grouped form in quads only */
     return format == D3D_U4 ? D3D_G4 : D3D_G8;
 #endif
 }
@@ -1682,7 +1692,7 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     if (format == D3D_T4) return table_pack(w, K, out);
 #ifdef D3D_LOOKUP
     if (format == D3D_L4) return looked_up_pack(w, N, K, out, 1);
-    if (format == D3D_QL) return quad_pack(w, N, K, out);
+    if (format == D3D_QL || format == D3D_QS) return quad_pack(w, N, K, out);
 #endif
     return group_pack(w, N, K, out);
 }
@@ -1732,7 +1742,7 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
 #endif
 #ifdef D3D_LOOKUP
     if (w->grouped.data && w->grouped.format == D3D_L4) { lookup_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K, scratch); return; }
-    if (w->grouped.data && w->grouped.format == D3D_QL) {
+    if (w->grouped.data && (w->grouped.format == D3D_QL || w->grouped.format == D3D_QS)) {
         if (M > QUAD_FUSED && w->dense.data && w->dense.format == D3D_QUAD_PACKED)
             quad_packed_body(x, x_stride, w->dense.data, bias, residual, y, M, N, K);
         else if (M <= QUAD_FUSED)

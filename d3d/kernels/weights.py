@@ -143,7 +143,7 @@ class WeightStreams:
         # looked-up blocks (L4) serve every row count, through chains of their own: no bf16 copy; quads
         # (QL) take their bf16 values in quads past a few rows, the same chains
         form = grouped.format if grouped is not None else None
-        dense = None if form == "l4" else self._quad_stream(weight) if form == "ql" else self._own_stream(weight)
+        dense = None if form == "l4" else self._quad_stream(weight) if form in ("ql", "qs") else self._own_stream(weight)
         return Weight.of(stream, dense, grouped), (stream, dense, grouped)
 
     def _quad_stream(self, weight: torch.Tensor) -> WeightStream:
