@@ -206,8 +206,8 @@ class RowExactKernels(WeightStreams):
         return self.amx
 
     def set_lookups(self, on: bool) -> bool:
-        """Switch this process's 4-bit weights to the lookups (L4) or back to the grouped blocks (G4)
-        where the build has them; returns whether they are on. Like `set_amx`: the bits differ, the
+        """Switch this process's 4-bit weights to the lookups (L4) or back (to the quads where they are
+        on, else the grouped blocks) where the build has them; returns whether they are on. Like `set_amx`: the bits differ, the
         layer tables are rebuilt, and each form has its own grouped copies."""
         self.lookups = hasattr(self.library, "d3d_lookups") and bool(self.library.d3d_lookups(int(on)))
         self.path_name = self.library.d3d_kernel_path().decode()

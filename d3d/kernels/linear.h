@@ -1424,8 +1424,8 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
 }
 
 /* ---------------------------------------------------------------------------------------------
- * 4-bit blocks looked up in quads (formats.h's QL, QUAD_PACKED; AVX-512 BF16 with VBMI where the AMX
- * tiles are off; d3d_quads(0), D3D_QUADS=0 turns them off):
+ * 4-bit blocks looked up in quads (formats.h's QL for U4 blocks, QS for S4's, QUAD_PACKED; AVX-512
+ * BF16 with VBMI where the AMX tiles are off; d3d_quads(0), D3D_QUADS=0 turns them off):
  * a vector of 32 bf16 weights is a quad — 4 output columns × 8 consecutive k —, so its 4 columns'
  * tables of 16 values (one fma and half a rounding each per block) fit the two registers one
  * vpermi2w reads, and each code, placed by vpmultishiftqb and its column's bits set by one
