@@ -15,7 +15,6 @@ This module is the model only: it never samples, never tokenizes and owns no gen
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKer
                          row_exact_kernels)
 from d3d.kernels.plan import MAX_ROWS as PLANNED_ROWS, ForwardPlan
 from d3d.lazy_rows import LazyRows
+from d3d.rope import rope_table
 from d3d.sampling import greedy_ids
 
 # "auto": row-exact kernels where they build (CPU inference), else PyTorch's; "row-exact": required
@@ -98,35 +98,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels = TorchKernels) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)
-
-
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    elif kind != "default":
-        raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
-    return inv_freq
-
-
-def rope_table(config: ModelConfig) -> torch.Tensor:
-    """(2, positions, D) fp32: cos and sin of every position's rotation angles."""
-    freqs = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None] * rope_inverse_frequencies(config)
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return torch.stack((angles.cos(), angles.sin()))
 
 
 _warned: set[str] = set()

@@ -31,8 +31,8 @@ from d3d.kernels.packing import HugePageArena, WeightStream
 from d3d.kernels.segments import DecoderShape, Segment, contiguous_from, value_strides
 from d3d.kernels.structs import ForwardArgs, Layer, SegmentArgs, Weight
 from d3d.kernels.torch_ops import KVSlots, TorchKernels
-from d3d.sampling import greedy_ids
 from d3d.kernels.weights import WeightStreams
+from d3d.sampling import greedy_ids
 
 if TYPE_CHECKING:
     from d3d.kernels.layer_table import LayerTable
@@ -120,7 +120,7 @@ class RowExactKernels(WeightStreams):
         # to the blocks and the bf16 values (for tests and measurements).
         self.grouped_rows = bool(library.d3d_grouped_linear())
         # (id, amx, lookups, quads) → the grouped copy
-        self._grouped: dict[tuple[int, bool, bool], tuple[weakref.ref, int, WeightStream | None]] = {}
+        self._grouped: dict[tuple[int, bool, bool, bool], tuple[weakref.ref, int, WeightStream | None]] = {}
         self._descriptors: dict = {}  # id(weight) → its descriptor and streams (`_weight`)
         self.arena = HugePageArena()
         self._kept_scratch = threading.local()  # `_scratch_for`'s buffers, per thread (the AMX check below uses them)
@@ -207,8 +207,8 @@ class RowExactKernels(WeightStreams):
 
     def set_lookups(self, on: bool) -> bool:
         """Switch this process's 4-bit weights to the lookups (L4) or back (to the quads where they are
-        on, else the grouped blocks) where the build has them; returns whether they are on. Like `set_amx`: the bits differ, the
-        layer tables are rebuilt, and each form has its own grouped copies."""
+        on, else the grouped blocks) where the build has them; returns whether they are on. Like
+        `set_amx`: the bits differ, the layer tables are rebuilt, and each form has its own grouped copies."""
         self.lookups = hasattr(self.library, "d3d_lookups") and bool(self.library.d3d_lookups(int(on)))
         self.path_name = self.library.d3d_kernel_path().decode()
         self.epoch += 1
