@@ -107,8 +107,8 @@ def describe_greedy_head(decoder: Decoder) -> str:
         return "the full head's logits (no row-exact kernels)"
     if not kernels.greedy.on:
         return ("the full head's logits (D3D_GREEDY_HEAD=0)" if os.environ.get("D3D_GREEDY_HEAD") == "0" else
-                "the full head's logits (the certified head is on by default where the linears take the fp32 "
-                "lanes; D3D_GREEDY_HEAD=1 tries it on this build, checked at load)")
+                "the full head's logits (the certified head is on by default but on the AMX tiles; "
+                "D3D_GREEDY_HEAD=1 tries it on this build, checked at load)")
     head = kernels.greedy.head(decoder.head_weight)
     if head is None:
         return "the full head's logits (its weights are not a quantized stream, or the check failed)"

@@ -85,6 +85,13 @@ static inline float greedy_tight(const float *sv, const float *ev, const float *
  * path of ~60 cycles, longer than its arithmetic, and the reorder window holds about one. Any order of
  * A's additions is within E (greedy.h's bound allows (K + 64) roundings). */
 #define GREEDY_ROWS 4
+#define GREEDY_P 2  /* vocabulary rows a pass takes at once, at most */
+#if defined(__AVX512BW__)
+#define GREEDY_P1 1  /* ... at one row: AMD EPYC Zen 4, the pass over SmolLM2-135M's head after a 100 MB sweep,
+                      * 1: 0.79-0.84 ms, 2: 0.91-1.02, 4: 1.29-1.41 (the AVX2 pass at 2: 1.07-1.28) */
+#else
+#define GREEDY_P1 2
+#endif
 #define GREEDY_AHEAD 4  /* vocabulary rows ahead whose codes and scales are prefetched */
 static inline __attribute__((always_inline)) void greedy_rows(
     const int16_t *xc, const float *s, const float *sum_error, const float *sum_scale, const int R, const int P,
@@ -98,9 +105,34 @@ static inline __attribute__((always_inline)) void greedy_rows(
             __builtin_prefetch(scale + (v + p + GREEDY_AHEAD) * blocks, 0, 0);
             __builtin_prefetch(scale + (v + p + GREEDY_AHEAD) * blocks + blocks - 1, 0, 0);
         }
-    float a[GREEDY_ROWS][2] = {{0.0f}};
-#ifdef D3D_AVX2
-    __m256 even[GREEDY_ROWS][2], odd[GREEDY_ROWS][2];
+    float a[GREEDY_ROWS][GREEDY_P] = {{0.0f}};
+#if defined(__AVX512BW__)
+    /* 16 lanes: a block's 32 codes widened once, each row's pairs summed exactly by vpmaddwd (two
+     * products a lane, below 2^24: exact in fp32), then scaled into the chains as below */
+    __m512 even[GREEDY_ROWS][GREEDY_P], odd[GREEDY_ROWS][GREEDY_P];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) even[r][p] = odd[r][p] = _mm512_setzero_ps();
+#define GREEDY_BLOCK_SUM(b, chains)                                                                   \
+    for (int p = 0; p < P; p++) {                                                                    \
+        const int8_t *row_ = codes + (v + p) * K;                                                    \
+        float sv_ = scale[(v + p) * blocks + (b)];                                                   \
+        __m512i w_ = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row_ + (b) * GREEDY_BLOCK))); \
+        for (int r = 0; r < R; r++) {                                                                \
+            __m512i p_ = _mm512_madd_epi16(w_, _mm512_loadu_si512(xc + r * K + (b) * GREEDY_BLOCK));  \
+            chains[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_), _mm512_set1_ps(sv_ * s[r * blocks + (b)]), chains[r][p]); \
+        }                                                                                            \
+    }
+    int64_t b2 = 0;
+    for (; b2 + 2 <= blocks; b2 += 2) {
+        GREEDY_BLOCK_SUM(b2, even)
+        GREEDY_BLOCK_SUM(b2 + 1, odd)
+    }
+    if (b2 < blocks) GREEDY_BLOCK_SUM(b2, even)
+#undef GREEDY_BLOCK_SUM
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) a[r][p] = _mm512_reduce_add_ps(_mm512_add_ps(even[r][p], odd[r][p]));
+#elif defined(D3D_AVX2)
+    __m256 even[GREEDY_ROWS][GREEDY_P], odd[GREEDY_ROWS][GREEDY_P];
     for (int r = 0; r < R; r++)
         for (int p = 0; p < P; p++) even[r][p] = odd[r][p] = _mm256_setzero_ps();
 #define GREEDY_BLOCK_SUM(b, chains)                                                                   \
@@ -221,7 +253,7 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
             for (int r = 0; r < R; r++) my_low[r] = my_high[r] = -INFINITY;
             int64_t v0 = V * me / n, v1 = V * (me + 1) / n;
             switch (R) {  /* one copy per row count, its accumulators in registers */
-                case 1: greedy_bounds(xc, s, sum_error, sum_scale, 1, 2, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
+                case 1: greedy_bounds(xc, s, sum_error, sum_scale, 1, GREEDY_P1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
                 case 2: greedy_bounds(xc, s, sum_error, sum_scale, 2, 2, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
                 case 3: greedy_bounds(xc, s, sum_error, sum_scale, 3, 1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
                 default: greedy_bounds(xc, s, sum_error, sum_scale, 4, 1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
@@ -274,7 +306,7 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
  * number of those. */
 int64_t d3d_greedy_ids(const uint16_t *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
                     const float *error, const float *limits, int64_t V, const void *head, int64_t format,
-                    int64_t *ids, int threads) {
+                    const void *grouped, int64_t grouped_format, int64_t *ids, int threads) {
     static _Thread_local float *rows_f32 = NULL, *scratch = NULL;
     static _Thread_local int64_t rows_size = 0, scratch_size = 0;
     int64_t need = d3d_linear_scratch(1, K, 1);
@@ -291,9 +323,22 @@ int64_t d3d_greedy_ids(const uint16_t *x, int64_t M, int64_t K, const int8_t *co
         for (int64_t m = 0; m < R; m++) {
             int64_t best = -1, run = -1;
             float best_value = 0.0f;
-            uint16_t out[GREEDY_RUN];
+            uint16_t out[16];  /* a run, or a 16-column group */
             for (int64_t i = 0; i < counts[m]; i++) {  /* ascending: the first of equal maxima wins */
                 int64_t v = found[m * GREEDY_CAP + i];
+#ifdef D3D_AVX512_BF16
+                if (grouped && grouped_format == D3D_G8) {
+                    /* the head's grouped copy, as its one-row calls read it (the same chains, so the same
+                     * bits): the candidate's 16-column group (the scalar panel decoder of a run took
+                     * ~20 µs a candidate) */
+                    if (v - v % 16 != run) {
+                        run = v - v % 16;
+                        d3d_part group = {(const char *)grouped + run / 16 * (K / CHUNK) * (int64_t)sizeof(block_g8),
+                                          D3D_G8, V - run < 16 ? V - run : 16};
+                        grouped_bf16_body(x + (m0 + m) * K, K, &group, NULL, NULL, out, 1, group.rows, K);
+                    }
+                } else
+#endif
                 if (v - v % GREEDY_RUN != run) {
                     run = v - v % GREEDY_RUN;
                     d3d_weight w = {{{(const char *)head + run * row_bytes, format, V - run < GREEDY_RUN ? V - run : GREEDY_RUN}}};

@@ -6,11 +6,13 @@ from an approximate head (the weights' 8-bit codes per block with each block's l
 hidden state's 16-bit codes, exact integer sums) and keeps the vocabulary rows whose bound reaches
 the best one's; their exact logits come from the head's own stream, through the same linear
 kernel over a run of 4 of its rows (a quantized stream holds each row's blocks in place, so a run
-is a pointer into it), and the first of the largest is the argmax — the index `greedy_ids` takes
-from the full logits, ties included. The bound is checked on random rows against the full head
-when a head is prepared (`check`), and the path is used only where it is faster than the exact
-head on the running machine (`GreedyHead.max_rows`, `fastest_rows`: on an AMD EPYC Zen 3, one row
-1.0 ms against 1.6 ms over SmolLM2-135M's Q8_0 head). `GreedyHeads` holds a kernels object's heads,
+is a pointer into it) — or, where the head has a grouped copy (G8, AVX-512 BF16), over the
+candidate's 16-column group of it, as the full head's one-row call reads it — and the first of the
+largest is the argmax — the index `greedy_ids` takes from the full logits, ties included. The bound
+is checked on random rows against the full head when a head is prepared (`check`), and the path is
+used only where it is faster than the exact head on the running machine (`GreedyHead.max_rows`,
+`fastest_rows`: over SmolLM2-135M's Q8_0 head, one row 1.0 ms against 1.6 on an AMD EPYC Zen 3,
+0.91 against 1.06 on a Zen 4). `GreedyHeads` holds a kernels object's heads,
 one per head weight, and says where the path is on (`GreedyHeads.on`).
 """
 
@@ -44,6 +46,7 @@ class GreedyHead:
     error: torch.Tensor  # (V, K / 32) fp32, >= |w - scale · code| over each block
     limits: torch.Tensor  # (V, 2) fp32: each row's largest error and largest scale
     part: StreamPart
+    grouped: StreamPart | None = None  # the kernels' grouped copy of the head (G8), whose groups give the exact logits
     max_rows: int = ROWS  # calls of more rows take the exact head (set by `fastest_rows`)
 
     @classmethod
@@ -92,8 +95,11 @@ class GreedyHead:
         run is too little work to share; threads never change a result) — or -1 where the row takes
         the exact head; and how many rows do."""
         ids = torch.empty(x.shape[0], dtype=torch.int64)
+        grouped = self.grouped
         left = library.d3d_greedy_ids(x.data_ptr(), x.shape[0], x.shape[1], *self._tables(), self.part.data.data_ptr(),
-                                      WEIGHT_FORMATS[self.part.format], ids.data_ptr(), torch.get_num_threads())
+                                      WEIGHT_FORMATS[self.part.format], grouped.data.data_ptr() if grouped else None,
+                                      WEIGHT_FORMATS[grouped.format] if grouped else 0, ids.data_ptr(),
+                                      torch.get_num_threads())
         return ids, left
 
 
@@ -105,16 +111,16 @@ def supports(part: StreamPart, weight: torch.Tensor) -> bool:
 
 class GreedyHeads:
     """A kernels object's greedy heads, one per head weight, prepared at its first use and again after
-    the weight or any stream changes. On by default where the linears take the fp32 lanes (AVX2, or
-    portable C): measured there (AMD EPYC Zen 3). Off on the AVX-512 BF16 and AMX builds: on an AMD
-    EPYC Zen 4 the grouped Q8_0 head's one row took 0.97 ms against the certified head's 0.93 (the
-    pass is AVX2 code; `fastest_rows` found no row count where it won); D3D_GREEDY_HEAD=1 turns it on
-    there (checked when prepared, as everywhere), 0 off everywhere."""
+    the weight or any stream changes. On by default but where the AMX tiles are (D3D_GREEDY_HEAD=1
+    turns it on there too, 0 off everywhere); used for the row counts where it was faster on this
+    machine when prepared (`fastest_rows`). AMD EPYC Zen 3 (AVX2): one row 1.0 against 1.6 ms. Zen 4
+    (AVX-512: the pass in 16 lanes, the candidates' logits from the head's grouped copy): one row
+    0.91 against 1.06 ms for the full head and its argmax; two rows slower (1.66 against 1.28)."""
 
     def __init__(self, kernels: Any) -> None:  # the RowExactKernels that holds it (binding imports this module)
         self.kernels = kernels
         wanted = os.environ.get("D3D_GREEDY_HEAD", "")
-        self.on = wanted == "1" or wanted != "0" and not kernels.path_name.startswith(("amx", "avx512: packed"))
+        self.on = wanted == "1" or wanted != "0" and not kernels.path_name.startswith("amx")
         # id(weight) → (weakref, (its version, the kernels' stream epoch), its head or None where the
         # path does not apply or lost its check)
         self._heads: dict[int, tuple[weakref.ref, tuple[int, int], GreedyHead | None]] = {}
@@ -141,6 +147,8 @@ class GreedyHeads:
         head, stream = None, kernels.stream(weight)
         if len(stream.parts) == 1 and supports(stream.parts[0], weight):
             head = GreedyHead.of(weight, stream.parts[0], kernels.library, kernels.arena)
+            grouped = kernels._grouped_stream(weight, stream) if kernels.grouped_rows else None
+            head.grouped = grouped.parts[0] if grouped is not None and grouped.format == "g8" else None
             width = weight.shape[1]
             certified = lambda x: self.certified_ids(head, x, weight)  # noqa: E731
             full = lambda x: self.full_ids(x, weight)  # noqa: E731
