@@ -108,10 +108,10 @@ static inline __attribute__((always_inline)) void greedy_rows(
     float a[GREEDY_ROWS][GREEDY_P] = {{0.0f}};
 #if defined(__AVX512BW__)
     /* 16 lanes: a block's 32 codes widened once, each row's pairs summed exactly by vpmaddwd (two
-     * products a lane, below 2^24: exact in fp32), then scaled into the chains as below */
-    __m512 even[GREEDY_ROWS][GREEDY_P], odd[GREEDY_ROWS][GREEDY_P];
-    for (int r = 0; r < R; r++)
-        for (int p = 0; p < P; p++) even[r][p] = odd[r][p] = _mm512_setzero_ps();
+     * products a lane, below 2^24: exact in fp32), then scaled into the chains */
+    typedef __m512 lanes_t;
+#define GREEDY_ZERO() _mm512_setzero_ps()
+#define GREEDY_FOLD(e, o) _mm512_reduce_add_ps(_mm512_add_ps(e, o))
 #define GREEDY_BLOCK_SUM(b, chains)                                                                   \
     for (int p = 0; p < P; p++) {                                                                    \
         const int8_t *row_ = codes + (v + p) * K;                                                    \
@@ -122,19 +122,10 @@ static inline __attribute__((always_inline)) void greedy_rows(
             chains[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_), _mm512_set1_ps(sv_ * s[r * blocks + (b)]), chains[r][p]); \
         }                                                                                            \
     }
-    int64_t b2 = 0;
-    for (; b2 + 2 <= blocks; b2 += 2) {
-        GREEDY_BLOCK_SUM(b2, even)
-        GREEDY_BLOCK_SUM(b2 + 1, odd)
-    }
-    if (b2 < blocks) GREEDY_BLOCK_SUM(b2, even)
-#undef GREEDY_BLOCK_SUM
-    for (int r = 0; r < R; r++)
-        for (int p = 0; p < P; p++) a[r][p] = _mm512_reduce_add_ps(_mm512_add_ps(even[r][p], odd[r][p]));
 #elif defined(D3D_AVX2)
-    __m256 even[GREEDY_ROWS][GREEDY_P], odd[GREEDY_ROWS][GREEDY_P];
-    for (int r = 0; r < R; r++)
-        for (int p = 0; p < P; p++) even[r][p] = odd[r][p] = _mm256_setzero_ps();
+    typedef __m256 lanes_t;
+#define GREEDY_ZERO() _mm256_setzero_ps()
+#define GREEDY_FOLD(e, o) fold_v8(e, o)
 #define GREEDY_BLOCK_SUM(b, chains)                                                                   \
     for (int p = 0; p < P; p++) {                                                                    \
         const int8_t *row_ = codes + (v + p) * K;                                                    \
@@ -148,15 +139,22 @@ static inline __attribute__((always_inline)) void greedy_rows(
             chains[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), _mm256_set1_ps(sv_ * s[r * blocks + (b)]), chains[r][p]); \
         }                                                                                            \
     }
+#endif
+#if defined(__AVX512BW__) || defined(D3D_AVX2)
+    lanes_t even[GREEDY_ROWS][GREEDY_P], odd[GREEDY_ROWS][GREEDY_P];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) even[r][p] = odd[r][p] = GREEDY_ZERO();
     int64_t b2 = 0;
     for (; b2 + 2 <= blocks; b2 += 2) {
         GREEDY_BLOCK_SUM(b2, even)
         GREEDY_BLOCK_SUM(b2 + 1, odd)
     }
     if (b2 < blocks) GREEDY_BLOCK_SUM(b2, even)
-#undef GREEDY_BLOCK_SUM
     for (int r = 0; r < R; r++)
-        for (int p = 0; p < P; p++) a[r][p] = fold_v8(even[r][p], odd[r][p]);
+        for (int p = 0; p < P; p++) a[r][p] = GREEDY_FOLD(even[r][p], odd[r][p]);
+#undef GREEDY_BLOCK_SUM
+#undef GREEDY_ZERO
+#undef GREEDY_FOLD
 #else
     for (int p = 0; p < P; p++)
         for (int64_t b = 0; b < blocks; b++)
