@@ -109,7 +109,7 @@ class RowExactKernels(WeightStreams):
         # goes when its weight does, and is dropped after an in-place update of the weight
         self._streams: dict[int, tuple[weakref.ref, int, WeightStream]] = {}
         self.epoch = 0  # bumped whenever a weight is given a stream of its own (LayerTable rebuilds)
-        self._dense: dict[int, tuple[weakref.ref, int, WeightStream]] = {}  # id(weight) → its packed copy
+        self._dense: dict[tuple[str, int], tuple[weakref.ref, int, WeightStream]] = {}  # (format, id(weight)) → its copy
         # Calls of several rows over a quantized weight read its bf16 values instead (formats.h's
         # d3d_weight.dense): the same bits, less arithmetic. False decodes the blocks at every row
         # count (for tests and measurements).

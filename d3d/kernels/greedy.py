@@ -147,8 +147,8 @@ class GreedyHeads:
         head, stream = None, kernels.stream(weight)
         if len(stream.parts) == 1 and supports(stream.parts[0], weight):
             head = GreedyHead.of(weight, stream.parts[0], kernels.library, kernels.arena)
-            grouped = kernels._grouped_stream(weight, stream) if kernels.grouped_rows else None
-            head.grouped = grouped.parts[0] if grouped is not None and grouped.format == "g8" else None
+            one_row = kernels.one_row_stream(weight)  # the grouped copy where the path has one
+            head.grouped = one_row.parts[0] if one_row.format == "g8" else None
             width = weight.shape[1]
             certified = lambda x: self.certified_ids(head, x, weight)  # noqa: E731
             full = lambda x: self.full_ids(x, weight)  # noqa: E731

@@ -1456,7 +1456,7 @@ static inline const block_ql *quad_at(const void *data, int64_t r, int64_t b, in
     return (const block_ql *)data + (r * blocks + b) * QUAD_RUN;
 }
 
-/* Bytes of the QL copy of a U4 weight (N, K), and with `out` the copy (columns past N zero). */
+/* Bytes of the QL or QS copy of a U4 or S4 weight (N, K), and with `out` the copy (columns past N zero). */
 static int64_t quad_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     int64_t blocks = K / CHUNK, runs = (N + 4 * QUAD_RUN - 1) / (4 * QUAD_RUN);
     int64_t size = runs * blocks * QUAD_RUN * (int64_t)sizeof(block_ql);
@@ -1469,9 +1469,14 @@ static int64_t quad_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
             const void *from = block_at(w, n, b, K, &format);
             block_ql *to = (block_ql *)quad_at(out, n / (4 * QUAD_RUN), b, blocks) + n % (4 * QUAD_RUN) / 4;
             int c = (int)(n % 4);  /* each column writes its own scale, offset and code bytes */
-            const uint8_t *q = format == D3D_U4 ? ((const block_u4 *)from)->q : ((const block_s4 *)from)->q;
-            to->scale[c] = format == D3D_U4 ? ((const block_u4 *)from)->scale : ((const block_s4 *)from)->scale;
-            to->offset[c] = format == D3D_U4 ? ((const block_u4 *)from)->offset : -0.0f;
+            const uint8_t *q;
+            if (format == D3D_U4) {
+                const block_u4 *u = from;
+                to->scale[c] = u->scale, to->offset[c] = u->offset, q = u->q;
+            } else {  /* S4: s·(q − 8) as fma(s, q − 8, −0) — its sign of zero included */
+                const block_s4 *s4 = from;
+                to->scale[c] = s4->scale, to->offset[c] = -0.0f, q = s4->q;
+            }
             for (int k = 0; k < CHUNK; k++) place_nibble(to->q[k / 8], 8 * c + k % 8, nibble(q, k));
         }
     return size;

@@ -35,7 +35,7 @@ class WeightStreams:
     quads: bool
     epoch: int
     _streams: dict[int, tuple[weakref.ref, int, WeightStream]]
-    _dense: dict[int | tuple[str, int], tuple[weakref.ref, int, WeightStream]]
+    _dense: dict[tuple[str, int], tuple[weakref.ref, int, WeightStream]]  # (format, id(weight)) → its copy
     _grouped: dict[tuple[int, bool, bool, bool], tuple[weakref.ref, int, WeightStream | None]]
     _descriptors: dict[int, tuple[weakref.ref, tuple[int, int], tuple, tuple[Weight, tuple[WeightStream | None, ...]]]]
 
@@ -73,13 +73,17 @@ class WeightStreams:
         rows, width = weight.shape
         if (form := self._copied_form(weight.dtype, width)) is None:
             return WeightStream.whole("plain", weight, rows)
-        entry = self._dense.get(id(weight))
+        return self._copy(weight, form[0], form[1])
+
+    def _copy(self, weight: torch.Tensor, format: str, pack: Callable) -> WeightStream:
+        """The weight's values copied by `pack` into the arena in `format`, made once per weight, format
+        and version."""
+        key = (format, id(weight))
+        entry = self._dense.get(key)
         if entry is not None and entry[0]() is weight and entry[1] == weight._version:
             return entry[2]
-        packed = WeightStream.whole(form[0], form[1](weight, self.arena), rows)
-        key = id(weight)
-        self._dense[key] = (weakref.ref(weight, lambda _, key=key: self._dense.pop(key, None)),
-                            weight._version, packed)
+        packed = WeightStream.whole(format, pack(weight, self.arena), weight.shape[0])
+        self._dense[key] = (weakref.ref(weight, lambda _, key=key: self._dense.pop(key, None)), weight._version, packed)
         return packed
 
     def use_stream(self, weight: torch.Tensor, stream: WeightStream) -> None:
@@ -143,18 +147,9 @@ class WeightStreams:
         # looked-up blocks (L4) serve every row count, through chains of their own: no bf16 copy; quads
         # (QL) take their bf16 values in quads past a few rows, the same chains
         form = grouped.format if grouped is not None else None
-        dense = None if form == "l4" else self._quad_stream(weight) if form in ("ql", "qs") else self._own_stream(weight)
+        dense = None if form == "l4" else self._copy(weight, "quad_packed", quad_packed) if form in ("ql", "qs") \
+            else self._own_stream(weight)
         return Weight.of(stream, dense, grouped), (stream, dense, grouped)
-
-    def _quad_stream(self, weight: torch.Tensor) -> WeightStream:
-        """The weight's bf16 values in quads (formats.h's QUAD_PACKED), made once per weight and version."""
-        key = ("quads", id(weight))
-        entry = self._dense.get(key)
-        if entry is not None and entry[0]() is weight and entry[1] == weight._version:
-            return entry[2]
-        packed = WeightStream.whole("quad_packed", quad_packed(weight, self.arena), weight.shape[0])
-        self._dense[key] = (weakref.ref(weight, lambda _, key=key: self._dense.pop(key, None)), weight._version, packed)
-        return packed
 
     def one_row_stream(self, weight: torch.Tensor) -> WeightStream:
         """What a call of one row reads for `weight`: the grouped copy its descriptor carries (every
