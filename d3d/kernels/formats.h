@@ -35,10 +35,10 @@
  *           table — for every row count, through the plain layout's chains.
  *   QL      U4 blocks in quads for the AVX-512 BF16 lookups (linear.h's quads; where the AMX tiles are off): a quad is 4
  *           output columns, a run 8 quads (32 columns, the last zero-padded); per run and per 32
- *           weights, its 8 quads' block_ql — the 4 columns' scales and offsets, then for each of the
- *           block's 4 steps of 8 weights the 32 codes of the quad's vector at that step (word w: column
- *           w/8, weight 8·step + w mod 8), placed as A4's. The same values, decoded as a lookup in the
- *           quad's 4 tables of 16 — through the quads' chains (linear.h), at every row count.
+ *           weights, its 8 quads' block_ql — the 4 columns' scales and offsets, then the 128 codes in
+ *           8 quadwords: the code of word w of the quad's vector at step s (column w/8, weight
+ *           8·s + w mod 8) is nibble 4·s + w mod 4 of quadword w/4. The same values, decoded as a lookup
+ *           in the quad's 4 tables of 16 — through the quads' chains (linear.h), at every row count.
  *   QS      S4 blocks in quads, as QL (each offset −0, the table's codes q − 8: s·(q − 8), as S4's).
  *   QUAD_PACKED  the bf16 values of a QL or QS weight for its calls of many rows: per 16 output columns (N
  *           zero-padded) and per step of 8 weights, the 4 quads' vectors as above (128 bf16).
@@ -73,7 +73,7 @@ typedef struct { float scale; int8_t q[32]; } block_i8;
 typedef struct { float scale[2]; uint8_t low[16], high[8]; } block_u6;
 typedef struct { float scale; uint8_t q[16]; } block_s4;
 typedef struct { float scale[16], offset[16]; uint8_t q[16][16]; } block_g4;  /* 16 rows of block_u4 */
-typedef struct { float scale[4], offset[4]; uint8_t q[4][16]; } block_ql;  /* a quad's 4 columns, 32 weights */
+typedef struct { float scale[4], offset[4]; uint8_t q[64]; } block_ql;  /* a quad's 4 columns, 32 weights */
 typedef struct { float scale[16]; int8_t q[16][32]; } block_g8;  /* 16 rows of block_i8 */
 typedef struct { uint8_t low[16], high[16], q[16]; } block_t4;  /* a U4 or S4 block as its table */
 

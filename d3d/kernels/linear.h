@@ -1427,10 +1427,13 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
  * 4-bit blocks looked up in quads (formats.h's QL for U4 blocks, QS for S4's, QUAD_PACKED; AVX-512
  * BF16 with VBMI where the AMX tiles are off; d3d_quads(0), D3D_QUADS=0 turns them off):
  * a vector of 32 bf16 weights is a quad — 4 output columns × 8 consecutive k —, so its 4 columns'
- * tables of 16 values (one fma and half a rounding each per block) fit the two registers one
- * vpermi2w reads, and each code, placed by vpmultishiftqb and its column's bits set by one
+ * tables of 16 values (one fma and half a rounding each per block, the 4 scales and offsets each one
+ * 128-bit broadcast) fit the two registers one vpermi2w reads, and each code, placed by
+ * vpmultishiftqb from the quad block's one 64-byte load of codes and its column's bits set by one
  * vpternlogd, decodes in one lookup: 4 vector operations per 32 weights with the pair dot product,
- * where the grouped blocks' decode (grouped_pair) takes 9. A lane of a quad is one column's pair
+ * where the grouped blocks' decode (grouped_pair) takes 9. (AMD EPYC Zen 4, one row from cache:
+ * 5.5 cycles per 32 weights a thread with a 128-bit broadcast of each step's codes and 8 scalar
+ * broadcasts of the scales and offsets per block, 4.7-4.9 with these loads.) A lane of a quad is one column's pair
  * slot (lane 4c + s: column c, the pairs 4i + s of each step i), so the chains are the quads' own:
  * per row, column and slot one vdpbf16ps chain over the steps in k order, the 4 slots folded as
  * (s0 + s1) + (s2 + s3) (quad_fold), then the bias and residual as store16_bf16 adds them. Calls of up
@@ -1445,10 +1448,33 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
 #define QUAD_AHEAD 2  /* block steps of a run (768 bytes each) ahead that its stream prefetches */
 static int quads_on;
 
-static inline __m512i quad_columns(void) {  /* word w: its column in the quad, in the index's bits 4-5 */
+static inline __m512i quad_columns(void) {  /* word w: its column in the quad, the index's bits 0-1 */
     uint16_t c[32];
-    for (int w = 0; w < 32; w++) c[w] = (uint16_t)((w / 8) << 4);
+    for (int w = 0; w < 32; w++) c[w] = (uint16_t)(w / 8);
     return _mm512_loadu_si512(c);
+}
+
+/* Step s's multishift control: word i of each quadword takes the 8 bits from 2 below its code
+ * (nibble 4s + i of the quadword), so that the code lands in the index's bits 2-5. */
+static inline __m512i quad_control(int s) {
+    uint64_t c = 0;
+    for (int i = 0; i < 4; i++) c |= (uint64_t)((16 * s + 4 * i + 62) % 64) << (16 * i);
+    return _mm512_set1_epi64((long long)c);
+}
+
+/* Code q of the table's 16 values at element e of every 128-bit lane for table register t (0-3):
+ * 4t + e / 4 — the lanes' elements are the quad's 4 columns, e mod 4 (quad_tables). */
+static inline __m512 quad_codes(int t) {
+    float q[16];
+    for (int e = 0; e < 16; e++) q[e] = (float)(4 * t + e / 4);
+    return _mm512_loadu_ps(q);
+}
+
+/* Word w of a quad block's vector at step s (column w/8, weight 8s + w mod 8): nibble 4s + w mod 4
+ * of its 64 code bytes' quadword w/4. */
+static inline void place_quad_code(uint8_t q[64], int s, int w, int code) {
+    int nibble = 16 * (w / 4) + 4 * s + w % 4;
+    q[nibble / 2] |= (uint8_t)(code << (4 * (nibble % 2)));
 }
 
 /* The 8 quads of run r at block b. */
@@ -1477,25 +1503,37 @@ static int64_t quad_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
                 const block_s4 *s4 = from;
                 to->scale[c] = s4->scale, to->offset[c] = -0.0f, q = s4->q;
             }
-            for (int k = 0; k < CHUNK; k++) place_nibble(to->q[k / 8], 8 * c + k % 8, nibble(q, k));
+            for (int k = 0; k < CHUNK; k++) place_quad_code(to->q, k / 8, 8 * c + k % 8, nibble(q, k));
         }
     return size;
 }
 
-/* A quad block's 4 tables, as the two registers vpermi2w reads: index 16c + q is column c's value of
- * code q, bf16(fma(s_c, q, o_c)) — the values decode_block_scalar gives. */
-static inline __attribute__((always_inline)) void quad_tables(const block_ql *at, __m512 codes, __m512i *t01, __m512i *t23) {
-    __m512 v[4];
-    for (int c = 0; c < 4; c++) v[c] = _mm512_fmadd_ps(_mm512_set1_ps(at->scale[c]), codes, _mm512_set1_ps(at->offset[c]));
-    *t01 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]), *t23 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
+/* The quads' constants: each step's multishift control, the columns' index bits, and the codes of
+ * the 4 table registers' elements (q − 8 for S4 blocks). */
+typedef struct { __m512i control[4], columns; __m512 codes[4]; } quad_consts;
+static inline quad_consts quad_consts_for(int64_t format) {
+    quad_consts k;
+    for (int s = 0; s < 4; s++) k.control[s] = quad_control(s);
+    k.columns = quad_columns();
+    for (int t = 0; t < 4; t++)
+        k.codes[t] = format == D3D_QS ? _mm512_sub_ps(quad_codes(t), _mm512_set1_ps(8.0f)) : quad_codes(t);
+    return k;
 }
 
-/* Step s of a quad block: its vector of 32 weights. */
-static inline __attribute__((always_inline)) __m512bh quad_vector(const block_ql *at, int s, __m512i t01, __m512i t23,
-                                                                  __m512i control, __m512i columns) {
-    __m512i codes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)at->q[s]));
-    __m512i index = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(control, codes), _mm512_set1_epi16(15),
-                                              columns, 0xEA);  /* (code & 15) | column */
+/* A quad block's 4 tables, as the two registers vpermi2w reads: index 4q + c is column c's value of
+ * code q, bf16(fma(s_c, q, o_c)) — the values decode_block_scalar gives —, each 128-bit lane of a
+ * register the 4 columns' values of 4 codes, so that the 4 scales and offsets are each one broadcast. */
+static inline __attribute__((always_inline)) void quad_tables(const block_ql *at, const quad_consts *k, __m512i *t01, __m512i *t23) {
+    __m512 scale = _mm512_broadcast_f32x4(_mm_loadu_ps(at->scale)), offset = _mm512_broadcast_f32x4(_mm_loadu_ps(at->offset));
+    *t01 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(scale, k->codes[1], offset), _mm512_fmadd_ps(scale, k->codes[0], offset));
+    *t23 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(scale, k->codes[3], offset), _mm512_fmadd_ps(scale, k->codes[2], offset));
+}
+
+/* Step s of a quad block whose 64 code bytes are `codes`: its vector of 32 weights. */
+static inline __attribute__((always_inline)) __m512bh quad_vector(__m512i codes, int s, __m512i t01, __m512i t23,
+                                                                  const quad_consts *k) {
+    __m512i index = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(k->control[s], codes), _mm512_set1_epi16(0x3C),
+                                              k->columns, 0xEA);  /* code << 2 | column */
     return (__m512bh)_mm512_permutex2var_epi16(t01, index, t23);
 }
 
@@ -1518,8 +1556,7 @@ static inline __attribute__((always_inline)) __m512bh quad_x(const uint16_t *row
 /* R ≤ QUAD_FUSED rows x QN quads (from quad q0 of run r): each vector decoded once for every row. */
 static inline __attribute__((always_inline)) void quad_tile(const uint16_t *x, int64_t x_stride, const void *data,
                                                             int64_t r, int q0, int64_t blocks, const int R, const int QN,
-                                                            __m512 codes, __m512 acc[QUAD_FUSED][QUAD_RUN]) {
-    const __m512i control = lookup_control(), columns = quad_columns();
+                                                            const quad_consts *k, __m512 acc[QUAD_FUSED][QUAD_RUN]) {
     __m512 a[QUAD_FUSED][QUAD_RUN];  /* local, as quad_packed_tile's */
     for (int m = 0; m < R; m++)
         for (int j = 0; j < QN; j++) a[m][j] = _mm512_setzero_ps();
@@ -1527,11 +1564,13 @@ static inline __attribute__((always_inline)) void quad_tile(const uint16_t *x, i
         const block_ql *at = quad_at(data, r, b, blocks) + q0;
         for (int line = 0; line < QN * (int)sizeof(block_ql); line += 64)
             _mm_prefetch((const char *)at + QUAD_AHEAD * QUAD_RUN * sizeof(block_ql) + line, _MM_HINT_T0);
+        _Pragma("GCC unroll 8")
         for (int j = 0; j < QN; j++) {
             __m512i t01, t23;
-            quad_tables(at + j, codes, &t01, &t23);
+            quad_tables(at + j, k, &t01, &t23);
+            __m512i codes = _mm512_loadu_si512(at[j].q);
             for (int s = 0; s < 4; s++) {
-                __m512bh w = quad_vector(at + j, s, t01, t23, control, columns);
+                __m512bh w = quad_vector(codes, s, t01, t23, k);
                 for (int m = 0; m < R; m++) a[m][j] = _mm512_dpbf16_ps(a[m][j], quad_x(x + m * x_stride, 4 * b + s), w);
             }
         }
@@ -1549,15 +1588,15 @@ static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *
     int64_t first = runs * me / threads, last = runs * (me + 1) / threads;
     const int QN = M == 1 ? QUAD_RUN : 4;
     /* a table's codes: q for U4 blocks (QL), q - 8 for S4's (QS, whose offsets are -0: s·(q - 8), its sign of zero included) */
-    const __m512 codes = ql->format == D3D_QS ? _mm512_sub_ps(lookup_codes(), _mm512_set1_ps(8.0f)) : lookup_codes();
+    const quad_consts k = quad_consts_for(ql->format);
     for (int64_t r = first; r < last; r++)
         for (int q0 = 0; q0 < QUAD_RUN; q0 += QN) {
             __m512 acc[QUAD_FUSED][QUAD_RUN];
             switch (M) {
-                case 1: quad_tile(x, x_stride, ql->data, r, q0, blocks, 1, QUAD_RUN, codes, acc); break;
-                case 2: quad_tile(x, x_stride, ql->data, r, q0, blocks, 2, 4, codes, acc); break;
-                case 3: quad_tile(x, x_stride, ql->data, r, q0, blocks, 3, 4, codes, acc); break;
-                default: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, 4, codes, acc); break;
+                case 1: quad_tile(x, x_stride, ql->data, r, q0, blocks, 1, QUAD_RUN, &k, acc); break;
+                case 2: quad_tile(x, x_stride, ql->data, r, q0, blocks, 2, 4, &k, acc); break;
+                case 3: quad_tile(x, x_stride, ql->data, r, q0, blocks, 3, 4, &k, acc); break;
+                default: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, 4, &k, acc); break;
             }
             for (int j = 0; j < QN; j += 4) {
                 int64_t n0 = r * 4 * QUAD_RUN + (q0 + j) * 4;
