@@ -1442,9 +1442,14 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
  * so every row count gives the row alone's bits (tests/test_quantized.py's quad reference). AMD EPYC
  * Zen 4, the shipped Q4_1 GGUF, against the grouped blocks: a one-token step 4.5-4.6 ms against
  * 5.6-5.9, a 17-row verification 14.2-14.4 ms against 14.3-14.8 (scripts/step_costs.py, alternated).
+ * Whole forwards in one-token steps (scripts/rows_ab.py, interleaved), decoding 5-6 rows in tiles of
+ * 2 quads against reading the bf16 values: 5 rows 1.96-1.97 against 2.28-2.30, 6 rows 2.11-2.18
+ * against 2.28-2.40 (7 rows: the same); 4 rows reading x's broadcast copy 1.61-1.64 against 1.87
+ * (2-3 rows: no faster, so they broadcast as they go).
  * ------------------------------------------------------------------------------------------- */
 #define QUAD_RUN 8    /* quads side by side in the QL stream: a one-row call's chains, 32 columns */
-#define QUAD_FUSED 4  /* calls of up to this many rows decode the blocks; more read QUAD_PACKED */
+#define QUAD_FUSED 6  /* calls of up to this many rows decode the blocks; more read QUAD_PACKED */
+#define QUAD_NARROW 3  /* calls of up to this many rows broadcast x's steps as they go */
 #define QUAD_AHEAD 2  /* block steps of a run (768 bytes each) ahead that its stream prefetches */
 static int quads_on;
 
@@ -1553,7 +1558,10 @@ static inline __attribute__((always_inline)) __m512bh quad_x(const uint16_t *row
     return (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row + 8 * i)));
 }
 
-/* R ≤ QUAD_FUSED rows x QN quads (from quad q0 of run r): each vector decoded once for every row. */
+/* R ≤ QUAD_FUSED rows x QN quads (from quad q0 of run r) into acc[m][q0 mod 4 + j]: each vector
+ * decoded once for every row. One row reads its steps of x broadcast to the 4 lanes as it goes; more
+ * read them broadcast once per call (quad_wide: plain loads, where a 128-bit broadcast from memory
+ * takes a shuffle as well). */
 static inline __attribute__((always_inline)) void quad_tile(const uint16_t *x, int64_t x_stride, const void *data,
                                                             int64_t r, int q0, int64_t blocks, const int R, const int QN,
                                                             const quad_consts *k, __m512 acc[QUAD_FUSED][QUAD_RUN]) {
@@ -1571,35 +1579,55 @@ static inline __attribute__((always_inline)) void quad_tile(const uint16_t *x, i
             __m512i codes = _mm512_loadu_si512(at[j].q);
             for (int s = 0; s < 4; s++) {
                 __m512bh w = quad_vector(codes, s, t01, t23, k);
-                for (int m = 0; m < R; m++) a[m][j] = _mm512_dpbf16_ps(a[m][j], quad_x(x + m * x_stride, 4 * b + s), w);
+                for (int m = 0; m < R; m++)
+                    a[m][j] = _mm512_dpbf16_ps(a[m][j], R <= QUAD_NARROW ? quad_x(x + m * x_stride, 4 * b + s)
+                                                               : (__m512bh)_mm512_loadu_si512(x + m * x_stride + 32 * (4 * b + s)), w);
             }
         }
     }
     for (int m = 0; m < R; m++)
-        for (int j = 0; j < QN; j++) acc[m][j] = a[m][j];
+        for (int j = 0; j < QN; j++) acc[m][q0 % 4 + j] = a[m][j];
+}
+
+/* Halves of the scratch a thread's quad_wide copy takes (rows of up to QUAD_FUSED). */
+static int64_t quad_scratch(int64_t M, int64_t K, int threads) { return threads * (M < QUAD_FUSED ? M : QUAD_FUSED) * K * 2; }
+
+/* Rows x (M, K) with each step of 8 broadcast to the 4 lanes: (M, K / 8, 32) into `wide`. */
+static void quad_wide(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, uint16_t *wide) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < K / 8; i++) _mm512_storeu_si512(wide + (m * K / 8 + i) * 32, (__m512i)quad_x(x + m * x_stride, i));
 }
 
 /* Calls of up to QUAD_FUSED rows over a QL weight; threads own runs of 8 quads (one row: all 8 at
- * once; several: 4 at a time). */
+ * once; 2-4 rows: 4 at a time; 5-6 rows: 2 at a time), each thread with its own quad_wide copy of
+ * the rows past one, in `scratch`. */
 static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *ql, const uint16_t *bias,
-                           const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+                           const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
     int64_t runs = (N + 4 * QUAD_RUN - 1) / (4 * QUAD_RUN), blocks = K / CHUNK;
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     int64_t first = runs * me / threads, last = runs * (me + 1) / threads;
-    const int QN = M == 1 ? QUAD_RUN : 4;
+    const int QN = M == 1 ? QUAD_RUN : M <= 4 ? 4 : 2;
     /* a table's codes: q for U4 blocks (QL), q - 8 for S4's (QS, whose offsets are -0: s·(q - 8), its sign of zero included) */
     const quad_consts k = quad_consts_for(ql->format);
-    for (int64_t r = first; r < last; r++)
+    if (M > QUAD_NARROW) {
+        uint16_t *wide = (uint16_t *)(scratch + me * (quad_scratch(M, K, 1)));
+        quad_wide(x, x_stride, M, K, wide);
+        x = wide, x_stride = 4 * K;
+    }
+    for (int64_t r = first; r < last; r++) {
+        __m512 acc[QUAD_FUSED][QUAD_RUN];  /* 4 quads' chains (16 columns) and more, folded as they complete */
         for (int q0 = 0; q0 < QUAD_RUN; q0 += QN) {
-            __m512 acc[QUAD_FUSED][QUAD_RUN];
             switch (M) {
                 case 1: quad_tile(x, x_stride, ql->data, r, q0, blocks, 1, QUAD_RUN, &k, acc); break;
                 case 2: quad_tile(x, x_stride, ql->data, r, q0, blocks, 2, 4, &k, acc); break;
                 case 3: quad_tile(x, x_stride, ql->data, r, q0, blocks, 3, 4, &k, acc); break;
-                default: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, 4, &k, acc); break;
+                case 4: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, 4, &k, acc); break;
+                case 5: quad_tile(x, x_stride, ql->data, r, q0, blocks, 5, 2, &k, acc); break;
+                default: quad_tile(x, x_stride, ql->data, r, q0, blocks, 6, 2, &k, acc); break;
             }
-            for (int j = 0; j < QN; j += 4) {
-                int64_t n0 = r * 4 * QUAD_RUN + (q0 + j) * 4;
+            if ((q0 + QN) % 4) continue;  /* half of 4 quads */
+            for (int j = 0; j < (QN < 4 ? 4 : QN); j += 4) {
+                int64_t n0 = r * 4 * QUAD_RUN + ((q0 + QN) / 4 * 4 - (QN < 4 ? 4 : QN) + j) * 4;
                 if (n0 >= N) break;
                 int live = N - n0 < 16 ? (int)(N - n0) : 16;
                 for (int64_t m = 0; m < M; m++)
@@ -1607,6 +1635,7 @@ static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *
                                  residual ? residual + m * N + n0 : 0, y + m * N + n0, live);
             }
         }
+    }
     _Pragma("omp barrier")
 }
 
@@ -1790,11 +1819,11 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
         if (M > QUAD_FUSED && w->dense.data && w->dense.format == D3D_QUAD_PACKED)
             quad_packed_body(x, x_stride, w->dense.data, bias, residual, y, M, N, K);
         else if (M <= QUAD_FUSED)
-            quad_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K);
+            quad_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K, scratch);
         else  /* no bf16 copy: the decoding tiles, QUAD_FUSED rows at a time (the same chains) */
             for (int64_t m0 = 0; m0 < M; m0 += QUAD_FUSED)
                 quad_bf16_body(x + m0 * x_stride, x_stride, &w->grouped, bias, residual ? residual + m0 * N : 0,
-                               y + m0 * N, M - m0 < QUAD_FUSED ? M - m0 : QUAD_FUSED, N, K);
+                               y + m0 * N, M - m0 < QUAD_FUSED ? M - m0 : QUAD_FUSED, N, K, scratch);
         return;
     }
 #endif
@@ -1839,6 +1868,10 @@ static void linear_f32(const float *x, int64_t x_stride, const d3d_weight *w, co
 int64_t d3d_linear_scratch(int64_t M, int64_t K, int threads) {
     int64_t need = lanes_scratch(M, K, threads), strip = strip_scratch(M, K, threads), panel = panel_scratch(K, threads);
     need = need > strip ? need : strip;
+#ifdef D3D_LOOKUP
+    int64_t quads = quad_scratch(M, K, threads);
+    need = need > quads ? need : quads;
+#endif
     return need > panel ? need : panel;
 }
 
