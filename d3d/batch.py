@@ -258,16 +258,8 @@ class SharedBatch:
             feed = self.feeds.get(key)
             if feed is None:  # ended, or closed
                 raise StopIteration
-            while not feed.steps and feed.error is None and not feed.done:
-                for outcome in self.batch.step():
-                    other = self.feeds.get(outcome.key)
-                    if other is None:
-                        continue
-                    if outcome.error is not None:
-                        other.error = outcome.error
-                    elif outcome.step is not None:
-                        other.steps.append(outcome.step)
-                        other.done = outcome.step.finish_reason is not None
+            with self.batch.target.holding_weights():  # the layer table checked once a turn, not every forward
+                self._step_until(feed)
             if feed.steps:
                 step = feed.steps.popleft()
                 if not feed.steps and (feed.done or feed.error is not None):
@@ -277,6 +269,19 @@ class SharedBatch:
             if feed.error is not None:
                 raise feed.error
             raise StopIteration
+
+    def _step_until(self, feed: _Feed) -> None:
+        """Step the batch (the lock held) until `feed` has a step, an error or its end."""
+        while not feed.steps and feed.error is None and not feed.done:
+            for outcome in self.batch.step():
+                other = self.feeds.get(outcome.key)
+                if other is None:
+                    continue
+                if outcome.error is not None:
+                    other.error = outcome.error
+                elif outcome.step is not None:
+                    other.steps.append(outcome.step)
+                    other.done = outcome.step.finish_reason is not None
 
     def close(self, key: int) -> None:
         with self.lock:
