@@ -1589,7 +1589,7 @@ static inline __attribute__((always_inline)) void quad_tile(const uint16_t *x, i
         for (int j = 0; j < QN; j++) acc[m][q0 % 4 + j] = a[m][j];
 }
 
-/* Halves of the scratch a thread's quad_wide copy takes (rows of up to QUAD_FUSED). */
+/* Floats of scratch the threads' quad_wide copies of up to QUAD_FUSED rows take (two bf16 a float). */
 static int64_t quad_scratch(int64_t M, int64_t K, int threads) { return threads * (M < QUAD_FUSED ? M : QUAD_FUSED) * K * 2; }
 
 /* Rows x (M, K) with each step of 8 broadcast to the 4 lanes: (M, K / 8, 32) into `wide`. */
@@ -1600,7 +1600,7 @@ static void quad_wide(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
 
 /* Calls of up to QUAD_FUSED rows over a QL weight; threads own runs of 8 quads (one row: all 8 at
  * once; 2-4 rows: 4 at a time; 5-6 rows: 2 at a time), each thread with its own quad_wide copy of
- * the rows past one, in `scratch`. */
+ * the rows in `scratch` past QUAD_NARROW rows. */
 static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *ql, const uint16_t *bias,
                            const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
     int64_t runs = (N + 4 * QUAD_RUN - 1) / (4 * QUAD_RUN), blocks = K / CHUNK;
@@ -1625,9 +1625,10 @@ static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *
                 case 5: quad_tile(x, x_stride, ql->data, r, q0, blocks, 5, 2, &k, acc); break;
                 default: quad_tile(x, x_stride, ql->data, r, q0, blocks, 6, 2, &k, acc); break;
             }
-            if ((q0 + QN) % 4) continue;  /* half of 4 quads */
-            for (int j = 0; j < (QN < 4 ? 4 : QN); j += 4) {
-                int64_t n0 = r * 4 * QUAD_RUN + ((q0 + QN) / 4 * 4 - (QN < 4 ? 4 : QN) + j) * 4;
+            if ((q0 + QN) % 4) continue;  /* 2 of 4 quads: their 16 columns' chains are not all there yet */
+            int done = QN < 4 ? 4 : QN, from = q0 + QN - done;  /* the quads whose chains are complete */
+            for (int j = 0; j < done; j += 4) {
+                int64_t n0 = r * 4 * QUAD_RUN + (from + j) * 4;
                 if (n0 >= N) break;
                 int live = N - n0 < 16 ? (int)(N - n0) : 16;
                 for (int64_t m = 0; m < M; m++)
