@@ -1598,15 +1598,15 @@ static void quad_wide(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
         for (int64_t i = 0; i < K / 8; i++) _mm512_storeu_si512(wide + (m * K / 8 + i) * 32, (__m512i)quad_x(x + m * x_stride, i));
 }
 
-/* Calls of up to QUAD_FUSED rows over a QL weight; threads own runs of 8 quads (one row: all 8 at
- * once; 2-4 rows: 4 at a time; 5-6 rows: 2 at a time), each thread with its own quad_wide copy of
+/* Calls of up to QUAD_FUSED rows over a QL weight; threads own runs of 8 quads (one or two rows: all 8 at
+ * once; 3-4 rows: 4 at a time; 5-6 rows: 2 at a time), each thread with its own quad_wide copy of
  * the rows in `scratch` past QUAD_NARROW rows. */
 static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *ql, const uint16_t *bias,
                            const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
     int64_t runs = (N + 4 * QUAD_RUN - 1) / (4 * QUAD_RUN), blocks = K / CHUNK;
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     int64_t first = runs * me / threads, last = runs * (me + 1) / threads;
-    const int QN = M == 1 ? QUAD_RUN : M <= 4 ? 4 : 2;
+    const int QN = M <= 2 ? QUAD_RUN : M <= 4 ? 4 : 2;
     /* a table's codes: q for U4 blocks (QL), q - 8 for S4's (QS, whose offsets are -0: s·(q - 8), its sign of zero included) */
     const quad_consts k = quad_consts_for(ql->format);
     if (M > QUAD_NARROW) {
@@ -1619,7 +1619,7 @@ static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *
         for (int q0 = 0; q0 < QUAD_RUN; q0 += QN) {
             switch (M) {
                 case 1: quad_tile(x, x_stride, ql->data, r, q0, blocks, 1, QUAD_RUN, &k, acc); break;
-                case 2: quad_tile(x, x_stride, ql->data, r, q0, blocks, 2, 4, &k, acc); break;
+                case 2: quad_tile(x, x_stride, ql->data, r, q0, blocks, 2, QUAD_RUN, &k, acc); break;
                 case 3: quad_tile(x, x_stride, ql->data, r, q0, blocks, 3, 4, &k, acc); break;
                 case 4: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, 4, &k, acc); break;
                 case 5: quad_tile(x, x_stride, ql->data, r, q0, blocks, 5, 2, &k, acc); break;
