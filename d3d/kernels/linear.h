@@ -1606,7 +1606,7 @@ static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *
     int64_t runs = (N + 4 * QUAD_RUN - 1) / (4 * QUAD_RUN), blocks = K / CHUNK;
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     int64_t first = runs * me / threads, last = runs * (me + 1) / threads;
-    const int QN = M <= 3 ? QUAD_RUN : M <= 4 ? 4 : 2;
+    const int QN = M <= 4 ? QUAD_RUN : 2;
     /* a table's codes: q for U4 blocks (QL), q - 8 for S4's (QS, whose offsets are -0: s·(q - 8), its sign of zero included) */
     const quad_consts k = quad_consts_for(ql->format);
     if (M > QUAD_NARROW) {
@@ -1621,7 +1621,7 @@ static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *
                 case 1: quad_tile(x, x_stride, ql->data, r, q0, blocks, 1, QUAD_RUN, &k, acc); break;
                 case 2: quad_tile(x, x_stride, ql->data, r, q0, blocks, 2, QUAD_RUN, &k, acc); break;
                 case 3: quad_tile(x, x_stride, ql->data, r, q0, blocks, 3, QUAD_RUN, &k, acc); break;
-                case 4: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, 4, &k, acc); break;
+                case 4: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, QUAD_RUN, &k, acc); break;
                 case 5: quad_tile(x, x_stride, ql->data, r, q0, blocks, 5, 2, &k, acc); break;
                 default: quad_tile(x, x_stride, ql->data, r, q0, blocks, 6, 2, &k, acc); break;
             }
