@@ -1442,10 +1442,10 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
  * so every row count gives the row alone's bits (tests/test_quantized.py's quad reference). AMD EPYC
  * Zen 4, the shipped Q4_1 GGUF, against the grouped blocks: a one-token step 4.5-4.6 ms against
  * 5.6-5.9, a 17-row verification 14.2-14.4 ms against 14.3-14.8 (scripts/step_costs.py, alternated).
- * Whole forwards in one-token steps (scripts/rows_ab.py, interleaved), decoding 5-6 rows in tiles of
- * 2 quads against reading the bf16 values: 5 rows 1.96-1.97 against 2.28-2.30, 6 rows 2.11-2.18
- * against 2.28-2.40 (7 rows: the same); 4 rows reading x's broadcast copy 1.61-1.64 against 1.87
- * (2-3 rows: no faster, so they broadcast as they go).
+ * Whole forwards in one-token steps (scripts/rows_ab.py, interleaved), every row count up to 6 taking
+ * a run's 8 quads at once (quad_tile) against 2-4 rows in passes of 4 quads and more reading the
+ * bf16 values: 2 rows 1.06-1.17 against 1.41-1.43, 3 rows 1.29-1.34 against 1.49-1.55, 4 rows
+ * 1.51-1.52 against 1.71-1.87, 5 rows 1.79 against 2.14-2.30, 6 rows 1.92 against 2.18-2.40.
  * ------------------------------------------------------------------------------------------- */
 #define QUAD_RUN 8    /* quads side by side in the QL stream: a one-row call's chains, 32 columns */
 #define QUAD_FUSED 6  /* calls of up to this many rows decode the blocks; more read QUAD_PACKED */
@@ -1558,22 +1558,27 @@ static inline __attribute__((always_inline)) __m512bh quad_x(const uint16_t *row
     return (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(row + 8 * i)));
 }
 
-/* R ≤ QUAD_FUSED rows x QN quads (from quad q0 of run r) into acc[m][q0 mod 4 + j]: each vector
- * decoded once for every row. One row reads its steps of x broadcast to the 4 lanes as it goes; more
- * read them broadcast once per call (quad_wide: plain loads, where a 128-bit broadcast from memory
- * takes a shuffle as well). */
+/* R ≤ QUAD_FUSED rows x the 8 quads of run r: each vector decoded once for every row, the run's
+ * stream read once in order at every row count (past 2 rows the chains spill to the stack: reading
+ * the run as 2 or 4 passes over parts of its block steps, with the chains in registers, read the
+ * stream as strided ones and cost more — Zen 4, whole forwards in one-token steps: 2 rows 1.41 against
+ * 1.11-1.13, 3 rows 1.49-1.52 against 1.29-1.34, 4 rows 1.62-1.63 against 1.51-1.52, 5 rows 1.91-1.94
+ * against 1.79, 6 rows 2.05-2.18 against 1.92; 7-8 rows were no faster than the bf16 values). One to
+ * QUAD_NARROW rows read their steps of x broadcast to the 4 lanes as they go; more read them
+ * broadcast once per call (quad_wide: plain loads, where a 128-bit broadcast from memory takes a
+ * shuffle as well). */
 static inline __attribute__((always_inline)) void quad_tile(const uint16_t *x, int64_t x_stride, const void *data,
-                                                            int64_t r, int q0, int64_t blocks, const int R, const int QN,
-                                                            const quad_consts *k, __m512 acc[QUAD_FUSED][QUAD_RUN]) {
+                                                            int64_t r, int64_t blocks, const int R, const quad_consts *k,
+                                                            __m512 acc[QUAD_FUSED][QUAD_RUN]) {
     __m512 a[QUAD_FUSED][QUAD_RUN];  /* local, as quad_packed_tile's */
     for (int m = 0; m < R; m++)
-        for (int j = 0; j < QN; j++) a[m][j] = _mm512_setzero_ps();
+        for (int j = 0; j < QUAD_RUN; j++) a[m][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        const block_ql *at = quad_at(data, r, b, blocks) + q0;
-        for (int line = 0; line < QN * (int)sizeof(block_ql); line += 64)
+        const block_ql *at = quad_at(data, r, b, blocks);
+        for (int line = 0; line < QUAD_RUN * (int)sizeof(block_ql); line += 64)
             _mm_prefetch((const char *)at + QUAD_AHEAD * QUAD_RUN * sizeof(block_ql) + line, _MM_HINT_T0);
         _Pragma("GCC unroll 8")
-        for (int j = 0; j < QN; j++) {
+        for (int j = 0; j < QUAD_RUN; j++) {
             __m512i t01, t23;
             quad_tables(at + j, k, &t01, &t23);
             __m512i codes = _mm512_loadu_si512(at[j].q);
@@ -1586,7 +1591,7 @@ static inline __attribute__((always_inline)) void quad_tile(const uint16_t *x, i
         }
     }
     for (int m = 0; m < R; m++)
-        for (int j = 0; j < QN; j++) acc[m][q0 % 4 + j] = a[m][j];
+        for (int j = 0; j < QUAD_RUN; j++) acc[m][j] = a[m][j];
 }
 
 /* Floats of scratch the threads' quad_wide copies of up to QUAD_FUSED rows take (two bf16 a float). */
@@ -1598,15 +1603,13 @@ static void quad_wide(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
         for (int64_t i = 0; i < K / 8; i++) _mm512_storeu_si512(wide + (m * K / 8 + i) * 32, (__m512i)quad_x(x + m * x_stride, i));
 }
 
-/* Calls of up to QUAD_FUSED rows over a QL weight; threads own runs of 8 quads (one or two rows: all 8 at
- * once; 3-4 rows: 4 at a time; 5-6 rows: 2 at a time), each thread with its own quad_wide copy of
- * the rows in `scratch` past QUAD_NARROW rows. */
+/* Calls of up to QUAD_FUSED rows over a QL weight; threads own runs of 8 quads, each thread with its
+ * own quad_wide copy of the rows in `scratch` past QUAD_NARROW rows. */
 static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *ql, const uint16_t *bias,
                            const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
     int64_t runs = (N + 4 * QUAD_RUN - 1) / (4 * QUAD_RUN), blocks = K / CHUNK;
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     int64_t first = runs * me / threads, last = runs * (me + 1) / threads;
-    const int QN = M <= 4 ? QUAD_RUN : 2;
     /* a table's codes: q for U4 blocks (QL), q - 8 for S4's (QS, whose offsets are -0: s·(q - 8), its sign of zero included) */
     const quad_consts k = quad_consts_for(ql->format);
     if (M > QUAD_NARROW) {
@@ -1615,26 +1618,22 @@ static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *
         x = wide, x_stride = 4 * K;
     }
     for (int64_t r = first; r < last; r++) {
-        __m512 acc[QUAD_FUSED][QUAD_RUN];  /* 4 quads' chains (16 columns) and more, folded as they complete */
-        for (int q0 = 0; q0 < QUAD_RUN; q0 += QN) {
-            switch (M) {
-                case 1: quad_tile(x, x_stride, ql->data, r, q0, blocks, 1, QUAD_RUN, &k, acc); break;
-                case 2: quad_tile(x, x_stride, ql->data, r, q0, blocks, 2, QUAD_RUN, &k, acc); break;
-                case 3: quad_tile(x, x_stride, ql->data, r, q0, blocks, 3, QUAD_RUN, &k, acc); break;
-                case 4: quad_tile(x, x_stride, ql->data, r, q0, blocks, 4, QUAD_RUN, &k, acc); break;
-                case 5: quad_tile(x, x_stride, ql->data, r, q0, blocks, 5, 2, &k, acc); break;
-                default: quad_tile(x, x_stride, ql->data, r, q0, blocks, 6, 2, &k, acc); break;
-            }
-            if ((q0 + QN) % 4) continue;  /* 2 of 4 quads: their 16 columns' chains are not all there yet */
-            int done = QN < 4 ? 4 : QN, from = q0 + QN - done;  /* the quads whose chains are complete */
-            for (int j = 0; j < done; j += 4) {
-                int64_t n0 = r * 4 * QUAD_RUN + (from + j) * 4;
-                if (n0 >= N) break;
-                int live = N - n0 < 16 ? (int)(N - n0) : 16;
-                for (int64_t m = 0; m < M; m++)
-                    store16_bf16(quad_fold(acc[m][j], acc[m][j + 1], acc[m][j + 2], acc[m][j + 3]), bias ? bias + n0 : 0,
-                                 residual ? residual + m * N + n0 : 0, y + m * N + n0, live);
-            }
+        __m512 acc[QUAD_FUSED][QUAD_RUN];
+        switch (M) {
+            case 1: quad_tile(x, x_stride, ql->data, r, blocks, 1, &k, acc); break;
+            case 2: quad_tile(x, x_stride, ql->data, r, blocks, 2, &k, acc); break;
+            case 3: quad_tile(x, x_stride, ql->data, r, blocks, 3, &k, acc); break;
+            case 4: quad_tile(x, x_stride, ql->data, r, blocks, 4, &k, acc); break;
+            case 5: quad_tile(x, x_stride, ql->data, r, blocks, 5, &k, acc); break;
+            default: quad_tile(x, x_stride, ql->data, r, blocks, 6, &k, acc); break;
+        }
+        for (int j = 0; j < QUAD_RUN; j += 4) {  /* 4 quads' chains: 16 columns */
+            int64_t n0 = r * 4 * QUAD_RUN + j * 4;
+            if (n0 >= N) break;
+            int live = N - n0 < 16 ? (int)(N - n0) : 16;
+            for (int64_t m = 0; m < M; m++)
+                store16_bf16(quad_fold(acc[m][j], acc[m][j + 1], acc[m][j + 2], acc[m][j + 3]), bias ? bias + n0 : 0,
+                             residual ? residual + m * N + n0 : 0, y + m * N + n0, live);
         }
     }
     _Pragma("omp barrier")
