@@ -1447,7 +1447,8 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
  * Whole forwards in one-token steps (scripts/rows_ab.py, interleaved), every row count up to 6 taking
  * a run's 8 quads at once (quad_tile) against 2-4 rows in passes of 4 quads and more reading the
  * bf16 values: 2 rows 1.06-1.17 against 1.41-1.43, 3 rows 1.29-1.34 against 1.49-1.55, 4 rows
- * 1.51-1.52 against 1.71-1.87, 5 rows 1.79 against 2.14-2.30, 6 rows 1.92 against 2.18-2.40.
+ * 1.51-1.52 against 1.71-1.87, 5 rows 1.79 against 2.14-2.30, 6 rows 1.92 against 2.18-2.40 (7-8
+ * rows decoded so were no faster than the bf16 values).
  * ------------------------------------------------------------------------------------------- */
 #define QUAD_RUN 8    /* quads side by side in the QL stream: a one-row call's chains, 32 columns */
 #define QUAD_FUSED 6  /* calls of up to this many rows decode the blocks; more read QUAD_PACKED */
@@ -1516,7 +1517,7 @@ static int64_t quad_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
 }
 
 /* The quads' constants: each step's multishift control, the columns' index bits, and the codes of
- * the 4 table registers' elements (q − 8 for S4 blocks). */
+ * the 4 table registers' elements (q − 8 for S4 blocks, whose offsets are −0: quad_pack). */
 typedef struct { __m512i control[4], columns; __m512 codes[4]; } quad_consts;
 static inline quad_consts quad_consts_for(int64_t format) {
     quad_consts k;
@@ -1561,14 +1562,11 @@ static inline __attribute__((always_inline)) __m512bh quad_x(const uint16_t *row
 }
 
 /* R ≤ QUAD_FUSED rows x the 8 quads of run r: each vector decoded once for every row, the run's
- * stream read once in order at every row count (past 2 rows the chains spill to the stack: reading
- * the run as 2 or 4 passes over parts of its block steps, with the chains in registers, read the
- * stream as strided ones and cost more — Zen 4, whole forwards in one-token steps: 2 rows 1.41 against
- * 1.11-1.13, 3 rows 1.49-1.52 against 1.29-1.34, 4 rows 1.62-1.63 against 1.51-1.52, 5 rows 1.91-1.94
- * against 1.79, 6 rows 2.05-2.18 against 1.92; 7-8 rows were no faster than the bf16 values). One to
- * QUAD_NARROW rows read their steps of x broadcast to the 4 lanes as they go; more read them
- * broadcast once per call (quad_wide: plain loads, where a 128-bit broadcast from memory takes a
- * shuffle as well). */
+ * stream read once in order at every row count (past 2 rows the chains spill to the stack, which
+ * costs less than reading the run in passes over parts of its block steps — strided streams; the
+ * figures are in the section's head). One to QUAD_NARROW rows read their steps of x broadcast to the
+ * 4 lanes as they go; more read them broadcast once per call (quad_wide: plain loads, where a 128-bit
+ * broadcast from memory takes a shuffle as well). */
 static inline __attribute__((always_inline)) void quad_tile(const uint16_t *x, int64_t x_stride, const void *data,
                                                             int64_t r, int64_t blocks, const int R, const quad_consts *k,
                                                             __m512 acc[QUAD_FUSED][QUAD_RUN]) {
@@ -1612,7 +1610,6 @@ static void quad_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *
     int64_t runs = (N + 4 * QUAD_RUN - 1) / (4 * QUAD_RUN), blocks = K / CHUNK;
     int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     int64_t first = runs * me / threads, last = runs * (me + 1) / threads;
-    /* a table's codes: q for U4 blocks (QL), q - 8 for S4's (QS, whose offsets are -0: s·(q - 8), its sign of zero included) */
     const quad_consts k = quad_consts_for(ql->format);
     if (M > QUAD_NARROW) {
         uint16_t *wide = (uint16_t *)(scratch + me * (quad_scratch(M, K, 1)));
