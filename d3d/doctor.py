@@ -112,10 +112,10 @@ def describe_greedy_head(decoder: Decoder) -> str:
     head = kernels.greedy.head(decoder.head_weight)
     if head is None:
         return "the full head's logits (its weights are not a quantized stream, or the check failed)"
-    if not head.max_rows:
+    if not head.rows:
         return "the full head's logits (the certified head was not faster here, timed at load)"
-    return (f"certified: the exact logits of the few vocabulary rows that can hold the argmax, calls of up "
-            f"to {head.max_rows} row(s) (checked against the full head at load)")
+    return (f"certified: the exact logits of the few vocabulary rows that can hold the argmax, calls of "
+            f"{', '.join(map(str, sorted(head.rows)))} row(s) (checked against the full head and timed at load)")
 
 
 def describe_machine() -> dict:

@@ -290,7 +290,7 @@ def reserve_copies(decoder: Decoder, dtype: torch.dtype, streams: Path | None) -
     weights = decoder.linear_weights()
     size = kernels.copied_bytes([tuple(weight.shape) for weight in weights.values()], dtype)
     if streams is not None and streams.is_file():
-        size += GreedyHead.bytes_of(*decoder.head_weight.shape) if kernels.greedy.on else 0
+        size += GreedyHead.bytes_of(*decoder.head_weight.shape, kernels.greedy.lanes) if kernels.greedy.on else 0
         size += sum(kernels.arena_bytes(parts, weights[name].shape[1])
                     for name, parts in cached_parts(streams).items() if name in weights)
     kernels.arena.reserve(size)

@@ -126,15 +126,16 @@ def main() -> None:
     # head where the kernels have one (its codes, scales and errors read instead of the head's stream).
     greedy = getattr(kernels, "greedy", None)
     head = greedy.head(decoder.head_weight) if greedy is not None and read else None
-    if head is not None and head.max_rows >= 1:
+    if head is not None and 1 in getattr(head, "rows", range(1, getattr(head, "max_rows", 0) + 1)):  # (older: max_rows)
         def greedy_step():
             hidden, _ = decoder.final_hidden(block[:, :1], cache=cache)
             decoder.greedy_ids(hidden[0])
             cache.commit(0)
 
         greedy_ms = median_ms(greedy_step, args.repeats)
-        read_of = getattr(type(head), "read_of", type(head).bytes_of)  # (older checkouts read all they hold)
-        greedy_read = read - one_row(decoder.head_weight).nbytes + read_of(*decoder.head_weight.shape)
+        greedy_read = read - one_row(decoder.head_weight).nbytes + (
+            head.bytes_read() if hasattr(head, "bytes_read")  # (older checkouts: read_of, or all they hold)
+            else getattr(type(head), "read_of", type(head).bytes_of)(*decoder.head_weight.shape))
         greedy_floor = floor_ms(greedy_read)
         result.update(greedy_step_ms=round(greedy_ms, 2), greedy_mb_read=round(greedy_read / 1e6, 1),
                       greedy_floor_ms=round(greedy_floor, 2), greedy_step_over_floor=round(greedy_ms / greedy_floor, 2),

@@ -4,6 +4,7 @@ argmax on every row, ties included, and a model decoding through it decodes the 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,6 +27,15 @@ def kernels():
     return kernels
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """The kernels' team of 1 or 2 threads (the suite runs 1): a pass splits the vocabulary between them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def q8_head(kernels, rows: int, width: int, seed: int, copies: dict[int, int] | None = None) -> torch.Tensor:
     """A bf16 head of random Q8_0 blocks streamed as stored; `copies` {row: source row}: rows made
     equal to others (their logits then tie exactly)."""
@@ -41,7 +51,7 @@ def full_ids(kernels, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return kernels.linear(x, weight, None).float().max(-1).indices
 
 
-def test_the_certified_argmax_is_the_full_heads(kernels):
+def test_the_certified_argmax_is_the_full_heads(kernels, threads):
     """Rows at scales from 0.01 to 100, a row of zeros (every logit 0: too many candidates, the full
     head's first index) and rows aimed at two equal vocabulary rows (exact ties: the lower index)."""
     width = 128
@@ -61,6 +71,30 @@ def test_the_certified_argmax_is_the_full_heads(kernels):
     assert got[-3] == 37 and got[-1] == 37  # the first of the tied rows
 
 
+def test_a_vocabulary_off_the_lanes_never_takes_a_padding_row(kernels, threads):
+    """A vocabulary of 1,000 rows (not a multiple of the 16 a pass may take in a vector's lanes): the
+    rows padding its last group read as logits of 0, which must never be a candidate nor raise the
+    bounds — rows whose every logit is negative (each vocabulary row's first weight positive, x
+    along minus it) and rows aimed at the last vocabulary row give the full head's argmax."""
+    width, vocab = 96, 1000
+    raw = random_blocks("Q8_0", vocab, width, seed=11, scales=[1e-3, 2e-3])
+    raw[:, 2] = 20 + np.arange(vocab) % 100  # each row's first code: its first weight 0.02 to 0.24
+    weight = loader_values("Q8_0", raw)
+    kernels.use_stream(weight, stream_of(kernels, "Q8_0", raw))
+    head = kernels.greedy.head(weight)
+    assert head is not None
+    generator = torch.Generator().manual_seed(4)
+    negative = [torch.randn(width, generator=generator) * 0.01 - 100.0 * torch.nn.functional.one_hot(torch.tensor(0), width)
+                for _ in range(6)]
+    last = [weight[vocab - 1].float() * scale for scale in (1.0, 3.0)]
+    x = torch.stack(negative + last).to(torch.bfloat16)
+    assert bool((full_logits := kernels.linear(x, weight, None).float())[:6].max() < 0)
+    found, counts = head.candidates(kernels.library, x.float().contiguous())
+    assert (counts > 0).all() and (found[counts.unsqueeze(1) > torch.arange(found.shape[1])] < vocab).all()
+    got = kernels.greedy.certified_ids(head, x, weight)
+    assert torch.equal(got, full_logits.max(-1).indices) and (got[6:] == vocab - 1).all()
+
+
 def test_the_loose_pass_leaves_the_candidates_the_bound_alone_gives(kernels):
     """The pass over every vocabulary row bounds each logit loosely (its row's largest block error and
     scale) and computes the block-by-block bound for the rows that leaves only: the candidates are
@@ -74,7 +108,7 @@ def test_the_loose_pass_leaves_the_candidates_the_bound_alone_gives(kernels):
                      for _ in range(10)]).to(torch.bfloat16).float()
 
     def candidates(limits: torch.Tensor) -> list[list[int]]:
-        probe = greedy.GreedyHead(head.codes, head.scale, head.error, limits, head.part)
+        probe = greedy.GreedyHead(head.codes, head.scale, head.error, limits, head.lane_scale, head.part)
         found, counts = probe.candidates(kernels.library, x)
         return [found[m, :counts[m]].tolist() if counts[m] >= 0 else None for m in range(len(x))]
 
@@ -110,10 +144,25 @@ def reference_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q.to(torch.int8).view(weight.shape), s, e
 
 
+def row_layout(head: greedy.GreedyHead, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A head's codes (vocab, K) and, on builds whose pass takes 16 vocabulary rows in a vector's lanes,
+    its lane scales (vocab, K / 32), put back in row order: the lanes layout is (groups, blocks, 8
+    steps of 4 k, 16 rows, 4 k) of code + 128, the lane scales (groups, blocks, 16 rows)."""
+    padded, width = head.codes.shape
+    if not head.lane_scale.numel():
+        return head.codes[:vocab], None
+    blocks = width // greedy.BLOCK
+    codes = head.codes.view(torch.uint8).view(padded // 16, blocks, 8, 16, 4).permute(0, 3, 1, 2, 4)
+    scale = head.lane_scale.view(padded // 16, blocks, 16).permute(0, 2, 1)
+    return ((codes.reshape(padded, width).to(torch.int16) - 128).to(torch.int8)[:vocab],
+            scale.reshape(padded, blocks)[:vocab])
+
+
 def test_the_heads_codes_and_bounds_are_made_as_defined(kernels):
     """d3d_greedy_weights gives PyTorch's codes, scales and errors bit for bit — on blocks of zeros,
     of one value, of bf16's smallest and largest normal values, and random ones at many scales —
-    and every error bounds its block's |w - scale·code|, exactly."""
+    and every error bounds its block's |w - scale·code|, exactly. A vocabulary not a multiple of the
+    pass's lanes is padded with rows of zeros (limits 0)."""
     generator = torch.Generator().manual_seed(7)
     rows = [torch.randn(96, generator=generator) * 10.0 ** p for p in range(-30, 31, 3)]
     rows += [torch.zeros(96), torch.full((96,), -0.37), torch.full((96,), 1.2e-38), torch.full((96,), 3.0e38),
@@ -121,12 +170,16 @@ def test_the_heads_codes_and_bounds_are_made_as_defined(kernels):
     weight = torch.stack(rows).to(torch.bfloat16)
     made = greedy.GreedyHead.of(weight, None, kernels.library)
     codes, scale, error = reference_codes(weight)
-    assert torch.equal(made.codes, codes) and torch.equal(made.scale, scale) and torch.equal(made.error, error)
-    assert torch.equal(made.limits, torch.stack([error.amax(-1), scale.amax(-1)], -1))
+    made_codes, lane_scale = row_layout(made, len(rows))
+    assert torch.equal(made_codes, codes) and torch.equal(made.scale, scale) and torch.equal(made.error, error)
+    assert lane_scale is None or torch.equal(lane_scale, scale)
+    padded = greedy.padded_rows(len(rows), kernels.greedy.lanes)
+    assert len(made.limits) == padded and not made.limits[len(rows):].any()
+    assert torch.equal(made.limits[:len(rows)], torch.stack([error.amax(-1), scale.amax(-1)], -1))
     off = (weight.double().view(len(rows), -1, 32) - codes.double().view(len(rows), -1, 32) * scale.double()[..., None])
     assert bool((off.abs().amax(-1) <= error.double()).all())
-    held = sum(t.numel() * t.element_size() for t in (made.codes, made.scale, made.error, made.limits))
-    assert greedy.GreedyHead.bytes_of(*weight.shape) == held  # what a load reserves for it
+    held = sum(t.numel() * t.element_size() for t in (made.codes, made.scale, made.error, made.limits, made.lane_scale))
+    assert greedy.GreedyHead.bytes_of(*weight.shape, kernels.greedy.lanes) == held  # what a load reserves for it
 
 
 def test_heads_without_runs_of_rows_have_none(kernels):
@@ -153,7 +206,7 @@ def test_decoding_through_the_greedy_head_gives_the_same_tokens(kernels):
     exact.greedy.on = True
     head = exact.greedy.head(target.head_weight)
     assert head is not None
-    head.max_rows = greedy.ROWS  # whatever this machine's timing said
+    head.rows = frozenset(range(1, greedy.ROWS + 1))  # whatever this machine's timing said
     calls = []
     real = exact.greedy.ids
     exact.greedy.ids = lambda x, weight: calls.append(x.shape[0]) or real(x, weight)

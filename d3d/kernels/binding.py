@@ -88,10 +88,12 @@ class RowExactKernels(WeightStreams):
         library.d3d_dequantize_reference.argtypes = [ptr, i64, ptr, i64, i64]
         for suffix in ("bf16", "f32"):
             getattr(library, f"d3d_linear_reference_{suffix}").argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32]
-        library.d3d_greedy_candidates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i32]
-        library.d3d_greedy_ids.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i32]
+        library.d3d_greedy_candidates.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i32]
+        library.d3d_greedy_ids.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i32]
         library.d3d_greedy_ids.restype = i64
-        library.d3d_greedy_weights.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i32]
+        library.d3d_greedy_weights.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
+        if hasattr(library, "d3d_greedy_lanes"):  # (not in an older build: its greedy head is off here)
+            library.d3d_greedy_lanes.restype = i64
         for suffix in ("bf16", "f32"):
             getattr(library, f"d3d_argmax_{suffix}").argtypes = [ptr, i64, i64, ptr]
             getattr(library, f"d3d_argmax_{suffix}").restype = i64

@@ -4,7 +4,7 @@
  * Greedy decoding needs only the argmax of each row's logits. An approximate head — the head's
  * weights as 8-bit codes per block of 32 (w ~ scale·q, |w - scale·q| <= error, both per block, made
  * once by d3d.kernels.binding from the exact weights), the row's hidden state as 16-bit codes per
- * block (x ~ s·c, |x - s·c| <= 0.51 s, s = max|x| / 32767), exact integer block sums scaled in fp32 —
+ * block (x ~ s·c, |x - s·c| <= 0.51 s, s = max|x| / 32512), exact integer block sums scaled in fp32 —
  * gives each logit A within a bound E of the exact one, rounding of both computations included:
  *   |z - A| <= sum_b error_b·S_b + scale_b·(127·32·0.51·s_b + 2·(K + 64)·u·128·S_b),  S_b = sum |x|,
  * u fp32's unit roundoff, then 1% and a relative 2^-20 of |A| more. With L the largest A - E and U the
@@ -28,6 +28,33 @@
 #define GREEDY_BLOCK 32
 #define GREEDY_MAX_BLOCKS 512  /* K up to 16,384 */
 
+
+
+
+
+
+
+
+#define GREEDY_CODE_TOP 32512.0f  /* the largest |code| of x: 127·256, so a code is 256·h + l with h and l in int8 */
+
+/* Where the CPU has AVX-512 VNNI, the pass takes 16 vocabulary rows in a vector's lanes: their codes
+ * stored as unsigned bytes (code + 128), 4 consecutive k of each in a lane — a block of 16 rows × 32 k
+ * is 8 vectors —, and x's 16-bit codes as two signed byte planes, c = 256·h + l, each 4-byte k step
+ * broadcast: `vpdpbusd` sums a lane's 4 products per operation, exactly in int32, so a block's sum
+ * Σ code·c = 256·Σ(code+128)·h + Σ(code+128)·l - 128·Σc takes 2 operations per 4 k of 16 rows, where
+ * the row layout widens the codes and takes `vpmaddwd` per 2 k. The sums are the same integers, scaled
+ * into fp32 chains as before (greedy.h's bound allows any order). Vocabulary rows past V, to a multiple
+ * of 16, have codes of 0, scales and limits of 0, and are never candidates. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GREEDY_LANES 16
+#else
+#define GREEDY_LANES 1
+#endif
+
+/* The vocabulary rows the head's tables hold: V to a multiple of GREEDY_LANES. */
+int64_t d3d_greedy_lanes(void) { return GREEDY_LANES; }
+static inline int64_t greedy_padded(int64_t V) { return (V + GREEDY_LANES - 1) / GREEDY_LANES * GREEDY_LANES; }
+
 /* The row's 16-bit codes and per-block constants: s_b, the bound's weight on error_b (S') and on
  * scale_b (C'). Returns 0 where x is not finite. */
 static int greedy_codes(const float *x, int64_t K, int16_t *codes, float *s, float *weight_on_error,
@@ -42,11 +69,11 @@ static int greedy_codes(const float *x, int64_t K, int16_t *codes, float *s, flo
             top = a > top ? a : top;
             sum += a;
         }
-        float step = top / 32767.0f;
+        float step = top / GREEDY_CODE_TOP;
         if (top > 0.0f && !(step >= 1e-30f)) return 0;  /* too small for 16-bit codes to bound */
         for (int i = 0; i < GREEDY_BLOCK; i++) {
             float c = step > 0.0f ? rintf(xb[i] / step) : 0.0f;
-            codes[b * GREEDY_BLOCK + i] = (int16_t)(c > 32767.0f ? 32767.0f : c < -32767.0f ? -32767.0f : c);
+            codes[b * GREEDY_BLOCK + i] = (int16_t)(c > GREEDY_CODE_TOP ? GREEDY_CODE_TOP : c < -GREEDY_CODE_TOP ? -GREEDY_CODE_TOP : c);
         }
         double sums = (double)sum * (1.0 + 64 * unit);  /* >= the exact sum of |x| */
         s[b] = step;
@@ -187,6 +214,108 @@ static inline __attribute__((always_inline)) void greedy_bounds(
         greedy_rows(xc, s, sum_error, sum_scale, R, 1, K, codes, scale, limits, V, v, v1, approx, bound, low, high);
 }
 
+#if GREEDY_LANES == 16
+/* x's 16-bit codes as the lanes pass reads them: per row, the planes h and l (c = 256·h + l, l in
+ * -128 … 127) and each block's Σc. */
+static void greedy_planes(const int16_t *codes, int64_t K, int8_t *high, int8_t *low, int32_t *sums) {
+    for (int64_t b = 0; b < K / GREEDY_BLOCK; b++) {
+        int32_t sum = 0;
+        for (int64_t i = b * GREEDY_BLOCK; i < (b + 1) * GREEDY_BLOCK; i++) {
+            int32_t h = ((int32_t)codes[i] + 128) >> 8;  /* floor: |c| <= 32512 gives |h| <= 127 */
+            high[i] = (int8_t)h, low[i] = (int8_t)(codes[i] - 256 * h);
+            sum += codes[i];
+        }
+        sums[b] = sum;
+    }
+}
+
+/* The approximate logits A and loose bounds E' (as greedy_rows defines them) of the P groups of 16
+ * vocabulary rows from group g, for R rows of x (planes at r·K, constants at r·blocks): per block,
+ * each (row, group) sums its two planes in int32 chains over the block's 8 code vectors (each read
+ * once for all rows), then scales the exact block sum into its fp32 chain. low[r] and high[r] (16
+ * lanes each) are raised to A - E' and A + E' of the vocabulary rows below V. approx and bound hold
+ * row r's at r·stride. R = 1 takes 2 groups (its chains' latency), more rows 1. */
+static inline __attribute__((always_inline)) void greedy_lanes(
+    const int8_t *high_plane, const int8_t *low_plane, const int32_t *sums, const float *s, const float *sum_error,
+    const float *sum_scale, const int R, const int P, int64_t K, const uint8_t *codes, const float *lane_scale,
+    const float *limits, int64_t V, int64_t stride, int64_t g, float *approx, float *bound, __m512 *low, __m512 *high) {
+    const int64_t blocks = K / GREEDY_BLOCK;
+    __m512 a[GREEDY_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) a[r][p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i hs[GREEDY_ROWS][2], ls[GREEDY_ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++) hs[r][p] = ls[r][p] = _mm512_setzero_si512();
+#ifdef GREEDY_LANES_AHEAD
+        for (int p = 0; p < P; p++)
+            for (int c = 0; c < 8; c++)
+                __builtin_prefetch(codes + ((g + p) * blocks + b) * 512 + GREEDY_LANES_AHEAD + c * 64, 0, GREEDY_LANES_LOCALITY);
+#endif
+        for (int j = 0; j < GREEDY_BLOCK / 4; j++)
+            for (int p = 0; p < P; p++) {
+                __m512i w = _mm512_loadu_si512(codes + (((g + p) * blocks + b) * 8 + j) * 64);
+                for (int r = 0; r < R; r++) {
+                    int32_t h, l;
+                    memcpy(&h, high_plane + r * K + b * GREEDY_BLOCK + 4 * j, 4);
+                    memcpy(&l, low_plane + r * K + b * GREEDY_BLOCK + 4 * j, 4);
+                    hs[r][p] = _mm512_dpbusd_epi32(hs[r][p], w, _mm512_set1_epi32(h));
+                    ls[r][p] = _mm512_dpbusd_epi32(ls[r][p], w, _mm512_set1_epi32(l));
+                }
+            }
+        for (int p = 0; p < P; p++) {
+            __m512 scale = _mm512_loadu_ps(lane_scale + ((g + p) * blocks + b) * 16);
+            for (int r = 0; r < R; r++) {
+                __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hs[r][p], 8), ls[r][p]),
+                                               _mm512_set1_epi32(128 * sums[r * blocks + b]));
+                a[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(s[r * blocks + b])),
+                                          a[r][p]);
+            }
+        }
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int p = 0; p < P; p++) {
+        int64_t v = (g + p) * 16;
+        __m512 first = _mm512_loadu_ps(limits + 2 * v), second = _mm512_loadu_ps(limits + 2 * v + 16);
+        __m512 most_error = _mm512_permutex2var_ps(first, even, second), most_scale = _mm512_permutex2var_ps(first, odd, second);
+        __mmask16 below = v + 16 <= V ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - v)) - 1u);
+        for (int r = 0; r < R; r++) {
+            __m512 e = _mm512_add_ps(_mm512_mul_ps(most_error, _mm512_set1_ps(sum_error[r])),
+                                     _mm512_mul_ps(most_scale, _mm512_set1_ps(sum_scale[r])));
+            __m512 bd = _mm512_add_ps(_mm512_mul_ps(e, _mm512_set1_ps(1.01f)),
+                                      _mm512_mul_ps(_mm512_abs_ps(a[r][p]), _mm512_set1_ps(1.0f / 1048576.0f)));
+            _mm512_storeu_ps(approx + r * stride + v, a[r][p]);
+            _mm512_storeu_ps(bound + r * stride + v, bd);
+            /* NaN in the first operand gives the second: a NaN is passed over, as greedy_rows's comparisons do */
+            low[r] = _mm512_mask_max_ps(low[r], below, _mm512_sub_ps(a[r][p], bd), low[r]);
+            high[r] = _mm512_mask_max_ps(high[r], below, _mm512_add_ps(a[r][p], bd), high[r]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void greedy_lanes_span(
+    const int8_t *high_plane, const int8_t *low_plane, const int32_t *sums, const float *s, const float *sum_error,
+    const float *sum_scale, const int R, const int P, int64_t K, const uint8_t *codes, const float *lane_scale,
+    const float *limits, int64_t V, int64_t stride, int64_t g0, int64_t g1, float *approx, float *bound, float *low,
+    float *high) {
+    __m512 lows[GREEDY_ROWS], highs[GREEDY_ROWS];
+    for (int r = 0; r < R; r++) lows[r] = highs[r] = _mm512_set1_ps(-INFINITY);
+    int64_t g = g0;
+    for (; g + P <= g1; g += P)
+        greedy_lanes(high_plane, low_plane, sums, s, sum_error, sum_scale, R, P, K, codes, lane_scale, limits, V, stride, g,
+                     approx, bound, lows, highs);
+    for (; g < g1; g++)
+        greedy_lanes(high_plane, low_plane, sums, s, sum_error, sum_scale, R, 1, K, codes, lane_scale, limits, V, stride, g,
+                     approx, bound, lows, highs);
+    for (int r = 0; r < R; r++) {  /* max is exact in any order */
+        float l = _mm512_reduce_max_ps(lows[r]), h = _mm512_reduce_max_ps(highs[r]);
+        low[r] = l > low[r] ? l : low[r];
+        high[r] = h > high[r] ? h : high[r];
+    }
+}
+#endif
+
 /* The least value a row's exact logit may have and still be the argmax's, from the largest lower and
  * upper bounds: two bf16 steps at their magnitude below the lower. */
 static inline float greedy_floor(float low, float high) {
@@ -201,16 +330,17 @@ static inline float greedy_floor(float low, float high) {
  * of each over them is the largest over all, and the candidates are the rows whose A + E reach the
  * floor of those — the rows E alone would have kept. */
 void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
-                           const float *error, const float *limits, int64_t V, int64_t cap, int64_t *candidates,
-                           int64_t *counts, int threads) {
+                           const float *error, const float *limits, const float *lane_scale, int64_t V, int64_t cap,
+                           int64_t *candidates, int64_t *counts, int threads) {
     /* the approximate logits and loose bounds: scratch of the calling thread's, kept (a fresh 1.5 MB
      * a call cost its page faults every step) */
     static _Thread_local float *scratch = NULL;
     static _Thread_local int64_t scratch_v = 0;
-    if (scratch_v < V) {
+    const int64_t stride = greedy_padded(V);
+    if (scratch_v < stride) {
         free(scratch);
-        scratch = (float *)malloc(sizeof(float) * 2 * GREEDY_ROWS * V);
-        scratch_v = scratch ? V : 0;
+        scratch = (float *)malloc(sizeof(float) * 2 * GREEDY_ROWS * stride);
+        scratch_v = scratch ? stride : 0;
     }
     if (!scratch) {
         for (int64_t m = 0; m < M; m++) counts[m] = -1;
@@ -224,7 +354,16 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
     int16_t *xc = codes_of_x;
     float *s = constants, *on_error = s + GREEDY_ROWS * GREEDY_MAX_BLOCKS, *on_scale = on_error + GREEDY_ROWS * GREEDY_MAX_BLOCKS;
     int64_t blocks = K / GREEDY_BLOCK;
-    float *approx = scratch, *bound = scratch + GREEDY_ROWS * V;
+    float *approx = scratch, *bound = scratch + GREEDY_ROWS * stride;
+#if GREEDY_LANES == 16
+    static _Thread_local int8_t planes[2 * GREEDY_ROWS * GREEDY_MAX_BLOCKS * GREEDY_BLOCK];
+    static _Thread_local int32_t code_sums[GREEDY_ROWS * GREEDY_MAX_BLOCKS];
+    int8_t *high_plane = planes, *low_plane = planes + GREEDY_ROWS * GREEDY_MAX_BLOCKS * GREEDY_BLOCK;
+    int32_t *block_sums = code_sums;  /* (the team's threads have thread-locals of their own) */
+    const uint8_t *lane_codes = (const uint8_t *)codes;
+#else
+    (void)lane_scale;
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += GREEDY_ROWS) {
         int64_t rows[GREEDY_ROWS];  /* the rows of x this pass takes: the finite ones */
         float sum_error[GREEDY_ROWS], sum_scale[GREEDY_ROWS];
@@ -238,6 +377,9 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
                 double se = 0.0, sc = 0.0;
                 for (int64_t b = 0; b < blocks; b++) se += on_error[R * blocks + b], sc += on_scale[R * blocks + b];
                 sum_error[R] = (float)(se * (1.0 + 1.0 / 4096.0)), sum_scale[R] = (float)(sc * (1.0 + 1.0 / 4096.0));
+#if GREEDY_LANES == 16
+                greedy_planes(xc + R * K, K, high_plane + R * K, low_plane + R * K, block_sums + R * blocks);
+#endif
                 rows[R++] = m;
             }
         }
@@ -249,6 +391,19 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
             int64_t n = omp_get_num_threads(), me = omp_get_thread_num();
             float my_low[GREEDY_ROWS], my_high[GREEDY_ROWS];
             for (int r = 0; r < R; r++) my_low[r] = my_high[r] = -INFINITY;
+#if GREEDY_LANES == 16
+            int64_t groups = stride / 16, g0 = groups * me / n, g1 = groups * (me + 1) / n;
+#define GREEDY_LANES_SPAN(R_, P_) greedy_lanes_span(high_plane, low_plane, block_sums, s, sum_error, sum_scale, R_, P_, K, \
+                                                    lane_codes, lane_scale, limits, V, stride, g0, g1, approx, bound,   \
+                                                    my_low, my_high)
+            switch (R) {  /* one copy per row count, its accumulators in registers */
+                case 1: GREEDY_LANES_SPAN(1, 2); break;
+                case 2: GREEDY_LANES_SPAN(2, 1); break;
+                case 3: GREEDY_LANES_SPAN(3, 1); break;
+                default: GREEDY_LANES_SPAN(4, 1); break;
+            }
+#undef GREEDY_LANES_SPAN
+#else
             int64_t v0 = V * me / n, v1 = V * (me + 1) / n;
             switch (R) {  /* one copy per row count, its accumulators in registers */
                 case 1: greedy_bounds(xc, s, sum_error, sum_scale, 1, GREEDY_P1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
@@ -256,6 +411,7 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
                 case 3: greedy_bounds(xc, s, sum_error, sum_scale, 3, 1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
                 default: greedy_bounds(xc, s, sum_error, sum_scale, 4, 1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
             }
+#endif
             _Pragma("omp critical")
             for (int r = 0; r < R; r++) {
                 low[r] = my_low[r] > low[r] ? my_low[r] : low[r];
@@ -265,7 +421,7 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
         for (int r = 0; r < R; r++) {
             if (!(low[r] > -INFINITY) || !(high[r] < INFINITY)) continue;
             float floor = greedy_floor(low[r], high[r]);
-            const float *ar = approx + r * V, *br = bound + r * V;
+            const float *ar = approx + r * stride, *br = bound + r * stride;
             int64_t left = 0;
             for (int64_t v = 0; v < V && left <= GREEDY_LOOSE_CAP; v++)
                 if (ar[v] + br[v] >= floor) {
@@ -303,7 +459,7 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
  * result is its own) — the first of the largest; -1 where the row takes the exact head. Returns the
  * number of those. */
 int64_t d3d_greedy_ids(const uint16_t *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
-                    const float *error, const float *limits, int64_t V, const void *head, int64_t format,
+                    const float *error, const float *limits, const float *lane_scale, int64_t V, const void *head, int64_t format,
                     const void *grouped, int64_t grouped_format, int64_t *ids, int threads) {
     static _Thread_local float *rows_f32 = NULL, *scratch = NULL;
     static _Thread_local int64_t rows_size = 0, scratch_size = 0;
@@ -316,7 +472,7 @@ int64_t d3d_greedy_ids(const uint16_t *x, int64_t M, int64_t K, const int8_t *co
         for (int64_t m = 0; m < R; m++) ids[m0 + m] = -1;
         if (!rows_f32 || !scratch) continue;
         for (int64_t i = 0; i < R * K; i++) rows_f32[i] = bf16_to_f32(x[m0 * K + i]);
-        d3d_greedy_candidates(rows_f32, R, K, codes, scale, error, limits, V, GREEDY_CAP, found, counts, threads);
+        d3d_greedy_candidates(rows_f32, R, K, codes, scale, error, limits, lane_scale, V, GREEDY_CAP, found, counts, threads);
         int64_t row_bytes = K / CHUNK * block_bytes(format);
         for (int64_t m = 0; m < R; m++) {
             int64_t best = -1, run = -1;
@@ -356,17 +512,19 @@ int64_t d3d_greedy_ids(const uint16_t *x, int64_t M, int64_t K, const int8_t *co
 /* The approximate head of a bf16 head weight w (V, K), K a multiple of 32, made once: per block of
  * 32, scale = max|w| / 127, codes = w / scale rounded to nearest even (0 where the block is 0),
  * error = max |w - scale·code| computed exactly in double and rounded up to fp32 — any code would
- * do, the error being measured afterwards. Rows split between the threads. */
+ * do, the error being measured afterwards. Rows split between the threads. codes and limits hold
+ * greedy_padded(V) rows: on lanes builds the codes in the pass's layout (16 rows' 4 k a lane, each
+ * code + 128) and lane_scale (groups, blocks, 16) the scales beside them; rows past V 0. */
 void d3d_greedy_weights(const uint16_t *w, int64_t V, int64_t K, int8_t *codes, float *scale, float *error,
-                        float *limits, int threads) {
+                        float *limits, float *lane_scale, int threads) {
     int64_t blocks = K / GREEDY_BLOCK;
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
-    for (int64_t v = 0; v < V; v++) {
+    for (int64_t v = 0; v < greedy_padded(V); v++) {
+        float most_error = 0.0f, most_scale = 0.0f;
         for (int64_t b = 0; b < blocks; b++) {
-            const uint16_t *wb = w + v * K + b * GREEDY_BLOCK;
             float values[GREEDY_BLOCK], top = 0.0f;
             for (int i = 0; i < GREEDY_BLOCK; i++) {
-                uint32_t bits = (uint32_t)wb[i] << 16;
+                uint32_t bits = v < V ? (uint32_t)w[v * K + b * GREEDY_BLOCK + i] << 16 : 0;
                 memcpy(&values[i], &bits, sizeof bits);
                 top = fabsf(values[i]) > top ? fabsf(values[i]) : top;
             }
@@ -375,18 +533,24 @@ void d3d_greedy_weights(const uint16_t *w, int64_t V, int64_t K, int8_t *codes, 
             for (int i = 0; i < GREEDY_BLOCK; i++) {
                 float q = rintf(values[i] / divisor);
                 q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+#if GREEDY_LANES == 16
+                codes[(((v / 16) * blocks + b) * 8 + i / 4) * 64 + v % 16 * 4 + i % 4] = (int8_t)(uint8_t)((int)q + 128);
+#else
                 codes[v * K + b * GREEDY_BLOCK + i] = (int8_t)q;
+#endif
                 double off = fabs((double)values[i] - (double)q * (double)s);
                 worst = off > worst ? off : worst;
             }
             float e = (float)worst;
-            scale[v * blocks + b] = s;
-            error[v * blocks + b] = (double)e < worst ? nextafterf(e, INFINITY) : e;
-        }
-        float most_error = 0.0f, most_scale = 0.0f;
-        for (int64_t b = 0; b < blocks; b++) {
-            most_error = error[v * blocks + b] > most_error ? error[v * blocks + b] : most_error;
-            most_scale = scale[v * blocks + b] > most_scale ? scale[v * blocks + b] : most_scale;
+            e = (double)e < worst ? nextafterf(e, INFINITY) : e;
+            if (v < V) scale[v * blocks + b] = s, error[v * blocks + b] = e;
+#if GREEDY_LANES == 16
+            lane_scale[((v / 16) * blocks + b) * 16 + v % 16] = s;
+#else
+            (void)lane_scale;
+#endif
+            most_error = e > most_error ? e : most_error;
+            most_scale = s > most_scale ? s : most_scale;
         }
         limits[2 * v] = most_error, limits[2 * v + 1] = most_scale;
     }

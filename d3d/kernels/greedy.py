@@ -31,6 +31,7 @@ import torch
 from d3d.kernels.packing import BLOCK, WEIGHT_FORMATS, HugePageArena, StreamPart
 from d3d.sampling import greedy_ids
 
+SWEEP_BYTES = 64 << 20  # what `faster_rows` reads between calls: more than the last-level caches hold
 CAP = 64  # candidates a row may have before it takes the exact head instead (SmolLM2-135M: 9 at most; greedy.h's GREEDY_CAP)
 ROWS = 4  # rows of hidden state one pass over the codes takes (greedy.h's GREEDY_ROWS)
 
@@ -39,15 +40,18 @@ ROWS = 4  # rows of hidden state one pass over the codes takes (greedy.h's GREED
 class GreedyHead:
     """One head weight (V, K) prepared for `greedy.h`: its codes, block scales and block errors, each
     vocabulary row's largest error and scale, and the stream part whose runs of rows give the exact
-    logits."""
+    logits. Where the build takes 16 vocabulary rows in a vector's lanes (AVX-512 VNNI; `lanes` 16),
+    the codes (padded to a multiple of 16 rows) are in that pass's layout and `lane_scale` holds the
+    scales beside them; elsewhere the codes are (V, K) and `lane_scale` is empty."""
 
-    codes: torch.Tensor  # (V, K) int8
+    codes: torch.Tensor  # (V padded to lanes, K) int8: row by row, or (groups, blocks, 8, 16 rows, 4 k) of code + 128
     scale: torch.Tensor  # (V, K / 32) fp32
     error: torch.Tensor  # (V, K / 32) fp32, >= |w - scale · code| over each block
-    limits: torch.Tensor  # (V, 2) fp32: each row's largest error and largest scale
+    limits: torch.Tensor  # (V padded, 2) fp32: each row's largest error and largest scale (0 past V)
+    lane_scale: torch.Tensor  # (V padded, K / 32) fp32 as (groups, blocks, 16 rows) where lanes is 16; else empty
     part: StreamPart
     grouped: StreamPart | None = None  # the kernels' grouped copy of the head (G8), whose groups give the exact logits
-    max_rows: int = ROWS  # calls of more rows take the exact head (set by `fastest_rows`)
+    rows: frozenset[int] = frozenset(range(1, ROWS + 1))  # the row counts it takes (set by `faster_rows`)
 
     @classmethod
     def of(cls, weight: torch.Tensor, part: StreamPart, library: ctypes.CDLL, arena: HugePageArena | None = None) -> "GreedyHead":
@@ -55,29 +59,34 @@ class GreedyHead:
         per weight will do — each block's error is measured afterwards, exactly, and rounded up to
         fp32; in `arena`'s huge pages where given, as the streams (32 MB read per call on SmolLM2-135M)."""
         vocab, width = weight.shape
-        blocks = width // BLOCK
+        lanes = library.d3d_greedy_lanes()
+        padded, blocks = padded_rows(vocab, lanes), width // BLOCK
         empty = arena.empty if arena is not None else lambda shape, dtype: torch.empty(shape, dtype=dtype)
-        codes, scale, error = empty((vocab, width), torch.int8), empty((vocab, blocks), torch.float32), \
+        codes, scale, error = empty((padded, width), torch.int8), empty((vocab, blocks), torch.float32), \
             empty((vocab, blocks), torch.float32)
-        limits = empty((vocab, 2), torch.float32)
+        limits = empty((padded, 2), torch.float32)
+        lane_scale = empty((padded, blocks) if lanes > 1 else (0, blocks), torch.float32)
         values = weight.detach().contiguous()
         library.d3d_greedy_weights(values.data_ptr(), vocab, width, codes.data_ptr(), scale.data_ptr(),
-                                   error.data_ptr(), limits.data_ptr(), torch.get_num_threads())
-        return cls(codes, scale, error, limits, part)
+                                   error.data_ptr(), limits.data_ptr(), lane_scale.data_ptr(), torch.get_num_threads())
+        return cls(codes, scale, error, limits, lane_scale, part)
 
     @staticmethod
-    def bytes_of(vocab: int, width: int) -> int:
-        """The arena bytes `of` takes for a (vocab, width) head: the codes, scales, errors and limits."""
-        return vocab * width + 2 * vocab * (width // BLOCK) * 4 + vocab * 2 * 4
+    def bytes_of(vocab: int, width: int, lanes: int) -> int:
+        """The arena bytes `of` takes for a (vocab, width) head on a build of `lanes` (d3d_greedy_lanes):
+        the codes, scales, errors, limits and lane scales."""
+        padded, blocks = padded_rows(vocab, lanes), width // BLOCK
+        return padded * width + 2 * vocab * blocks * 4 + padded * 2 * 4 + (padded * blocks * 4 if lanes > 1 else 0)
 
-    @staticmethod
-    def read_of(vocab: int, width: int) -> int:
-        """The bytes one call reads of them: the codes, scales and limits (the errors of a few rows)."""
-        return vocab * width + vocab * (width // BLOCK) * 4 + vocab * 2 * 4
+    def bytes_read(self) -> int:
+        """The bytes one call reads of its tables: the codes, the pass's scales and the limits (the
+        errors, and on lanes builds the row-layout scales, of a few rows)."""
+        pass_scales = self.lane_scale if self.lane_scale.numel() else self.scale
+        return sum(t.numel() * t.element_size() for t in (self.codes, pass_scales, self.limits))
 
-    def _tables(self) -> tuple[int, int, int, int, int]:
+    def _tables(self) -> tuple[int, int, int, int, int, int]:
         return (self.codes.data_ptr(), self.scale.data_ptr(), self.error.data_ptr(), self.limits.data_ptr(),
-                self.codes.shape[0])
+                self.lane_scale.data_ptr(), self.scale.shape[0])
 
     def candidates(self, library: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(M, CAP) candidate vocabulary rows and their counts (M,) for x (M, K) fp32; a count of -1:
@@ -103,6 +112,11 @@ class GreedyHead:
         return ids, left
 
 
+def padded_rows(vocab: int, lanes: int) -> int:
+    """The vocabulary rows a head's codes and limits hold: `vocab` to a multiple of the pass's lanes."""
+    return -(-vocab // lanes) * lanes
+
+
 def supports(part: StreamPart, weight: torch.Tensor) -> bool:
     """Whether a head's stream part can give runs of its rows: quantized, one part for the whole bf16 weight."""
     return part.quantized and weight.dtype == torch.bfloat16 and part.rows == weight.shape[0] and \
@@ -120,7 +134,9 @@ class GreedyHeads:
     def __init__(self, kernels: Any) -> None:  # the RowExactKernels that holds it (binding imports this module)
         self.kernels = kernels
         wanted = os.environ.get("D3D_GREEDY_HEAD", "")
-        self.on = wanted == "1" or wanted != "0" and not kernels.path_name.startswith("amx")
+        current = hasattr(kernels.library, "d3d_greedy_lanes")  # (an older build's tables differ: off)
+        self.on = current and (wanted == "1" or wanted != "0" and not kernels.path_name.startswith("amx"))
+        self.lanes = kernels.library.d3d_greedy_lanes() if current else 1  # vocabulary rows in a pass's lanes
         # id(weight) → (weakref, (its version, the kernels' stream epoch), its head or None where the
         # path does not apply or lost its check)
         self._heads: dict[int, tuple[weakref.ref, tuple[int, int], GreedyHead | None]] = {}
@@ -130,7 +146,7 @@ class GreedyHeads:
         included — for x (M, K); None where the path is off, or not used for this weight or this many
         rows (the caller then takes the argmax of the full logits: the same ids)."""
         head = self.head(weight)
-        if head is None or x.shape[0] > head.max_rows or x.dtype != weight.dtype:
+        if head is None or x.shape[0] not in head.rows or x.dtype != weight.dtype:
             return None
         return self.certified_ids(head, x, weight)
 
@@ -153,7 +169,7 @@ class GreedyHeads:
             certified = lambda x: self.certified_ids(head, x, weight)  # noqa: E731
             full = lambda x: self.full_ids(x, weight)  # noqa: E731
             if check(certified, full, width):
-                head.max_rows = fastest_rows(certified, full, width)
+                head.rows = faster_rows(certified, full, width)
             else:
                 print("d3d: the greedy head's argmax differs from the full head's on this machine; "
                       "the full head instead", file=sys.stderr)
@@ -187,20 +203,22 @@ def check(ids_of: Callable[[torch.Tensor], torch.Tensor], full_ids: Callable[[to
     return torch.equal(ids_of(x), full_ids(x))
 
 
-def fastest_rows(ids_of: Callable[[torch.Tensor], torch.Tensor], full_ids: Callable[[torch.Tensor], torch.Tensor],
-                 width: int, repeats: int = 5) -> int:
-    """The most rows (0 … ROWS) for which the certified head beat the exact one (≤ 0.95 of its time,
-    the best of `repeats` alternated calls each), on this machine now."""
+def faster_rows(ids_of: Callable[[torch.Tensor], torch.Tensor], full_ids: Callable[[torch.Tensor], torch.Tensor],
+                width: int, repeats: int = 5) -> frozenset[int]:
+    """The row counts (1 … ROWS) for which the certified head beat the exact one (≤ 0.95 of its time,
+    the best of `repeats` alternated calls each), on this machine now — each call after a sweep of
+    more memory than a CPU caches, as a decoding step's head comes after its layers' weights."""
     x = (torch.randn(ROWS, width, generator=torch.Generator().manual_seed(1))).to(torch.bfloat16)
-    best = 0
+    sweep = torch.zeros(SWEEP_BYTES // 4, dtype=torch.int32)
+    faster = set()
     for rows in range(1, ROWS + 1):
         times: dict[Any, float] = {ids_of: float("inf"), full_ids: float("inf")}
         for _ in range(repeats):
             for fn in (ids_of, full_ids):
+                sweep.add_(1)
                 started = time.perf_counter()
                 fn(x[:rows])
                 times[fn] = min(times[fn], time.perf_counter() - started)
-        if times[ids_of] > 0.95 * times[full_ids]:
-            break
-        best = rows
-    return best
+        if times[ids_of] <= 0.95 * times[full_ids]:
+            faster.add(rows)
+    return frozenset(faster)
