@@ -35,6 +35,7 @@
 
 
 
+
 #define GREEDY_CODE_TOP 32512.0f  /* the largest |code| of x: 127·256, so a code is 256·h + l with h and l in int8 */
 
 /* Where the CPU has AVX-512 VNNI, the pass takes 16 vocabulary rows in a vector's lanes: their codes
@@ -229,84 +230,71 @@ static void greedy_planes(const int16_t *codes, int64_t K, int8_t *high, int8_t 
     }
 }
 
-/* The approximate logits A and loose bounds E' (as greedy_rows defines them) of the P groups of 16
- * vocabulary rows from group g, for R rows of x (planes at r·K, constants at r·blocks): per block,
- * each (row, group) sums its two planes in int32 chains over the block's 8 code vectors (each read
- * once for all rows), then scales the exact block sum into its fp32 chain. low[r] and high[r] (16
- * lanes each) are raised to A - E' and A + E' of the vocabulary rows below V. approx and bound hold
- * row r's at r·stride. R = 1 takes 2 groups (its chains' latency), more rows 1. */
+/* The approximate logits A and loose bounds E' (as greedy_rows defines them) of group g's 16
+ * vocabulary rows for R rows of x (planes at r·K, constants at r·blocks): per block, each row sums
+ * its two planes in int32 chains over the block's 8 code vectors (each read once for all rows; at
+ * 1-2 rows even and odd vectors in chains of their own, for their latency), then scales the exact block sum into
+ * its fp32 chain. low[r] and high[r] (16 lanes each) are raised to A - E' and A + E' of the
+ * vocabulary rows below V; approx and bound hold row r's at r·stride. One group at a time: a
+ * thread's groups are one stream in memory (two groups at once, two streams 9 KB apart, were
+ * 1.2-1.3x slower from memory on an AMD EPYC Zen 4). */
 static inline __attribute__((always_inline)) void greedy_lanes(
     const int8_t *high_plane, const int8_t *low_plane, const int32_t *sums, const float *s, const float *sum_error,
-    const float *sum_scale, const int R, const int P, int64_t K, const uint8_t *codes, const float *lane_scale,
-    const float *limits, int64_t V, int64_t stride, int64_t g, float *approx, float *bound, __m512 *low, __m512 *high) {
+    const float *sum_scale, const int R, int64_t K, const uint8_t *codes, const float *lane_scale, const float *limits,
+    int64_t V, int64_t stride, int64_t g, float *approx, float *bound, __m512 *low, __m512 *high) {
     const int64_t blocks = K / GREEDY_BLOCK;
-    __m512 a[GREEDY_ROWS][2];
-    for (int r = 0; r < R; r++)
-        for (int p = 0; p < P; p++) a[r][p] = _mm512_setzero_ps();
+    __m512 a[GREEDY_ROWS];
+    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = codes + (g * blocks + b) * 512;
         __m512i hs[GREEDY_ROWS][2], ls[GREEDY_ROWS][2];
-        for (int r = 0; r < R; r++)
-            for (int p = 0; p < P; p++) hs[r][p] = ls[r][p] = _mm512_setzero_si512();
-#ifdef GREEDY_LANES_AHEAD
-        for (int p = 0; p < P; p++)
-            for (int c = 0; c < 8; c++)
-                __builtin_prefetch(codes + ((g + p) * blocks + b) * 512 + GREEDY_LANES_AHEAD + c * 64, 0, GREEDY_LANES_LOCALITY);
-#endif
-        for (int j = 0; j < GREEDY_BLOCK / 4; j++)
-            for (int p = 0; p < P; p++) {
-                __m512i w = _mm512_loadu_si512(codes + (((g + p) * blocks + b) * 8 + j) * 64);
-                for (int r = 0; r < R; r++) {
-                    int32_t h, l;
-                    memcpy(&h, high_plane + r * K + b * GREEDY_BLOCK + 4 * j, 4);
-                    memcpy(&l, low_plane + r * K + b * GREEDY_BLOCK + 4 * j, 4);
-                    hs[r][p] = _mm512_dpbusd_epi32(hs[r][p], w, _mm512_set1_epi32(h));
-                    ls[r][p] = _mm512_dpbusd_epi32(ls[r][p], w, _mm512_set1_epi32(l));
-                }
-            }
-        for (int p = 0; p < P; p++) {
-            __m512 scale = _mm512_loadu_ps(lane_scale + ((g + p) * blocks + b) * 16);
+        for (int r = 0; r < R; r++) hs[r][0] = hs[r][1] = ls[r][0] = ls[r][1] = _mm512_setzero_si512();
+        const int chains = R <= 2 ? 2 : 1;  /* a plane's chains a row: more rows are latency enough */
+        for (int j = 0; j < GREEDY_BLOCK / 4; j++) {
+            __m512i w = _mm512_loadu_si512(block + j * 64);
             for (int r = 0; r < R; r++) {
-                __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hs[r][p], 8), ls[r][p]),
-                                               _mm512_set1_epi32(128 * sums[r * blocks + b]));
-                a[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(s[r * blocks + b])),
-                                          a[r][p]);
+                int32_t h, l;
+                memcpy(&h, high_plane + r * K + b * GREEDY_BLOCK + 4 * j, 4);
+                memcpy(&l, low_plane + r * K + b * GREEDY_BLOCK + 4 * j, 4);
+                hs[r][j % chains] = _mm512_dpbusd_epi32(hs[r][j % chains], w, _mm512_set1_epi32(h));
+                ls[r][j % chains] = _mm512_dpbusd_epi32(ls[r][j % chains], w, _mm512_set1_epi32(l));
             }
+        }
+        __m512 scale = _mm512_loadu_ps(lane_scale + (g * blocks + b) * 16);
+        for (int r = 0; r < R; r++) {
+            __m512i high_sum = _mm512_add_epi32(hs[r][0], hs[r][1]), low_sum = _mm512_add_epi32(ls[r][0], ls[r][1]);
+            __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(high_sum, 8), low_sum),
+                                           _mm512_set1_epi32(128 * sums[r * blocks + b]));
+            a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_set1_ps(s[r * blocks + b])), a[r]);
         }
     }
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int p = 0; p < P; p++) {
-        int64_t v = (g + p) * 16;
-        __m512 first = _mm512_loadu_ps(limits + 2 * v), second = _mm512_loadu_ps(limits + 2 * v + 16);
-        __m512 most_error = _mm512_permutex2var_ps(first, even, second), most_scale = _mm512_permutex2var_ps(first, odd, second);
-        __mmask16 below = v + 16 <= V ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - v)) - 1u);
-        for (int r = 0; r < R; r++) {
-            __m512 e = _mm512_add_ps(_mm512_mul_ps(most_error, _mm512_set1_ps(sum_error[r])),
-                                     _mm512_mul_ps(most_scale, _mm512_set1_ps(sum_scale[r])));
-            __m512 bd = _mm512_add_ps(_mm512_mul_ps(e, _mm512_set1_ps(1.01f)),
-                                      _mm512_mul_ps(_mm512_abs_ps(a[r][p]), _mm512_set1_ps(1.0f / 1048576.0f)));
-            _mm512_storeu_ps(approx + r * stride + v, a[r][p]);
-            _mm512_storeu_ps(bound + r * stride + v, bd);
-            /* NaN in the first operand gives the second: a NaN is passed over, as greedy_rows's comparisons do */
-            low[r] = _mm512_mask_max_ps(low[r], below, _mm512_sub_ps(a[r][p], bd), low[r]);
-            high[r] = _mm512_mask_max_ps(high[r], below, _mm512_add_ps(a[r][p], bd), high[r]);
-        }
+    int64_t v = g * 16;
+    __m512 first = _mm512_loadu_ps(limits + 2 * v), second = _mm512_loadu_ps(limits + 2 * v + 16);
+    __m512 most_error = _mm512_permutex2var_ps(first, even, second), most_scale = _mm512_permutex2var_ps(first, odd, second);
+    __mmask16 below = v + 16 <= V ? (__mmask16)0xFFFF : (__mmask16)((1u << (V - v)) - 1u);
+    for (int r = 0; r < R; r++) {
+        __m512 e = _mm512_add_ps(_mm512_mul_ps(most_error, _mm512_set1_ps(sum_error[r])),
+                                 _mm512_mul_ps(most_scale, _mm512_set1_ps(sum_scale[r])));
+        __m512 bd = _mm512_add_ps(_mm512_mul_ps(e, _mm512_set1_ps(1.01f)),
+                                  _mm512_mul_ps(_mm512_abs_ps(a[r]), _mm512_set1_ps(1.0f / 1048576.0f)));
+        _mm512_storeu_ps(approx + r * stride + v, a[r]);
+        _mm512_storeu_ps(bound + r * stride + v, bd);
+        /* NaN in the first operand gives the second: a NaN is passed over, as greedy_rows's comparisons do */
+        low[r] = _mm512_mask_max_ps(low[r], below, _mm512_sub_ps(a[r], bd), low[r]);
+        high[r] = _mm512_mask_max_ps(high[r], below, _mm512_add_ps(a[r], bd), high[r]);
     }
 }
 
 static inline __attribute__((always_inline)) void greedy_lanes_span(
     const int8_t *high_plane, const int8_t *low_plane, const int32_t *sums, const float *s, const float *sum_error,
-    const float *sum_scale, const int R, const int P, int64_t K, const uint8_t *codes, const float *lane_scale,
-    const float *limits, int64_t V, int64_t stride, int64_t g0, int64_t g1, float *approx, float *bound, float *low,
-    float *high) {
+    const float *sum_scale, const int R, int64_t K, const uint8_t *codes, const float *lane_scale, const float *limits,
+    int64_t V, int64_t stride, int64_t g0, int64_t g1, float *approx, float *bound, float *low, float *high) {
     __m512 lows[GREEDY_ROWS], highs[GREEDY_ROWS];
     for (int r = 0; r < R; r++) lows[r] = highs[r] = _mm512_set1_ps(-INFINITY);
-    int64_t g = g0;
-    for (; g + P <= g1; g += P)
-        greedy_lanes(high_plane, low_plane, sums, s, sum_error, sum_scale, R, P, K, codes, lane_scale, limits, V, stride, g,
-                     approx, bound, lows, highs);
-    for (; g < g1; g++)
-        greedy_lanes(high_plane, low_plane, sums, s, sum_error, sum_scale, R, 1, K, codes, lane_scale, limits, V, stride, g,
+    for (int64_t g = g0; g < g1; g++)
+        greedy_lanes(high_plane, low_plane, sums, s, sum_error, sum_scale, R, K, codes, lane_scale, limits, V, stride, g,
                      approx, bound, lows, highs);
     for (int r = 0; r < R; r++) {  /* max is exact in any order */
         float l = _mm512_reduce_max_ps(lows[r]), h = _mm512_reduce_max_ps(highs[r]);
@@ -393,14 +381,14 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
             for (int r = 0; r < R; r++) my_low[r] = my_high[r] = -INFINITY;
 #if GREEDY_LANES == 16
             int64_t groups = stride / 16, g0 = groups * me / n, g1 = groups * (me + 1) / n;
-#define GREEDY_LANES_SPAN(R_, P_) greedy_lanes_span(high_plane, low_plane, block_sums, s, sum_error, sum_scale, R_, P_, K, \
-                                                    lane_codes, lane_scale, limits, V, stride, g0, g1, approx, bound,   \
-                                                    my_low, my_high)
+#define GREEDY_LANES_SPAN(R_) greedy_lanes_span(high_plane, low_plane, block_sums, s, sum_error, sum_scale, R_, K, \
+                                                lane_codes, lane_scale, limits, V, stride, g0, g1, approx, bound,  \
+                                                my_low, my_high)
             switch (R) {  /* one copy per row count, its accumulators in registers */
-                case 1: GREEDY_LANES_SPAN(1, 2); break;
-                case 2: GREEDY_LANES_SPAN(2, 1); break;
-                case 3: GREEDY_LANES_SPAN(3, 1); break;
-                default: GREEDY_LANES_SPAN(4, 1); break;
+                case 1: GREEDY_LANES_SPAN(1); break;
+                case 2: GREEDY_LANES_SPAN(2); break;
+                case 3: GREEDY_LANES_SPAN(3); break;
+                default: GREEDY_LANES_SPAN(4); break;
             }
 #undef GREEDY_LANES_SPAN
 #else
