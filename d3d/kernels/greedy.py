@@ -10,10 +10,11 @@ is a pointer into it) — or, where the head has a grouped copy (G8, AVX-512 BF1
 candidate's 16-column group of it, as the full head's one-row call reads it — and the first of the
 largest is the argmax — the index `greedy_ids` takes from the full logits, ties included. The bound
 is checked on random rows against the full head when a head is prepared (`check`), and the path is
-used only where it is faster than the exact head on the running machine (`GreedyHead.max_rows`,
-`fastest_rows`: over SmolLM2-135M's Q8_0 head, one row 1.0 ms against 1.6 on an AMD EPYC Zen 3,
-0.91 against 1.06 on a Zen 4). `GreedyHeads` holds a kernels object's heads,
-one per head weight, and says where the path is on (`GreedyHeads.on`).
+used for the row counts where it is faster than the exact head on the running machine
+(`GreedyHead.rows`, `faster_rows`: over SmolLM2-135M's Q8_0 head, one row 1.0 ms against 1.6 on an
+AMD EPYC Zen 3; on a Zen 4, whose pass takes 16 vocabulary rows in a vector's lanes, whole greedy
+steps 0.95 / 0.92 / 0.93 / 0.95 of the full head's at 1 / 2 / 3 / 4 rows). `GreedyHeads` holds a
+kernels object's heads, one per head weight, and says where the path is on (`GreedyHeads.on`).
 """
 
 from __future__ import annotations
@@ -127,9 +128,9 @@ class GreedyHeads:
     """A kernels object's greedy heads, one per head weight, prepared at its first use and again after
     the weight or any stream changes. On by default but where the AMX tiles are (D3D_GREEDY_HEAD=1
     turns it on there too, 0 off everywhere); used for the row counts where it was faster on this
-    machine when prepared (`fastest_rows`). AMD EPYC Zen 3 (AVX2): one row 1.0 against 1.6 ms. Zen 4
-    (AVX-512: the pass in 16 lanes, the candidates' logits from the head's grouped copy): one row
-    0.91 against 1.06 ms for the full head and its argmax; two rows slower (1.66 against 1.28)."""
+    machine when prepared (`faster_rows`). AMD EPYC Zen 3 (AVX2): one row 1.0 against 1.6 ms. Zen 4
+    (AVX-512 VNNI: 16 vocabulary rows in a vector's lanes, the candidates' logits from the head's
+    grouped copy): every row count 1-4."""
 
     def __init__(self, kernels: Any) -> None:  # the RowExactKernels that holds it (binding imports this module)
         self.kernels = kernels
