@@ -78,10 +78,9 @@ class SequenceRows:
     """One sequence's share of a batched forward (`Decoder.forward_rows`): new token ids (T,) after
     its own `cache` (batch size 1), seen causally or through `mask` (T, cache.length + T); with
     `last_only`, only the last row's logits are wanted (a prompt's prefill); with `greedy`, only each
-    row's argmax is (a plain step of greedy decoding whose logits nobody reads): the head computes no
-    row with the forward, and a row read for its argmax takes `Decoder.greedy_ids`
-    (`LazyRows.argmaxes`) — one row at a time, so for one-row parts (a verification's rows are
-    cheaper through the head's multi-row path)."""
+    row's argmax is (greedy decoding whose logits nobody reads: a plain step, or a verification at
+    T = 0): the head computes no row with the forward, and rows read for their argmax take
+    `Decoder.greedy_ids` (`LazyRows.argmaxes`), a verification's first `head_rows` in one call."""
 
     ids: torch.Tensor
     cache: KVCache
@@ -475,7 +474,7 @@ class Decoder(nn.Module):
             if len(first) < len(rows):
                 computed = LazyRows(len(rows), lambda b, e, rows=rows: self.logits(hidden[rows[b]:rows[b] + e - b]),
                                     computed, argmax=(lambda b, e, rows=rows: self.greedy_ids(hidden[rows[b]:rows[b] + e - b]))
-                                    if part.greedy else None)
+                                    if part.greedy else None, argmax_first=head_rows)
             out.append((computed, None if features is None else features[end - len(part.ids):end]))
             begin += len(first)
         return out

@@ -145,8 +145,8 @@ class Run:
             self.sequence.stats.draft_seconds += seconds
             self.call = None
         anchor = torch.tensor([tokens[-1]], device=self.target.device)
-        # a plain greedy step whose logits nobody reads wants only its argmax (`SequenceRows.greedy`)
-        greedy = self.config.sampling.greedy and self.on_commit is None and not len(self.drafts)
+        # a greedy step or verification whose logits nobody reads wants only argmaxes (`SequenceRows.greedy`)
+        greedy = self.config.sampling.greedy and self.on_commit is None
         return SequenceRows(torch.cat([anchor, self.drafts]), self.cache, greedy=greedy)
 
     def _take(self, proposal: Proposal | None) -> None:

@@ -144,7 +144,8 @@ def verify_block(target: Decoder, cache: KVCache, anchor: int, draft_tokens: tor
     """One target forward over [anchor, drafts]; keeps the KV of the anchor and accepted drafts (and
     hands their hidden states to `states`)."""
     ids = torch.cat([torch.tensor([anchor], device=draft_tokens.device), draft_tokens])
-    (target_logits, features), = score_rows(target, [SequenceRows(ids, cache)], states.layers if states else [])  # (K+1, V)
+    (target_logits, features), = score_rows(target, [SequenceRows(ids, cache, greedy=sampling.greedy)],
+                                            states.layers if states else [])  # (K+1, V): at T = 0 read as argmaxes
     verdict = judge(target_logits, draft_tokens, draft_probs, sampling, generator)
     cache.commit(verdict.num_accepted + 1)
     if states is not None:

@@ -54,6 +54,27 @@ def test_a_mapped_view_reads_its_source_as_computed():
     assert torch.equal(each_row(table, greedy_ids), greedy_ids(table))
 
 
+@pytest.mark.parametrize("computed", [0, 2])
+def test_argmaxes_take_a_verifications_first_rows_in_one_call(computed):
+    """Rows with an argmax of their own (a certified greedy head's): the argmaxes read from the rows
+    computed, past them from one call over the first `argmax_first` rows, then at least doubling —
+    and the rows past the computed ones are never computed."""
+    table = torch.randn(10, 7)
+    rows, calls = counted(table, computed)
+    ranges = []
+
+    def argmax(begin: int, end: int) -> torch.Tensor:
+        ranges.append((begin, end))
+        return greedy_ids(table[begin:end])
+    lazy = LazyRows(len(table), rows._compute, rows._rows, argmax=argmax, argmax_first=4)
+    ids = lazy.argmaxes(greedy_ids)
+    assert int(ids[0]) == int(table[0].argmax()) and ranges == [(computed, 4)]
+    assert int(ids[3]) == int(table[3].argmax()) and ranges == [(computed, 4)]
+    assert int(ids[5]) == int(table[5].argmax()) and ranges == [(computed, 4), (4, 8)]
+    assert torch.equal(ids[:], greedy_ids(table)) and ranges == [(computed, 4), (4, 8), (8, 10)]
+    assert calls == []  # no row computed
+
+
 def test_verdicts_read_no_row_past_the_first_rejection():
     """Greedy and sampled verdicts over LazyRows equal those over the whole tensor (the same draws),
     and the rows computed stop at the chunk holding the first rejection."""

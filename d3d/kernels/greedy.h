@@ -27,15 +27,6 @@
 
 #define GREEDY_BLOCK 32
 #define GREEDY_MAX_BLOCKS 512  /* K up to 16,384 */
-
-
-
-
-
-
-
-
-
 #define GREEDY_CODE_TOP 32512.0f  /* the largest |code| of x: 127·256, so a code is 256·h + l with h and l in int8 */
 
 /* Where the CPU has AVX-512 VNNI, the pass takes 16 vocabulary rows in a vector's lanes: their codes
@@ -44,7 +35,8 @@
  * broadcast: `vpdpbusd` sums a lane's 4 products per operation, exactly in int32, so a block's sum
  * Σ code·c = 256·Σ(code+128)·h + Σ(code+128)·l - 128·Σc takes 2 operations per 4 k of 16 rows, where
  * the row layout widens the codes and takes `vpmaddwd` per 2 k. The sums are the same integers, scaled
- * into fp32 chains as before (greedy.h's bound allows any order). Vocabulary rows past V, to a multiple
+ * into fp32 chains as before (the bound allows any order, and a block's sum past 2^24, rounded once
+ * when converted, is one more of the (K + 64) roundings it allows). Vocabulary rows past V, to a multiple
  * of 16, have codes of 0, scales and limits of 0, and are never candidates. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define GREEDY_LANES 16
@@ -233,8 +225,8 @@ static void greedy_planes(const int16_t *codes, int64_t K, int8_t *high, int8_t 
 /* The approximate logits A and loose bounds E' (as greedy_rows defines them) of group g's 16
  * vocabulary rows for R rows of x (planes at r·K, constants at r·blocks): per block, each row sums
  * its two planes in int32 chains over the block's 8 code vectors (each read once for all rows; at
- * 1-2 rows even and odd vectors in chains of their own, for their latency), then scales the exact block sum into
- * its fp32 chain. low[r] and high[r] (16 lanes each) are raised to A - E' and A + E' of the
+ * 1-2 rows even and odd vectors in chains of their own, for their latency), then scales the exact
+ * block sum into its fp32 chain. low[r] and high[r] (16 lanes each) are raised to A - E' and A + E' of the
  * vocabulary rows below V; approx and bound hold row r's at r·stride. One group at a time: a
  * thread's groups are one stream in memory (two groups at once, two streams 9 KB apart, were
  * 1.2-1.3x slower from memory on an AMD EPYC Zen 4). */
