@@ -16,7 +16,9 @@
  * row's largest block error and scale, two floats a vocabulary row) and E is computed for the rows E'
  * leaves only — the same candidates (d3d_greedy_candidates says why). On SmolLM2-135M's head the
  * candidates number 1 at the median and 9 at most (scripts/head_bound.py); the approximate head
- * reads 32 MB at memory speed where the exact one decodes its blocks to bf16.
+ * reads 32 MB at memory speed where the exact one decodes its blocks to bf16. On AVX-512 VNNI builds
+ * the pass takes 16 vocabulary rows in a vector's lanes (GREEDY_LANES, below), cheap enough that
+ * verifications' 2-4-row argmaxes take it too.
  *
  * d3d_greedy_candidates: for each of M rows x (M, K) fp32, K a multiple of 32, the candidates in
  * ascending order into candidates[m * cap …] and their number into counts[m] — or -1 where they are
