@@ -30,14 +30,16 @@ class LazyRows:
 
     def __init__(self, length: int, compute: Callable[[int, int], torch.Tensor], computed: torch.Tensor | None = None,
                  ready: Callable[[], int] = lambda: 0,
-                 argmax: Callable[[int, int], torch.Tensor] | None = None, argmax_first: int = 1) -> None:
+                 argmax: Callable[[int, int], torch.Tensor] | None = None,
+                 argmaxes: torch.Tensor | None = None) -> None:
         assert computed is None or computed.shape[0] <= length, "more rows computed than there are"
         self.length = length
         self._compute = compute
         self._rows = computed
         self._ready = ready
         self._argmax = argmax  # rows [begin, end)'s argmax without their rows, where cheaper (see `argmaxes`)
-        self._argmax_first = argmax_first  # rows the first read of `argmaxes` takes at once
+        # the first rows' argmaxes, known already (computed with other sequences' in one call)
+        self._argmaxes = argmaxes if argmaxes is not None else torch.empty(0, dtype=torch.long)
 
     def __len__(self) -> int:
         return self.length
@@ -76,22 +78,26 @@ class LazyRows:
         return LazyRows(self.length, lambda begin, end: function(self[begin:end]), ready=lambda: self.num_computed)
 
     def argmaxes(self, argmax: Callable[[torch.Tensor], torch.Tensor]) -> LazyRows:
-        """Each row's `argmax` (a function of rows, e.g. `greedy_ids`), as read: from the computed rows
-        where they are, past them from this object's own `argmax` of a range of rows where it has one
-        (a certified greedy head, `d3d.models.Decoder.greedy_ids`: the same ids without the rows) —
-        the first read `argmax_first` rows at once (one call over a verification's first rows costs
-        less than a call per row: each reads the whole approximate head), later reads at least
-        doubling — the rows are then never computed."""
+        """Each row's `argmax` (a function of rows, e.g. `greedy_ids`), as read: those known already,
+        then from the computed rows where they are, past them from this object's own `argmax` of a
+        range of rows where it has one (a certified greedy head, `d3d.models.Decoder.greedy_ids`: the
+        same ids without the rows; each call reads the whole approximate head, so a range is one
+        call, at least doubling as rows are) — the rows are then never computed."""
         if self._argmax is None:
             return self.map(argmax)
+        known = self._argmaxes
 
         def ids(begin: int, end: int) -> torch.Tensor:
+            pieces, start = [known[begin:end]], max(begin, len(known))
             have = min(self.num_computed, end)
-            known = [argmax(self._rows[begin:have])] if begin < have else []
-            rest = [self._argmax(max(begin, have), end)] if max(begin, have) < end else []
-            return torch.cat(known + rest)
+            if start < have:
+                pieces.append(argmax(self._rows[start:have]))
+                start = have
+            if start < end:
+                pieces.append(self._argmax(start, end))
+            return torch.cat(pieces)
 
-        return LazyRows(self.length, ids, ready=lambda: max(self.num_computed, min(self._argmax_first, self.length)))
+        return LazyRows(self.length, ids, ready=lambda: max(self.num_computed, len(known)))
 
 
 def argmax_rows(rows: torch.Tensor | LazyRows, argmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | LazyRows:

@@ -79,8 +79,9 @@ class SequenceRows:
     its own `cache` (batch size 1), seen causally or through `mask` (T, cache.length + T); with
     `last_only`, only the last row's logits are wanted (a prompt's prefill); with `greedy`, only each
     row's argmax is (greedy decoding whose logits nobody reads: a plain step, or a verification at
-    T = 0): the head computes no row with the forward, and rows read for their argmax take
-    `Decoder.greedy_ids` (`LazyRows.argmaxes`), a verification's first `head_rows` in one call."""
+    T = 0): the head computes no row with the forward; the argmaxes of its first `head_rows` rows
+    come with it, every greedy part's from one `Decoder.greedy_ids` call, later ones as read
+    (`LazyRows.argmaxes`)."""
 
     ids: torch.Tensor
     cache: KVCache
@@ -464,19 +465,27 @@ class Decoder(nn.Module):
         ends = torch.tensor([len(part.ids) for part in parts]).cumsum(0).tolist()
         wanted = [range(end - 1, end) if part.last_only else range(end - len(part.ids), end)
                   for part, end in zip(parts, ends)]
-        now = [rows[:0] if part.greedy and head_rows is not None and not part.last_only
-               else rows if head_rows is None else rows[:head_rows] for part, rows in zip(parts, wanted)]
+        greedy = [part.greedy and head_rows is not None and not part.last_only for part in parts]
+        now = [rows[:0] if argmax_only else rows if head_rows is None else rows[:head_rows]
+               for argmax_only, rows in zip(greedy, wanted)]
         picked = [row for rows in now for row in rows]
         logits = self.logits(hidden[picked]) if picked else hidden.new_empty(0, self.head_weight.shape[0])
-        out, begin = [], 0
-        for part, rows, first, end in zip(parts, wanted, now, ends):
+        # greedy parts: their first rows' argmaxes now, every part's in one call (each call of the
+        # certified head reads all of it; past the counts it is faster for, the full head's argmax)
+        argmax_now = [rows[:head_rows] if argmax_only else rows[:0] for argmax_only, rows in zip(greedy, wanted)]
+        argmax_picked = [row for rows in argmax_now for row in rows]
+        argmaxes = self.greedy_ids(hidden[argmax_picked]) if argmax_picked else None
+        out, begin, argmax_begin = [], 0, 0
+        for part, argmax_only, rows, first, first_ids, end in zip(parts, greedy, wanted, now, argmax_now, ends):
             computed = logits[begin:begin + len(first)]
             if len(first) < len(rows):
                 computed = LazyRows(len(rows), lambda b, e, rows=rows: self.logits(hidden[rows[b]:rows[b] + e - b]),
                                     computed, argmax=(lambda b, e, rows=rows: self.greedy_ids(hidden[rows[b]:rows[b] + e - b]))
-                                    if part.greedy else None, argmax_first=head_rows)
+                                    if argmax_only else None,
+                                    argmaxes=argmaxes[argmax_begin:argmax_begin + len(first_ids)] if argmax_only else None)
             out.append((computed, None if features is None else features[end - len(part.ids):end]))
             begin += len(first)
+            argmax_begin += len(first_ids)
         return out
 
     def planned_hidden(self, table: LayerTable | None, ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:

@@ -10,7 +10,7 @@ from conftest import make_decoder, tiny_config
 from d3d.config import GenerationConfig, SamplingConfig
 from d3d.engine import generate_from_sources, reference_generate
 from d3d.exactness import verify_mode
-from d3d.lazy_rows import LazyRows, each_row
+from d3d.lazy_rows import LazyRows, argmax_rows, each_row
 from d3d.models import SequenceRows
 from d3d.sampling import greedy_ids, probabilities
 from d3d.sources import Proposal
@@ -55,24 +55,27 @@ def test_a_mapped_view_reads_its_source_as_computed():
 
 
 @pytest.mark.parametrize("computed", [0, 2])
-def test_argmaxes_take_a_verifications_first_rows_in_one_call(computed):
-    """Rows with an argmax of their own (a certified greedy head's): the argmaxes read from the rows
-    computed, past them from one call over the first `argmax_first` rows, then at least doubling —
-    and the rows past the computed ones are never computed."""
-    table = torch.randn(10, 7)
+def test_argmaxes_read_the_known_then_one_call_a_range(computed):
+    """Rows with an argmax of their own (a certified greedy head's) and the first 4 argmaxes known
+    (computed with the forward, every sequence's at once): those are read as given, past them each
+    range is one call, at least doubling — and the rows past the computed ones are never computed."""
+    table = torch.randn(12, 7)
     rows, calls = counted(table, computed)
     ranges = []
 
     def argmax(begin: int, end: int) -> torch.Tensor:
         ranges.append((begin, end))
         return greedy_ids(table[begin:end])
-    lazy = LazyRows(len(table), rows._compute, rows._rows, argmax=argmax, argmax_first=4)
+    known = greedy_ids(table[:4])
+    lazy = LazyRows(len(table), rows._compute, rows._rows, argmax=argmax, argmaxes=known)
     ids = lazy.argmaxes(greedy_ids)
-    assert int(ids[0]) == int(table[0].argmax()) and ranges == [(computed, 4)]
-    assert int(ids[3]) == int(table[3].argmax()) and ranges == [(computed, 4)]
-    assert int(ids[5]) == int(table[5].argmax()) and ranges == [(computed, 4), (4, 8)]
-    assert torch.equal(ids[:], greedy_ids(table)) and ranges == [(computed, 4), (4, 8), (8, 10)]
+    assert int(ids[0]) == int(known[0]) and int(ids[3]) == int(known[3]) and ranges == []
+    assert int(ids[5]) == int(table[5].argmax()) and ranges == [(4, 8)]
+    assert torch.equal(ids[:], greedy_ids(table)) and ranges == [(4, 8), (8, 12)]
     assert calls == []  # no row computed
+    without = LazyRows(len(table), rows._compute, rows._rows, argmax=argmax).argmaxes(greedy_ids)
+    ranges.clear()
+    assert torch.equal(without[:], greedy_ids(table)) and ranges[0][0] == computed and calls == []
 
 
 def test_verdicts_read_no_row_past_the_first_rejection():
@@ -136,6 +139,43 @@ def test_forward_rows_computes_later_rows_when_read_with_the_same_bits(dtype):
         assert head_calls[2:] == [2, 4, 1, 2, 1]  # rows 2-3, 4-7, 8 of the 9; rows 2-3, 4 of the 5
     finally:
         del target.logits
+
+
+def test_greedy_parts_take_their_first_argmaxes_together():
+    """Greedy parts (argmaxes only) of a batched forward: no logits with the forward, every part's
+    first `head_rows` argmaxes from one `Decoder.greedy_ids` call (a batch of plain greedy steps
+    is one call, not one a sequence), later rows one call a range as read — the full head's ids."""
+    target = make_decoder(tiny_config(), seed=3)
+    if target.row_exact is None:
+        pytest.skip("the row-exact kernels did not build here")
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 64, (n,), generator=generator) for n in (6, 9, 3, 4)]
+    blocks = [torch.randint(0, 64, (n,), generator=generator) for n in (1, 9, 1, 3)]
+
+    def scored(greedy):
+        caches = [target.new_cache(64) for _ in prompts]
+        with torch.no_grad():
+            target.forward_rows([SequenceRows(p, c, last_only=True) for p, c in zip(prompts, caches)])
+            for cache in caches:
+                cache.commit()
+            return target.forward_rows([SequenceRows(b, c, greedy=greedy) for b, c in zip(blocks, caches)], head_rows=2)
+
+    want = [greedy_ids(rows[:]) for rows, _ in scored(False)]
+    calls, head_calls = [], []
+    real_ids, real_logits = target.greedy_ids, target.logits
+    target.greedy_ids = lambda hidden: calls.append(hidden.shape[0]) or real_ids(hidden)
+    target.logits = lambda hidden: head_calls.append(hidden.shape[0]) or real_logits(hidden)
+    try:
+        out = scored(True)
+        assert calls == [1 + 2 + 1 + 2]
+        argmaxes = [argmax_rows(rows, greedy_ids) for rows, _ in out]
+        got = [torch.stack([ids[i] for i in range(len(ids))]) for ids in argmaxes]  # read in order
+        assert calls == [6, 2, 4, 1, 1]  # rows 2-3, 4-7, 8 of the 9; row 2 of the 3
+        # the prompts' last rows, then each argmax call's rows (this model has no certified head)
+        assert head_calls == [4] + calls
+    finally:
+        del target.greedy_ids, target.logits
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
 
 
 class WrongDrafts:
