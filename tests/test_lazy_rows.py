@@ -108,6 +108,19 @@ def test_verdicts_read_no_row_past_the_first_rejection():
         assert rows.num_computed <= max(HEAD_ROWS, 2 * (got.num_accepted + 1))
 
 
+def blocks_after_prompts(target, prompts: list[torch.Tensor], blocks: list[torch.Tensor], head_rows: int | None,
+                         greedy: bool = False) -> list:
+    """`forward_rows` over each block after its prompt's cache (the prompts' last rows first, in one
+    forward of their own)."""
+    caches = [target.new_cache(64) for _ in prompts]
+    with torch.no_grad():
+        target.forward_rows([SequenceRows(p, c, last_only=True) for p, c in zip(prompts, caches)])
+        for cache in caches:
+            cache.commit()
+        return target.forward_rows([SequenceRows(b, c, greedy=greedy) for b, c in zip(blocks, caches)],
+                                   head_rows=head_rows)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_forward_rows_computes_later_rows_when_read_with_the_same_bits(dtype):
     target = make_decoder(tiny_config(), seed=3, dtype=dtype)
@@ -118,12 +131,7 @@ def test_forward_rows_computes_later_rows_when_read_with_the_same_bits(dtype):
     blocks = [torch.randint(0, 64, (n,), generator=generator) for n in (1, 9, 5)]
 
     def scored(head_rows):
-        caches = [target.new_cache(64) for _ in prompts]
-        with torch.no_grad():
-            target.forward_rows([SequenceRows(p, c, last_only=True) for p, c in zip(prompts, caches)])
-            for cache in caches:
-                cache.commit()
-            return target.forward_rows([SequenceRows(b, c) for b, c in zip(blocks, caches)], head_rows=head_rows)
+        return blocks_after_prompts(target, prompts, blocks, head_rows)
 
     whole = scored(None)
     head_calls = []
@@ -153,12 +161,7 @@ def test_greedy_parts_take_their_first_argmaxes_together():
     blocks = [torch.randint(0, 64, (n,), generator=generator) for n in (1, 9, 1, 3)]
 
     def scored(greedy):
-        caches = [target.new_cache(64) for _ in prompts]
-        with torch.no_grad():
-            target.forward_rows([SequenceRows(p, c, last_only=True) for p, c in zip(prompts, caches)])
-            for cache in caches:
-                cache.commit()
-            return target.forward_rows([SequenceRows(b, c, greedy=greedy) for b, c in zip(blocks, caches)], head_rows=2)
+        return blocks_after_prompts(target, prompts, blocks, 2, greedy)
 
     want = [greedy_ids(rows[:]) for rows, _ in scored(False)]
     calls, head_calls = [], []
