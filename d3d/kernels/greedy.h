@@ -117,7 +117,7 @@ static inline float greedy_tight(const float *sv, const float *ev, const float *
 #define GREEDY_AHEAD 4  /* vocabulary rows ahead whose codes and scales are prefetched */
 static inline __attribute__((always_inline)) void greedy_rows(
     const int16_t *xc, const float *s, const float *sum_error, const float *sum_scale, const int R, const int P,
-    int64_t K, const int8_t *codes, const float *scale, const float *limits, int64_t V, int64_t v, int64_t v1,
+    int64_t K, const int8_t *codes, const float *scale, const float *limits, int64_t stride, int64_t v, int64_t v1,
     float *approx, float *bound, float *low, float *high) {
     int64_t blocks = K / GREEDY_BLOCK;
     for (int p = 0; p < P; p++)
@@ -191,8 +191,8 @@ static inline __attribute__((always_inline)) void greedy_rows(
         for (int r = 0; r < R; r++) {
             float e = limits[2 * (v + p)] * sum_error[r] + limits[2 * (v + p) + 1] * sum_scale[r];
             float bd = e * 1.01f + fabsf(a[r][p]) * (1.0f / 1048576.0f);
-            approx[r * V + v + p] = a[r][p];
-            bound[r * V + v + p] = bd;
+            approx[r * stride + v + p] = a[r][p];
+            bound[r * stride + v + p] = bd;
             low[r] = a[r][p] - bd > low[r] ? a[r][p] - bd : low[r];
             high[r] = a[r][p] + bd > high[r] ? a[r][p] + bd : high[r];
         }
@@ -200,13 +200,13 @@ static inline __attribute__((always_inline)) void greedy_rows(
 
 static inline __attribute__((always_inline)) void greedy_bounds(
     const int16_t *xc, const float *s, const float *sum_error, const float *sum_scale, const int R, const int P,
-    int64_t K, const int8_t *codes, const float *scale, const float *limits, int64_t V, int64_t v0, int64_t v1,
+    int64_t K, const int8_t *codes, const float *scale, const float *limits, int64_t stride, int64_t v0, int64_t v1,
     float *approx, float *bound, float *low, float *high) {
     int64_t v = v0;
     for (; v + P <= v1; v += P)
-        greedy_rows(xc, s, sum_error, sum_scale, R, P, K, codes, scale, limits, V, v, v1, approx, bound, low, high);
+        greedy_rows(xc, s, sum_error, sum_scale, R, P, K, codes, scale, limits, stride, v, v1, approx, bound, low, high);
     for (; v < v1; v++)
-        greedy_rows(xc, s, sum_error, sum_scale, R, 1, K, codes, scale, limits, V, v, v1, approx, bound, low, high);
+        greedy_rows(xc, s, sum_error, sum_scale, R, 1, K, codes, scale, limits, stride, v, v1, approx, bound, low, high);
 }
 
 #if GREEDY_LANES == 16
@@ -388,10 +388,10 @@ void d3d_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *c
 #else
             int64_t v0 = V * me / n, v1 = V * (me + 1) / n;
             switch (R) {  /* one copy per row count, its accumulators in registers */
-                case 1: greedy_bounds(xc, s, sum_error, sum_scale, 1, GREEDY_P1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
-                case 2: greedy_bounds(xc, s, sum_error, sum_scale, 2, 2, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
-                case 3: greedy_bounds(xc, s, sum_error, sum_scale, 3, 1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
-                default: greedy_bounds(xc, s, sum_error, sum_scale, 4, 1, K, codes, scale, limits, V, v0, v1, approx, bound, my_low, my_high); break;
+                case 1: greedy_bounds(xc, s, sum_error, sum_scale, 1, GREEDY_P1, K, codes, scale, limits, stride, v0, v1, approx, bound, my_low, my_high); break;
+                case 2: greedy_bounds(xc, s, sum_error, sum_scale, 2, 2, K, codes, scale, limits, stride, v0, v1, approx, bound, my_low, my_high); break;
+                case 3: greedy_bounds(xc, s, sum_error, sum_scale, 3, 1, K, codes, scale, limits, stride, v0, v1, approx, bound, my_low, my_high); break;
+                default: greedy_bounds(xc, s, sum_error, sum_scale, 4, 1, K, codes, scale, limits, stride, v0, v1, approx, bound, my_low, my_high); break;
             }
 #endif
             _Pragma("omp critical")
