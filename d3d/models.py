@@ -399,10 +399,12 @@ class Decoder(nn.Module):
 
     def hidden_and_features(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                             mask: torch.Tensor | None = None, feature_layers: Sequence[int] = (),
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`hidden_states`, and the residual stream after each of `feature_layers` (ascending),
         concatenated (B, T, len · hidden) — None without feature layers. Reading them changes no bit
-        of the hidden states."""
+        of the hidden states. With `last_only`, the hidden states are (B, 1, hidden), the last
+        position's: where the kernels' fused forward runs, the last layer goes past its keys and values
+        for that row only (a prompt's prefill), the same bits."""
         batch, length, _ = embeds.shape
         assert positions.shape == (batch, length), f"positions {tuple(positions.shape)} != {(batch, length)}"
         assert list(feature_layers) == sorted(set(feature_layers)) and all(
@@ -421,6 +423,9 @@ class Decoder(nn.Module):
                 shape = DecoderShape(c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
                 assert cache.pending == length, "the forward must follow reserve() with the same token count"
                 rope = self.rope_table_as(embeds.dtype)  # positions past it: its last row, in the kernels
+                # with last_only and one sequence, a chunk's outputs are computed only where read: the
+                # last chunk's last row; the chunks before it store their keys and values only
+                keeps = last_only and batch == 1 and not feature_layers
                 hiddens, chunks, begin = [], [], 0
                 for end in chunk_bounds(length, cache.length, mask, PREFILL_CHUNK):
                     whole = begin == 0 and end == length  # one chunk: the tensors themselves, not views
@@ -428,10 +433,12 @@ class Decoder(nn.Module):
                         table, shape, embeds if whole else embeds[:, begin:end], rope,
                         positions if whole else positions[:, begin:end], cache.keys, cache.values, cache.length + begin,
                         mask if mask is None or whole else mask[:, begin:end, :cache.length + end],
-                        self.norm.weight, feature_layers)
+                        self.norm.weight, feature_layers, keep=int(end == length) if keeps else None)
                     hiddens.append(hidden)
                     chunks.append(torch.cat(features, -1) if features else None)
                     begin = end
+                if last_only:
+                    return hiddens[-1][:, -1:], torch.cat(chunks, 1) if feature_layers else None
                 if len(hiddens) == 1:
                     return hiddens[0], chunks[0]
                 return torch.cat(hiddens, 1), torch.cat(chunks, 1) if feature_layers else None
@@ -441,7 +448,8 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, mask, cache, index, kernels)
             if index in feature_layers:
                 features.append(x)
-        return self.norm(x, kernels), torch.cat(features, -1) if features else None
+        hidden = self.norm(x, kernels)
+        return hidden[:, -1:] if last_only else hidden, torch.cat(features, -1) if features else None
 
     def forward_rows(self, parts: Sequence[SequenceRows], feature_layers: Sequence[int] = (),
                      head_rows: int | None = None) -> list[tuple[torch.Tensor | LazyRows, torch.Tensor | None]]:
@@ -488,10 +496,12 @@ class Decoder(nn.Module):
             argmax_begin += len(first_ids)
         return out
 
-    def planned_hidden(self, table: LayerTable | None, ids: torch.Tensor, cache: KVCache) -> torch.Tensor | None:
-        """The final-normed hidden states (T, hidden) of ids (T,) after `cache` (batch size one; T slots
-        reserved here), causal, through this thread's `ForwardPlan` over `table` — `hidden_rows`' bits
-        without rebuilding its arguments each step — or None where no plan applies."""
+    def planned_hidden(self, table: LayerTable | None, ids: torch.Tensor, cache: KVCache,
+                       last_only: bool = False) -> torch.Tensor | None:
+        """The final-normed hidden states (T, hidden) — (1, hidden) with `last_only` — of ids (T,) after
+        `cache` (batch size one; T slots reserved here), causal, through this thread's `ForwardPlan` over
+        `table` — `hidden_rows`' bits without rebuilding its arguments each step — or None where no plan
+        applies."""
         if table is None or len(ids) > PLANNED_ROWS or cache.batch_size != 1 or cache.keys.dtype != self.dtype:
             return None
         rope, norm = self.rope_table_as(cache.keys.dtype), self.norm.weight
@@ -505,6 +515,8 @@ class Decoder(nn.Module):
             torch.index_select(weight, 0, ids, out=plan.x[:rows])  # `embed`'s values, in place
         else:
             plan.x[:rows].copy_(self.embed(ids))
+        if last_only:
+            return plan.run(rows, cache.reserve(rows), keep=1)[-1:]
         return plan.run(rows, cache.reserve(rows))
 
     def _fused_table(self) -> LayerTable | None:
@@ -576,15 +588,13 @@ class Decoder(nn.Module):
         """The final-normed hidden states (B, T, hidden) — (B, 1, hidden) with `last_only` — that
         `logits_and_features` takes its logits from, and its features."""
         if cache is not None and positions is None and mask is None and not feature_layers and len(input_ids) == 1:
-            hidden = self.planned_hidden(self._fused_table(), input_ids[0], cache)  # a decoding step's plan
+            hidden = self.planned_hidden(self._fused_table(), input_ids[0], cache, last_only)  # a decoding step's plan
             if hidden is not None:
-                return (hidden[-1:] if last_only else hidden)[None], None
+                return hidden[None], None
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
-        hidden, features = self.hidden_and_features(self.embed(input_ids), positions, cache, mask,
-                                                    feature_layers)
-        return (hidden[:, -1:] if last_only else hidden), features
+        return self.hidden_and_features(self.embed(input_ids), positions, cache, mask, feature_layers, last_only)
 
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each row's argmax of its logits (M,) from final hidden states (M, hidden): the first of the

@@ -43,6 +43,7 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 
 KEPT_SCRATCH = 16 << 20  # bytes of a forward's scratch kept per thread and role (larger: fresh each call)
+KEEP_ROWS = 32  # the most rows a forward can keep past its last layer's keys and values (attention.h's QUERY_BLOCK)
 
 
 class RowExactKernels(WeightStreams):
@@ -355,11 +356,13 @@ class RowExactKernels(WeightStreams):
     def forward(self, table: LayerTable, shape: DecoderShape, x: torch.Tensor, rope: torch.Tensor,
                 positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                 mask: torch.Tensor | None, final_norm: torch.Tensor,
-                capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                capture: Sequence[int] = (), keep: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Every layer and the final norm over x (B, T, hidden) in one C call; returns the normed hidden
         states and, for each layer index in `capture` (ascending), the residual stream after that layer.
         The same kernels as the per-op calls, so the same bits (tested); capturing splits the call at
-        the captured layers and changes no bit either.
+        the captured layers and changes no bit either. With `keep` (B = 1, no capture), only the last
+        `keep` rows' outputs are computed (≤ KEEP_ROWS; 0: the call stores its keys and values only) —
+        a prompt's prefill reads its last row — and the other rows of the result are undefined.
 
         rope: (2, P, D) cos/sin tables in x's dtype; positions (B, T) rows of them (past P - 1: its last). keys,
         values: the KV cache (L, B, H_kv, capacity, D), or split or tiled (d3d.cache); the new tokens' go
@@ -372,7 +375,7 @@ class RowExactKernels(WeightStreams):
             assert mask.shape == (batch, length, start + length), f"mask {tuple(mask.shape)}"
         segments = [Segment(length, keys[:, b], values[:, b], start, None if mask is None else mask[b])
                     for b in range(batch)]
-        return self.forward_segments(table, shape, x, rope, positions, segments, final_norm, capture)
+        return self.forward_segments(table, shape, x, rope, positions, segments, final_norm, capture, keep)
 
     def segment_cache(self, struct: SegmentArgs, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype,
                       head_dim: int) -> None:
@@ -387,7 +390,7 @@ class RowExactKernels(WeightStreams):
 
     def forward_segments(self, table: LayerTable, shape: DecoderShape, x: torch.Tensor, rope: torch.Tensor,
                          positions: torch.Tensor, segments: Sequence[Segment], final_norm: torch.Tensor,
-                         capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                         capture: Sequence[int] = (), keep: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`forward` over x (M, hidden) — or (B, T, hidden), M = B·T, its rows in order —: the rows of
         several sequences, each `Segment` after its own cache — every linear layer runs once over all M
         rows, attention per segment. positions (M,), or (B, T). The outputs have x's shape. Row-exact
@@ -395,6 +398,10 @@ class RowExactKernels(WeightStreams):
         hidden = x.shape[-1]
         rows = x.numel() // hidden
         assert sum(segment.rows for segment in segments) == rows, "segment rows != x's rows"
+        if keep is None:
+            keep = rows
+        assert not capture or keep == rows, "captured layers read every row"
+        assert keep == rows or 0 <= keep <= min(KEEP_ROWS, segments[-1].rows), f"keep {keep} of {rows} rows"
         structs = (SegmentArgs * len(segments))()
         masks = []  # kept alive through the call
         for struct, segment in zip(structs, segments):
@@ -426,7 +433,7 @@ class RowExactKernels(WeightStreams):
                 last + 1 - first, hidden, heads, shape.kv_heads, dim, shape.intermediate, shape.eps, dim ** -0.5,
                 x.data_ptr(), rope.data_ptr(), positions.data_ptr(), rope.shape[1], structs, len(segments), rows,
                 final_norm.data_ptr(), out.data_ptr(), work.data_ptr(), scores.data_ptr(), scratch.data_ptr(),
-                torch.get_num_threads())
+                torch.get_num_threads(), keep if last == table.layers - 1 else rows)
             self._fn("forward", x.dtype)(ctypes.byref(args))
             if last in capture:
                 captured.append(x.clone())

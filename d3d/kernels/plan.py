@@ -80,16 +80,18 @@ class ForwardPlan:
         self.scores = torch.empty(max(1, size), dtype=torch.float32)
         self.args.scores, self.scored_keys = self.scores.data_ptr(), keys
 
-    def run(self, rows: int, start: int) -> torch.Tensor:
+    def run(self, rows: int, start: int, keep: int | None = None) -> torch.Tensor:
         """The final-normed hidden states (rows, hidden) of the rows whose embeddings the caller put in
-        `x[:rows]`, stored at slots start … start + rows - 1 (reserved by the caller)."""
+        `x[:rows]`, stored at slots start … start + rows - 1 (reserved by the caller); with `keep`, only
+        the last `keep` rows' (the others undefined: `RowExactKernels.forward`)."""
         assert 0 < rows <= MAX_ROWS and start + rows <= self.slots, "rows past the plan or the cache"
+        assert keep is None or 0 <= keep <= rows, f"keep {keep} of {rows} rows"
         if start + rows > self.scored_keys:
             self._size_scores(start + rows)
         for row in range(rows):
             self.positions[row] = start + row
         out = torch.empty(rows, self.x.shape[1], dtype=self.x.dtype)
         self.segment.rows, self.segment.start = rows, start
-        self.args.rows, self.args.out = rows, out.data_ptr()
+        self.args.rows, self.args.out, self.args.keep_rows = rows, out.data_ptr(), rows if keep is None else keep
         self.forward(ctypes.byref(self.args))
         return out

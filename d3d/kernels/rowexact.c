@@ -196,6 +196,7 @@ typedef struct {
     void *out, *work;
     float *scores, *linear_scratch;
     int64_t threads;
+    int64_t keep_rows;  /* the last rows whose outputs are read (≤ QUERY_BLOCK, of the last segment), or `rows` */
 } d3d_forward_args;
 
 /* Built with -DD3D_PROFILE (scripts/profile_step.py), the forward adds each stage's wall time,
@@ -244,31 +245,49 @@ void d3d_forward_##SUFFIX(const d3d_forward_args *a) {                          
                                      a->rope_positions - 1);                                         \
         }                                                                                            \
         STAGE(STAGE_ROPE);                                                                           \
-        d3d_attention_##SUFFIX##_segments_body(q, attn, a->segments, a->num_segments, l, H, Hkv, D,   \
-                                               a->scale, a->scores);  /* the short ones, together */ \
-        for (int64_t i = 0, m = 0; i < a->num_segments; m += a->segments[i++].rows) {                \
-            const d3d_segment *g = a->segments + i;                                                  \
-            if (g->rows <= QUERY_BLOCK) continue;                                                    \
-            d3d_attention_##SUFFIX##_body(q + m * H * D, (T_ELEM *)g->k_cache + l * g->kv_layer,     \
-                                          (T_ELEM *)g->v_cache + l * g->kv_layer, g->mask,           \
-                                          attn + m * H * D, 1, g->rows, H, Hkv, g->start + g->rows, D, \
-                                          0, g->kv_head, g->v_row, g->v_part, g->k_tiled, a->scale,   \
-                                          a->scores);                                                \
+        /* Past the last layer's keys and values, only the rows whose outputs are read go on (a       \
+         * prompt's last row; none for a chunk before it): the last keep_rows of the last segment,     \
+         * attended to as a segment of their own after the rows before them — the same bits, as every  \
+         * row's are whatever rows share its call. */                                                \
+        int64_t from = l == a->num_layers - 1 ? M - a->keep_rows : 0, n = M - from;                  \
+        if (from == 0) {                                                                             \
+            d3d_attention_##SUFFIX##_segments_body(q, attn, a->segments, a->num_segments, l, H, Hkv, D, \
+                                                   a->scale, a->scores);  /* the short ones, together */ \
+            for (int64_t i = 0, m = 0; i < a->num_segments; m += a->segments[i++].rows) {            \
+                const d3d_segment *g = a->segments + i;                                              \
+                if (g->rows <= QUERY_BLOCK) continue;                                                \
+                d3d_attention_##SUFFIX##_body(q + m * H * D, (T_ELEM *)g->k_cache + l * g->kv_layer, \
+                                              (T_ELEM *)g->v_cache + l * g->kv_layer, g->mask,       \
+                                              attn + m * H * D, 1, g->rows, H, Hkv, g->start + g->rows, D, \
+                                              0, g->kv_head, g->v_row, g->v_part, g->k_tiled, a->scale, \
+                                              a->scores);                                            \
+            }                                                                                        \
+        } else if (n > 0) {                                                                          \
+            const d3d_segment *g = a->segments + a->num_segments - 1;                                \
+            d3d_segment tail = *g;                                                                   \
+            tail.rows = n, tail.start = g->start + g->rows - n;                                      \
+            tail.mask = g->mask ? g->mask + (g->rows - n) * (g->start + g->rows) : NULL;             \
+            d3d_attention_##SUFFIX##_segments_body(q + from * H * D, attn + from * H * D, &tail, 1, l, H, \
+                                                   Hkv, D, a->scale, a->scores);                     \
         }                                                                                            \
         STAGE(STAGE_ATTENTION);                                                                      \
-        linear_##SUFFIX(attn, H * D, &w->o, w->o_bias, x, x, M, hidden, H * D, scratch);             \
+        if (n == 0) break;                                                                           \
+        T_ELEM *xs = x + from * hidden;                                                              \
+        linear_##SUFFIX(attn + from * H * D, H * D, &w->o, w->o_bias, xs, xs, n, hidden, H * D, scratch); \
         STAGE(STAGE_O);                                                                              \
-        rms_norm_body_##SUFFIX(x, w->post_norm, normed, M, hidden, a->eps);                          \
+        rms_norm_body_##SUFFIX(xs, w->post_norm, normed, n, hidden, a->eps);                         \
         STAGE(STAGE_NORM);                                                                           \
-        linear_##SUFFIX(normed, hidden, &w->gate_up, w->gate_up_bias, NULL, gate_up, M, 2 * I, hidden, scratch); \
+        linear_##SUFFIX(normed, hidden, &w->gate_up, w->gate_up_bias, NULL, gate_up, n, 2 * I, hidden, scratch); \
         STAGE(STAGE_GATE_UP);                                                                        \
-        silu_mul_body_##SUFFIX(gate_up, act, M, I);                                                  \
+        silu_mul_body_##SUFFIX(gate_up, act, n, I);                                                  \
         STAGE(STAGE_SILU);                                                                           \
-        linear_##SUFFIX(act, I, &w->down, w->down_bias, x, x, M, hidden, I, scratch);                \
+        linear_##SUFFIX(act, I, &w->down, w->down_bias, xs, xs, n, hidden, I, scratch);              \
         STAGE(STAGE_DOWN);                                                                           \
+        if (l == a->num_layers - 1) {                                                                \
+            rms_norm_body_##SUFFIX(xs, a->final_norm, (T_ELEM *)a->out + from * hidden, n, hidden, a->eps); \
+            STAGE(STAGE_NORM);                                                                       \
+        }                                                                                            \
     }                                                                                                \
-    rms_norm_body_##SUFFIX(x, a->final_norm, a->out, M, hidden, a->eps);                             \
-    STAGE(STAGE_NORM);                                                                               \
     }                                                                                                \
 }
 

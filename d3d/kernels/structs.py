@@ -60,7 +60,7 @@ class ForwardArgs(ctypes.Structure):
                 ("scale", ctypes.c_float), ("x", c_ptr), ("rope", c_ptr), ("positions", c_ptr),
                 ("rope_positions", c_i64), ("segments", ctypes.POINTER(SegmentArgs)), ("num_segments", c_i64),
                 ("rows", c_i64), ("final_norm", c_ptr), ("out", c_ptr), ("work", c_ptr), ("scores", c_ptr),
-                ("linear_scratch", c_ptr), ("threads", c_i64)]
+                ("linear_scratch", c_ptr), ("threads", c_i64), ("keep_rows", c_i64)]
 
 
 LAYER_SLOTS = tuple(name for name, _ in Layer._fields_)  # a layer's tensors, in the C struct's order
