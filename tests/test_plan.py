@@ -166,3 +166,34 @@ def test_a_hold_reads_the_weights_as_they_were_when_it_began():
     assert [t for s in reference_generate(decoder, [1, 2, 3], config) for t in s.tokens] == \
         [int(i) for i in greedy_ids(first)]
     assert decoder._holds == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("heads", [1, 3, 4])
+@torch.no_grad()
+def test_a_steps_whole_key_tiles_two_at_a_time_keep_the_bits(threads, heads):
+    """A one-token step over a tiled cache scores two whole key tiles at a time (attention.h's
+    fused_tiles2_bf16) and a tile left over alone: after every context from 1 to 80 keys — odd and even
+    tile counts, each thread's span of tiles cut anywhere — its hidden state is the bits of the same row
+    in a 2-row forward, which scores tile by tile."""
+    config = tiny_config("qwen3", head_dim=64, num_heads=heads, num_kv_heads=1, max_position_embeddings=256)
+    decoder = make_decoder(config, dtype=torch.bfloat16)
+    if not decoder.row_exact.tiles_keys(torch.bfloat16, 64):
+        pytest.skip("this build reads no tiled keys")
+    c = decoder.config
+    step, pairs = (KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 100, 1, torch.bfloat16, split=True,
+                           tile_keys=True) for _ in range(2))
+    ids = ids_of(82, seed=5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        decoder(ids[:, :1], cache=step)
+        step.commit()
+        for length in range(1, 81):  # `step` holds `length` tokens, `pairs` one fewer
+            alone = decoder.final_hidden(ids[:, length:length + 1], cache=step)[0][0]
+            step.commit()
+            together = decoder.final_hidden(ids[:, length - 1:length + 1], cache=pairs)[0][0]
+            pairs.commit(1)
+            assert torch.equal(alone[-1], together[-1]), length
+    finally:
+        torch.set_num_threads(previous)

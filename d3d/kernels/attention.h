@@ -535,6 +535,48 @@ static inline __attribute__((always_inline)) void fused_scores_bf16(const uint16
     for (int i = 0; i < C; i++) _mm512_storeu_ps(acc[i], a[i]);
 }
 #define FUSES_bf16(D) ((D) % 2 == 0)
+#if defined(D3D_AVX512_BF16) && !defined(D3D_AMX)
+/* fused_scores_bf16's pair chains over two whole tiles of a tiled cache at once (a one-token step's
+ * run: TILE_PAIRS below): each query's chain over each tile exactly as there, 2C chains in flight
+ * where one tile's C chains of 32 dependent steps were a latency path, and `ahead` — the tile
+ * TILES_AHEAD on — fetched into L2 two lines a pair step (the two tiles ahead: 128 bytes a step)
+ * rather than in a burst of 32 prefetches before each tile. */
+static inline __attribute__((always_inline)) void tiles2_chains(const uint16_t *kb, int64_t D, const float *qs,
+                                                                const int C, float (*acc)[KEY_TILE],
+                                                                float (*acc2)[KEY_TILE], float scale,
+                                                                const char *ahead) {
+    const int32_t *words = (const int32_t *)qs;
+    const uint16_t *kb2 = kb + KEY_TILE * D;
+    __m512 a[4], b[4];
+    for (int i = 0; i < C; i++) a[i] = b[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p++) {
+        if (ahead) __builtin_prefetch(ahead + p * 128, 0, 2), __builtin_prefetch(ahead + p * 128 + 64, 0, 2);
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * 2 * KEY_TILE);
+        __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb2 + p * 2 * KEY_TILE);
+        for (int i = 0; i < C; i++) {
+            __m512bh x = (__m512bh)_mm512_set1_epi32(words[i * D + p]);
+            a[i] = _mm512_dpbf16_ps(a[i], x, k0), b[i] = _mm512_dpbf16_ps(b[i], x, k1);
+        }
+    }
+    __m512 s = _mm512_set1_ps(scale);
+    for (int i = 0; i < C; i++) _mm512_storeu_ps(acc[i], _mm512_mul_ps(a[i], s)), _mm512_storeu_ps(acc2[i], _mm512_mul_ps(b[i], s));
+}
+/* Not inlined, one copy per query count: within the run's body GCC kept a key vector and the queries'
+ * addresses on the stack, reloading them every pair step (as in pair_chains above). */
+static __attribute__((noinline)) void fused_tiles2_bf16(const uint16_t *kb, int64_t D, const float *qs, int C,
+                                                        float (*acc)[KEY_TILE], float (*acc2)[KEY_TILE], float scale,
+                                                        const char *ahead) {
+    switch (C) {
+        case 1: tiles2_chains(kb, D, qs, 1, acc, acc2, scale, ahead); break;
+        case 2: tiles2_chains(kb, D, qs, 2, acc, acc2, scale, ahead); break;
+        case 3: tiles2_chains(kb, D, qs, 3, acc, acc2, scale, ahead); break;
+        default: tiles2_chains(kb, D, qs, 4, acc, acc2, scale, ahead); break;
+    }
+}
+/* Whether a one-token step's run scores whole tiles two at a time (a tiled cache, group <= 4). */
+#define TILE_PAIRS_bf16(D, tiled) (PAIRS_bf16(D) && (tiled))
+#define FUSED_TILES2_bf16(kb, D, qs, C, acc, acc2, scale, ahead) fused_tiles2_bf16(kb, D, qs, C, acc, acc2, scale, ahead);
+#endif
 /* out[d] = q[d] · scale (0 where not `live`), one rounding each, 16 at a time. */
 #define SCALE_QUERY_FLOATS(SUFFIX, LOAD, qr, D, scale, live, out)                                    \
     for (int64_t d0_ = 0; d0_ < (D); d0_ += 16) {                                                    \
@@ -928,6 +970,12 @@ int d3d_pair_scores(int64_t D) { return PAIRS_bf16(D); }
 #endif
 #define FUSES_f32(D) 0
 #define FUSED_SCORES_f32(kb, n, D, qs, chunk, acc, tiled, scale)
+#ifndef TILE_PAIRS_bf16
+#define TILE_PAIRS_bf16(D, tiled) 0
+#define FUSED_TILES2_bf16(kb, D, qs, C, acc, acc2, scale, ahead)
+#endif
+#define TILE_PAIRS_f32(D, tiled) 0
+#define FUSED_TILES2_f32(kb, D, qs, C, acc, acc2, scale, ahead)
 #ifndef TILED_KEYS_bf16
 #define TILED_KEYS_bf16(D) 0
 #endif
@@ -1315,6 +1363,19 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
                 for (int64_t i = 0; i < group; i++) rows_[i] = ROW(0, 0, g_ * group + i) + s0_;       \
                 TILED_SCORES_AHEAD((const uint16_t *)(k + g_ * kv_head + s0_ * D), D, qs_kept, (int)group, rows_, \
                                    (const char *)next_)                                              \
+                continue;                                                                            \
+            }                                                                                        \
+            if (TILE_PAIRS_##SUFFIX(D, k_tiled) && s0_ + 2 * KEY_TILE <= S && job_ + 1 < (end)) {      \
+                /* this tile and the next, both whole, of this head: two at a time */                 \
+                float acc[4][KEY_TILE], acc2[4][KEY_TILE];                                           \
+                FUSED_TILES2_##SUFFIX((const uint16_t *)(k + g_ * kv_head + s0_ * D), D, qs_kept, (int)group, \
+                                      acc, acc2, scale, (const char *)next_)                         \
+                for (int64_t i = 0; i < group; i++) {                                                \
+                    float *row_ = ROW(0, 0, g_ * group + i) + s0_;                                   \
+                    STORE_SCORES(row_, NULL, S - s0_, KEY_TILE, acc[i]);                             \
+                    STORE_SCORES(row_ + KEY_TILE, NULL, S - s0_ - KEY_TILE, KEY_TILE, acc2[i]);      \
+                }                                                                                    \
+                job_++, s0_ += KEY_TILE;                                                             \
                 continue;                                                                            \
             }                                                                                        \
             if (next_) PREFETCH_TILE(T_ELEM, next_);                                                 \
