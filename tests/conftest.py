@@ -23,6 +23,15 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, n
             num_kv_heads=2, head_dim=8, max_position_embeddings=128)
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """The kernels' team of 1 or 2 threads (the suite runs 1): a pass splits its work between them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def tiny_config(family: str = "llama", **overrides) -> ModelConfig:
     """A tiny ModelConfig of the given family (Qwen2: q/k/v bias, Qwen3: q/k norm)."""
     extra = {"qwen2": dict(attention_bias=True), "qwen3": dict(qk_norm=True)}.get(family, {})

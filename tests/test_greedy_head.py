@@ -27,15 +27,6 @@ def kernels():
     return kernels
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    """The kernels' team of 1 or 2 threads (the suite runs 1): a pass splits the vocabulary between them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def q8_head(kernels, rows: int, width: int, seed: int, copies: dict[int, int] | None = None) -> torch.Tensor:
     """A bf16 head of random Q8_0 blocks streamed as stored; `copies` {row: source row}: rows made
     equal to others (their logits then tie exactly)."""

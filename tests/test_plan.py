@@ -168,7 +168,18 @@ def test_a_hold_reads_the_weights_as_they_were_when_it_began():
     assert decoder._holds == 0
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+def tiled_decoder(heads: int, capacity: int):
+    """A bf16 decoder with head_dim 64 and one KV head for `heads` query heads, and two caches of
+    `capacity` slots whose keys are tiled (skips where this build reads no tiled keys)."""
+    config = tiny_config("qwen3", head_dim=64, num_heads=heads, num_kv_heads=1, max_position_embeddings=256)
+    decoder = make_decoder(config, dtype=torch.bfloat16)
+    if not decoder.row_exact.tiles_keys(torch.bfloat16, 64):
+        pytest.skip("this build reads no tiled keys")
+    c = decoder.config
+    return decoder, *(KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, 1, torch.bfloat16, split=True,
+                              tile_keys=True) for _ in range(2))
+
+
 @pytest.mark.parametrize("heads", [1, 3, 4])
 @torch.no_grad()
 def test_a_steps_whole_key_tiles_two_at_a_time_keep_the_bits(threads, heads):
@@ -176,24 +187,30 @@ def test_a_steps_whole_key_tiles_two_at_a_time_keep_the_bits(threads, heads):
     fused_tiles2_bf16) and a tile left over alone: after every context from 1 to 80 keys — odd and even
     tile counts, each thread's span of tiles cut anywhere — its hidden state is the bits of the same row
     in a 2-row forward, which scores tile by tile."""
-    config = tiny_config("qwen3", head_dim=64, num_heads=heads, num_kv_heads=1, max_position_embeddings=256)
-    decoder = make_decoder(config, dtype=torch.bfloat16)
-    if not decoder.row_exact.tiles_keys(torch.bfloat16, 64):
-        pytest.skip("this build reads no tiled keys")
-    c = decoder.config
-    step, pairs = (KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 100, 1, torch.bfloat16, split=True,
-                           tile_keys=True) for _ in range(2))
+    decoder, step, pairs = tiled_decoder(heads, 100)
     ids = ids_of(82, seed=5)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        decoder(ids[:, :1], cache=step)
+    decoder(ids[:, :1], cache=step)
+    step.commit()
+    for length in range(1, 81):  # `step` holds `length` tokens, `pairs` one fewer
+        alone = decoder.final_hidden(ids[:, length:length + 1], cache=step)[0][0]
         step.commit()
-        for length in range(1, 81):  # `step` holds `length` tokens, `pairs` one fewer
-            alone = decoder.final_hidden(ids[:, length:length + 1], cache=step)[0][0]
-            step.commit()
-            together = decoder.final_hidden(ids[:, length - 1:length + 1], cache=pairs)[0][0]
-            pairs.commit(1)
-            assert torch.equal(alone[-1], together[-1]), length
-    finally:
-        torch.set_num_threads(previous)
+        together = decoder.final_hidden(ids[:, length - 1:length + 1], cache=pairs)[0][0]
+        pairs.commit(1)
+        assert torch.equal(alone[-1], together[-1]), length
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("rows", [2, 3, 9, 17])
+@torch.no_grad()
+def test_a_few_rows_whole_key_tiles_two_at_a_time_keep_the_bits(threads, heads, rows):
+    """A call of a few rows (a verification) over a tiled cache scores the tiles that all its rows see
+    whole two at a time (attention.h's ATTENTION_PAIR_RUN) and the rest tile by tile: block after block
+    of `rows` tokens up to 120 keys, its hidden states are the bits of the same rows in one forward over
+    all 120 tokens (more rows than a few: tile by tile)."""
+    decoder, whole, blocks = tiled_decoder(heads, 128)
+    ids = ids_of(120, seed=7)
+    reference = decoder.final_hidden(ids, cache=whole)[0][0]
+    for start in range(0, 120 - rows + 1, rows):
+        block = decoder.final_hidden(ids[:, start:start + rows], cache=blocks)[0][0]
+        blocks.commit()
+        assert torch.equal(block, reference[start:start + rows]), start

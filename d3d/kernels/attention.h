@@ -573,9 +573,35 @@ static __attribute__((noinline)) void fused_tiles2_bf16(const uint16_t *kb, int6
         default: tiles2_chains(kb, D, qs, 4, acc, acc2, scale, ahead); break;
     }
 }
-/* Whether a one-token step's run scores whole tiles two at a time (a tiled cache, group <= 4). */
+/* pair_chains (below) over two whole tiles at once, for a chunk of 5 to QUERY_CHUNK queries: 16 chains,
+ * each query's pair broadcast once for both tiles. */
+#define PAIR_DP2(i) x = (__m512bh)_mm512_set1_epi32(words[(i) * D + p]),                              \
+                    a##i = _mm512_dpbf16_ps(a##i, x, k0), b##i = _mm512_dpbf16_ps(b##i, x, k1)
+static __attribute__((noinline)) void pair_chains2(const uint16_t *kb, int64_t D, const float *qs,
+                                                   float (*acc)[KEY_TILE], float (*acc2)[KEY_TILE], float scale) {
+    const int32_t *words = (const int32_t *)qs;
+    const uint16_t *kb2 = kb + KEY_TILE * D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+    for (int64_t p = 0; p < D / 2; p++) {
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * 2 * KEY_TILE);
+        __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb2 + p * 2 * KEY_TILE), x;
+        PAIR_DP2(0); PAIR_DP2(1); PAIR_DP2(2); PAIR_DP2(3); PAIR_DP2(4); PAIR_DP2(5); PAIR_DP2(6); PAIR_DP2(7);
+    }
+    __m512 s = _mm512_set1_ps(scale);
+#define PAIR_STORE2(i) _mm512_storeu_ps(acc[i], _mm512_mul_ps(a##i, s)), _mm512_storeu_ps(acc2[i], _mm512_mul_ps(b##i, s))
+    PAIR_STORE2(0); PAIR_STORE2(1); PAIR_STORE2(2); PAIR_STORE2(3);
+    PAIR_STORE2(4); PAIR_STORE2(5); PAIR_STORE2(6); PAIR_STORE2(7);
+#undef PAIR_STORE2
+}
+#undef PAIR_DP2
+/* Whether whole tiles are scored two at a time (a tiled cache): a one-token step's run (group <= 4),
+ * and the tiles every query of a few rows' call sees whole (ATTENTION_PAIR_RUN). */
 #define TILE_PAIRS_bf16(D, tiled) (PAIRS_bf16(D) && (tiled))
 #define FUSED_TILES2_bf16(kb, D, qs, C, acc, acc2, scale, ahead) fused_tiles2_bf16(kb, D, qs, C, acc, acc2, scale, ahead);
+#define PAIR_CHAINS2_bf16(kb, D, qs, C, acc, acc2, scale)                                            \
+    if ((C) <= 4) fused_tiles2_bf16(kb, D, qs, C, acc, acc2, scale, NULL);                           \
+    else pair_chains2(kb, D, qs, acc, acc2, scale);
 #endif
 /* out[d] = q[d] · scale (0 where not `live`), one rounding each, 16 at a time. */
 #define SCALE_QUERY_FLOATS(SUFFIX, LOAD, qr, D, scale, live, out)                                    \
@@ -973,9 +999,11 @@ int d3d_pair_scores(int64_t D) { return PAIRS_bf16(D); }
 #ifndef TILE_PAIRS_bf16
 #define TILE_PAIRS_bf16(D, tiled) 0
 #define FUSED_TILES2_bf16(kb, D, qs, C, acc, acc2, scale, ahead)
+#define PAIR_CHAINS2_bf16(kb, D, qs, C, acc, acc2, scale)
 #endif
 #define TILE_PAIRS_f32(D, tiled) 0
 #define FUSED_TILES2_f32(kb, D, qs, C, acc, acc2, scale, ahead)
+#define PAIR_CHAINS2_f32(kb, D, qs, C, acc, acc2, scale)
 #ifndef TILED_KEYS_bf16
 #define TILED_KEYS_bf16(D) 0
 #endif
@@ -1421,6 +1449,42 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
         }                                                                                            \
     }
 
+/* Scores of a few rows' call (causal, B = 1, 1 < T <= QUERY_BLOCK) over a tiled cache where the build
+ * scores whole tiles two at a time (TILE_PAIRS): a thread's span of jobs in order, each tile that every
+ * query of the call sees whole taken with the next such tile of its head — each chunk of QUERY_CHUNK
+ * queries' chains over both at once (pair_chains2, fused_tiles2_bf16), each chain as ATTENTION_SCORE_JOB
+ * runs it — and any other tile (the last ones, which the first rows see in part) through
+ * ATTENTION_SCORE_JOB. The same bits. */
+#define PAIR_RUN_FITS(SUFFIX) (TILE_PAIRS_##SUFFIX(D, k_tiled) && !mask && T > 1 && B == 1 && KEEPS_BLOCK(nt * group))
+#define ATTENTION_PAIR_RUN(SUFFIX, T_ELEM, LOAD, first, end)                                         \
+    for (int64_t job = (first), job_step_ = 1, job_end_ = (end); job < job_end_; job++) {           \
+        int64_t g_ = job / tiles, s0_ = job % tiles * KEY_TILE, all_ = nt * group;                   \
+        if (job + 1 >= job_end_ || s0_ + 2 * KEY_TILE > S - T + t0 + 1) {                            \
+            ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                \
+            continue;                                                                                \
+        }                                                                                            \
+        for (int64_t n_ = job + TILES_AHEAD; n_ < job + TILES_AHEAD + 2 && n_ < job_end_; n_++)      \
+            PREFETCH_TILE(T_ELEM, k + (n_ / tiles) * kv_head + (n_ % tiles) * KEY_TILE * D);         \
+        KEEP_BLOCK_QUERIES(SUFFIX, T_ELEM, LOAD, 0, g_, all_)                                        \
+        const uint16_t *kb_ = (const uint16_t *)(k + g_ * kv_head + s0_ * D);                        \
+        for (int64_t i0 = 0, t_ = t0, j_ = 0; i0 < all_; i0 += QUERY_CHUNK) {                        \
+            int chunk = all_ - i0 < QUERY_CHUNK ? (int)(all_ - i0) : QUERY_CHUNK;                    \
+            float acc_[QUERY_CHUNK][KEY_TILE], acc2_[QUERY_CHUNK][KEY_TILE];                         \
+            float *rows_[QUERY_CHUNK];                                                               \
+            int64_t seen_[QUERY_CHUNK];  /* keys query i0 + i sees from s0_ on */                    \
+            for (int i = 0; i < chunk; i++) {  /* query i0 + i is (t_, head g_ · group + j_) */       \
+                rows_[i] = ROW(0, t_, g_ * group + j_) + s0_, seen_[i] = S - T + t_ + 1 - s0_;       \
+                if (++j_ == group) j_ = 0, t_++;                                                     \
+            }                                                                                        \
+            PAIR_CHAINS2_##SUFFIX(kb_, D, qs_kept + i0 * D, chunk, acc_, acc2_, scale)               \
+            for (int i = 0; i < chunk; i++) {                                                        \
+                STORE_SCORES(rows_[i], NULL, seen_[i], KEY_TILE, acc_[i]);                           \
+                STORE_SCORES(rows_[i] + KEY_TILE, NULL, seen_[i] - KEY_TILE, KEY_TILE, acc2_[i]);    \
+            }                                                                                        \
+        }                                                                                            \
+        job++;                                                                                       \
+    }
+
 /* A thread's share of a segment's n jobs or items: a contiguous block, so that each thread streams
  * its own run of K tiles and V rows (round-robin shares, each thread every other 2 KB tile or every
  * other half row, made both threads' prefetchers fetch what the other one reads); which thread gets
@@ -1473,6 +1537,8 @@ static void NAME##_segments_body(const T_ELEM *q_all, T_ELEM *out_all, const d3d
             ATTENTION_SCORE_RUN(SUFFIX, T_ELEM, LOAD, SPAN_FIRST(jobs), SPAN_END(jobs))              \
         else if (TILE_RUN_FITS(SUFFIX))                                                              \
             ATTENTION_TILE_RUN(SUFFIX, T_ELEM, LOAD, SPAN_FIRST(jobs), SPAN_END(jobs))               \
+        else if (PAIR_RUN_FITS(SUFFIX))                                                              \
+            ATTENTION_PAIR_RUN(SUFFIX, T_ELEM, LOAD, SPAN_FIRST(jobs), SPAN_END(jobs))               \
         else                                                                                         \
             for (int64_t job = SPAN_FIRST(jobs), job_step_ = 1, job_end_ = SPAN_END(jobs); job < job_end_; job++) \
                 ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                            \
