@@ -1310,14 +1310,19 @@ static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads)
 /* the scratch row of query (b, t, h), t in the block t0 … t1-1 */
 #define ROW(b, t, h) (scores + (((b) * rows + (t) - t0) * H + (h)) * S)
 #define ATTENTION_PASSES(SUFFIX, T_ELEM, LOAD, STORE)                                                \
-    /* 1. scores. Over a tiled cache (AVX2), each thread's span of the block's tiles as one run      \
-     * (ATTENTION_TILE_RUN: a prefill chunk's scores after 3,584 tokens 0.89 -> 0.41 s, AMD EPYC Zen 3); \
-     * else jobs go round-robin (causal tiles late in S serve fewer queries), and each thread        \
-     * prefetches the key tile of its job TILES_AHEAD on (a long context streams K from memory). */   \
+    /* 1. scores. Over a tiled cache, each thread's span of the block's tiles as one run (AVX2:      \
+     * ATTENTION_TILE_RUN, a prefill chunk's scores after 3,584 tokens 0.89 -> 0.41 s, AMD EPYC Zen 3; \
+     * AVX-512 BF16: ATTENTION_PAIR_RUN, whole tiles two at a time, a 512-row chunk after 3,584      \
+     * tokens 0.83-0.85x as long, Zen 4); else jobs go round-robin (causal tiles late in S serve     \
+     * fewer queries), and each thread prefetches the key tile of its job TILES_AHEAD on (a long     \
+     * context streams K from memory). */                                                            \
     PASS_CLOCK                                                                                       \
     if (TILE_RUN_FITS(SUFFIX)) {                                                                     \
         int64_t first_ = me;                                                                         \
         ATTENTION_TILE_RUN(SUFFIX, T_ELEM, LOAD, SPAN_FIRST(jobs), SPAN_END(jobs))                   \
+    } else if (PAIR_RUN_FITS(SUFFIX)) {                                                              \
+        int64_t first_ = me;                                                                         \
+        ATTENTION_PAIR_RUN(SUFFIX, T_ELEM, LOAD, SPAN_FIRST(jobs), SPAN_END(jobs))                   \
     } else                                                                                           \
     for (int64_t job = me, job_step_ = threads, job_end_ = jobs; job < jobs; job += threads)         \
         ATTENTION_SCORE_JOB(SUFFIX, T_ELEM, LOAD)                                                    \
