@@ -169,15 +169,16 @@ def test_a_hold_reads_the_weights_as_they_were_when_it_began():
 
 
 def tiled_decoder(heads: int, capacity: int):
-    """A bf16 decoder with head_dim 64 and one KV head for `heads` query heads, and two caches of
-    `capacity` slots whose keys are tiled (skips where this build reads no tiled keys)."""
+    """A bf16 decoder with head_dim 64 and one KV head for `heads` query heads, two caches of `capacity`
+    slots whose keys are tiled, and one whose keys are rows (their tiles transposed into pairs as read,
+    one at a time: the reference) — skipped where this build reads no tiled keys."""
     config = tiny_config("qwen3", head_dim=64, num_heads=heads, num_kv_heads=1, max_position_embeddings=256)
     decoder = make_decoder(config, dtype=torch.bfloat16)
     if not decoder.row_exact.tiles_keys(torch.bfloat16, 64):
         pytest.skip("this build reads no tiled keys")
     c = decoder.config
     return decoder, *(KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, 1, torch.bfloat16, split=True,
-                              tile_keys=True) for _ in range(2))
+                              tile_keys=tiled) for tiled in (True, True, False))
 
 
 @pytest.mark.parametrize("heads", [1, 3, 4])
@@ -185,18 +186,19 @@ def tiled_decoder(heads: int, capacity: int):
 def test_a_steps_whole_key_tiles_two_at_a_time_keep_the_bits(threads, heads):
     """A one-token step over a tiled cache scores two whole key tiles at a time (attention.h's
     fused_tiles2_bf16) and a tile left over alone: after every context from 1 to 80 keys — odd and even
-    tile counts, each thread's span of tiles cut anywhere — its hidden state is the bits of the same row
-    in a 2-row forward, which scores tile by tile."""
-    decoder, step, pairs = tiled_decoder(heads, 100)
+    tile counts, each thread's span of tiles cut anywhere — its hidden state is the bits of the same
+    step over keys stored as rows, and of the same row in a 2-row forward."""
+    decoder, step, pairs, rows = tiled_decoder(heads, 100)
     ids = ids_of(82, seed=5)
-    decoder(ids[:, :1], cache=step)
-    step.commit()
-    for length in range(1, 81):  # `step` holds `length` tokens, `pairs` one fewer
+    for cache in (step, rows):
+        decoder(ids[:, :1], cache=cache)
+        cache.commit()
+    for length in range(1, 81):  # `step` and `rows` hold `length` tokens, `pairs` one fewer
         alone = decoder.final_hidden(ids[:, length:length + 1], cache=step)[0][0]
-        step.commit()
+        reference = decoder.final_hidden(ids[:, length:length + 1], cache=rows)[0][0]
         together = decoder.final_hidden(ids[:, length - 1:length + 1], cache=pairs)[0][0]
-        pairs.commit(1)
-        assert torch.equal(alone[-1], together[-1]), length
+        step.commit(), rows.commit(), pairs.commit(1)
+        assert torch.equal(alone[-1], reference[-1]) and torch.equal(alone[-1], together[-1]), length
 
 
 @pytest.mark.parametrize("heads", [1, 3])
@@ -205,12 +207,13 @@ def test_a_steps_whole_key_tiles_two_at_a_time_keep_the_bits(threads, heads):
 def test_a_few_rows_whole_key_tiles_two_at_a_time_keep_the_bits(threads, heads, rows):
     """A call of a few rows (a verification) over a tiled cache scores the tiles that all its rows see
     whole two at a time (attention.h's ATTENTION_PAIR_RUN) and the rest tile by tile: block after block
-    of `rows` tokens up to 120 keys, its hidden states are the bits of the same rows in one forward over
-    all 120 tokens (more rows than a few: tile by tile)."""
-    decoder, whole, blocks = tiled_decoder(heads, 128)
+    of `rows` tokens up to 120 keys, its hidden states are the bits of the same blocks over keys stored
+    as rows, and of the same rows in one forward over all 120 tokens (a prefill's blocks of 32)."""
+    decoder, whole, blocks, reference = tiled_decoder(heads, 128)
     ids = ids_of(120, seed=7)
-    reference = decoder.final_hidden(ids, cache=whole)[0][0]
+    prefill = decoder.final_hidden(ids, cache=whole)[0][0]
     for start in range(0, 120 - rows + 1, rows):
         block = decoder.final_hidden(ids[:, start:start + rows], cache=blocks)[0][0]
-        blocks.commit()
-        assert torch.equal(block, reference[start:start + rows]), start
+        want = decoder.final_hidden(ids[:, start:start + rows], cache=reference)[0][0]
+        blocks.commit(), reference.commit()
+        assert torch.equal(block, want) and torch.equal(block, prefill[start:start + rows]), start
