@@ -1454,9 +1454,9 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
         }                                                                                            \
     }
 
-/* Scores of a few rows' call (causal, B = 1, 1 < T <= QUERY_BLOCK) over a tiled cache where the build
- * scores whole tiles two at a time (TILE_PAIRS): a thread's span of jobs in order, each tile that every
- * query of the call sees whole taken with the next such tile of its head — each chunk of QUERY_CHUNK
+/* Scores of a few rows' call, or of a query block t0 … t1-1 of a longer one (causal, B = 1, T > 1), over
+ * a tiled cache where the build scores whole tiles two at a time (TILE_PAIRS): a thread's span of jobs in
+ * order, each tile that every query of the block sees whole taken with the next such tile of its head — each chunk of QUERY_CHUNK
  * queries' chains over both at once (pair_chains2, fused_tiles2_bf16), each chain as ATTENTION_SCORE_JOB
  * runs it — and any other tile (the last ones, which the first rows see in part) through
  * ATTENTION_SCORE_JOB. The same bits. */
