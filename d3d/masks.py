@@ -1,7 +1,8 @@
 """Boolean attention masks (True = attend) for the layouts d3d runs: causal, draft block, packed.
 
 Every mask is (T, S): T new tokens over S = cached + T key slots, where the new tokens occupy the
-last T slots in order. Masks say who may see whom; they know nothing about models or tokens.
+last T slots in order. Masks say who may see whom; they know nothing about models or tokens —
+and so where a long forward may be cut into chunks (`chunk_bounds`).
 """
 
 from __future__ import annotations
@@ -58,3 +59,28 @@ def packed_mask(trunk_length: int, branch_visible: list[int], block_size: int, c
         mask[rows, :visible] = True
         mask[rows, cached + row:cached + row + block_size] = inside
     return mask
+
+
+def chunk_bounds(length: int, cached: int, mask: torch.Tensor | None, chunk: int) -> list[int]:
+    """Row boundaries 0 < r1 < … < length for splitting a forward of `length` new rows after
+    `cached` slots: chunks of at most `chunk` rows, cut only where no row before the cut sees a key
+    after it (always, causally; a mask (B, T, cached + T) may forbid a cut, e.g. inside a
+    bidirectional block, and the chunk then grows to the next allowed cut)."""
+    if length <= chunk:
+        return [length]
+    if mask is None:
+        return [*range(chunk, length, chunk), length]
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(mask, keys, -1).amax(-1).amax(0)  # (T,) the last key any batch row's row t sees
+    reach = torch.cummax(last, 0).values.tolist()  # the last key rows 0 … t see
+    cuttable = [r == length or reach[r - 1] < cached + r for r in range(length + 1)]
+    bounds, begin = [], 0
+    while begin < length:
+        end = min(begin + chunk, length)
+        while not cuttable[end] and end > begin + 1:  # the last cut within the chunk …
+            end -= 1
+        if not cuttable[end]:  # … or, with none, the first after it
+            end = next(r for r in range(begin + chunk + 1, length + 1) if cuttable[r])
+        bounds.append(end)
+        begin = end
+    return bounds

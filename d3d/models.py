@@ -32,6 +32,7 @@ from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKer
                          row_exact_kernels)
 from d3d.kernels.plan import MAX_ROWS as PLANNED_ROWS, ForwardPlan
 from d3d.lazy_rows import LazyRows
+from d3d.masks import chunk_bounds
 from d3d.rope import rope_table
 from d3d.sampling import greedy_ids
 
@@ -46,31 +47,6 @@ Kernels = RowExactKernels | type[TorchKernels]
 # changes no output bit (tested for every chunk size); it bounds the attention scratch
 # (rows × heads × keys floats) and keeps a chunk's activations in cache.
 PREFILL_CHUNK = 512
-
-
-def chunk_bounds(length: int, cached: int, mask: torch.Tensor | None, chunk: int) -> list[int]:
-    """Row boundaries 0 < r1 < … < length for splitting a forward of `length` new rows after
-    `cached` slots: chunks of at most `chunk` rows, cut only where no row before the cut sees a key
-    after it (always, causally; a mask (B, T, cached + T) may forbid a cut, e.g. inside a
-    bidirectional block, and the chunk then grows to the next allowed cut)."""
-    if length <= chunk:
-        return [length]
-    if mask is None:
-        return [*range(chunk, length, chunk), length]
-    keys = torch.arange(mask.shape[-1], device=mask.device)
-    last = torch.where(mask, keys, -1).amax(-1).amax(0)  # (T,) the last key any batch row's row t sees
-    reach = torch.cummax(last, 0).values.tolist()  # the last key rows 0 … t see
-    cuttable = [r == length or reach[r - 1] < cached + r for r in range(length + 1)]
-    bounds, begin = [], 0
-    while begin < length:
-        end = min(begin + chunk, length)
-        while not cuttable[end] and end > begin + 1:  # the last cut within the chunk …
-            end -= 1
-        if not cuttable[end]:  # … or, with none, the first after it
-            end = next(r for r in range(begin + chunk + 1, length + 1) if cuttable[r])
-        bounds.append(end)
-        begin = end
-    return bounds
 
 
 @dataclass

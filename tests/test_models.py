@@ -13,10 +13,10 @@ from conftest import make_decoder, tiny_config
 from d3d.cache import CacheFullError, KVCache, joined_values
 from d3d.config import ModelConfig
 from d3d.loading import load_state
-from d3d.masks import draft_mask
+from d3d.masks import chunk_bounds, draft_mask
 import d3d.models
 from d3d.kernels import TorchKernels
-from d3d.models import Decoder, SequenceRows, chunk_bounds
+from d3d.models import Decoder, SequenceRows
 
 HF_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
