@@ -523,6 +523,25 @@ def test_attention_gives_the_portable_bits_at_decoding_shapes(kernels, portable,
         torch.set_num_threads(previous)
 
 
+def test_the_softmax_exp_gives_the_scalar_bits_for_every_x_at_most_zero(kernels):
+    """The vector softmax takes exp(x − top) by a formula for x ≤ 0 only (rowexact.c's exp_below16: no
+    upper clamp, 2^k by vscalefps): every 4,099th float from −0 to −inf, every float of the lower
+    clamp's neighbourhood and of [−2⁻¹⁰, 0], ±0, −inf and NaN give exp_fixed's bits (NaN for NaN);
+    above 88 it is not exp_fixed (the negative control: the domain matters)."""
+    negative = torch.arange(0x80000000, 0xFF800001, 4099, dtype=torch.int64)
+    near_clamp = torch.arange(-90.0, -84.0, 2.0 ** -17)  # every float there (spacing 2^-17 from 64 to 128)
+    tiny = torch.arange(0x80000000, 0xBA800000, 0x1000, dtype=torch.int64)  # −0 … −2⁻¹⁰
+    bits = torch.cat([negative, tiny]).to(torch.int32).view(torch.float32)
+    x = torch.cat([bits, near_clamp, torch.tensor([0.0, -0.0, float("-inf"), -87.0, -86.99, -1e-45])])
+    x = x[~torch.isnan(x)]
+    got, expected = kernels.exp_below(x), kernels.exp_fixed(x)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert torch.isnan(kernels.exp_below(torch.full((16,), float("nan")))).all()
+    if kernels.path_name.startswith(("avx512", "amx")):  # elsewhere exp_below is exp_fixed itself
+        above = torch.linspace(89.0, 200.0, 32)
+        assert not torch.equal(kernels.exp_below(above), kernels.exp_fixed(above))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_vector_paths_give_the_portable_bits(kernels, portable, dtype):
     """Attention, norms, SwiGLU and RoPE give the portable C's bits on this machine's vector path

@@ -287,18 +287,21 @@ static inline void sum_values_f32(const float (*acc)[16], float *o) {
 /* row[s] for s < S = bf16(exp(row[s] - top)) (0 for -inf), written over the row as 16-bit values
  * from its start (row[S] = 0 for odd S), and sums[l] += those rounded values for s = l mod 16, in s
  * order. The bf16 values never overtake the floats still to be read. */
+#define EXP_PAIRS_STEP(s0, live)                                                                     \
+    {                                                                                                \
+        __m512 x = _mm512_maskz_loadu_ps(live, (row) + (s0));                                        \
+        __mmask16 seen = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);   \
+        __m256i p = (__m256i)_mm512_maskz_cvtneps_pbh(seen, exp_below16(_mm512_sub_ps(x, top_)));    \
+        _mm256_mask_storeu_epi16(half_ + (s0), live, p);                                             \
+        sum_ = _mm512_mask_add_ps(sum_, live, sum_, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p), 16))); \
+    }
 #define EXP_SUM_PAIRS(row, S, top, sums)                                                             \
     do {                                                                                             \
         __m512 sum_ = _mm512_loadu_ps(sums), top_ = _mm512_set1_ps(top);                             \
         uint16_t *half_ = (uint16_t *)(row);                                                         \
-        for (int64_t s0 = 0; s0 < (S); s0 += LANES) {                                                \
-            __mmask16 live = (S) - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << ((S) - s0)) - 1); \
-            __m512 x = _mm512_maskz_loadu_ps(live, (row) + s0);                                      \
-            __mmask16 seen = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); \
-            __m256i p = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(seen, exp_fixed16(_mm512_sub_ps(x, top_)))); \
-            _mm256_mask_storeu_epi16(half_ + s0, live, p);                                           \
-            sum_ = _mm512_mask_add_ps(sum_, live, sum_, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p), 16))); \
-        }                                                                                            \
+        int64_t s0 = 0;                                                                              \
+        for (; s0 + LANES <= (S); s0 += LANES) EXP_PAIRS_STEP(s0, (__mmask16)0xffff)                 \
+        if (s0 < (S)) EXP_PAIRS_STEP(s0, (__mmask16)((1u << ((S) - s0)) - 1))                        \
         if ((S) % 2) half_[S] = 0;                                                                   \
         _mm512_storeu_ps(sums, sum_);                                                                \
     } while (0)
@@ -396,7 +399,7 @@ static inline void sum_values_pairs(const float (*acc)[16], float *o) { (void)ac
             __mmask16 live = (S) - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << ((S) - s0)) - 1); \
             __m512 x = _mm512_maskz_loadu_ps(live, (row) + s0);                                      \
             __mmask16 seen = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ); \
-            __m512 p = _mm512_maskz_mov_ps(seen, exp_fixed16(_mm512_sub_ps(x, top_)));               \
+            __m512 p = _mm512_maskz_mov_ps(seen, exp_below16(_mm512_sub_ps(x, top_)));               \
             _mm512_mask_storeu_ps((row) + s0, live, p);                                              \
             sum_ = _mm512_mask_add_ps(sum_, live, sum_, p);                                          \
         }                                                                                            \

@@ -255,7 +255,7 @@ static void amx_exp_item(const amx_plan *p, int64_t item, int64_t H, int64_t Hkv
         AMX_SEEN(s0);
         __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(seen, row + s0), scale_);
         __m512i bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-            _mm512_maskz_mov_ps(seen, exp_fixed16(_mm512_sub_ps(x, top)))));  /* never subnormal: x - top ≥ -87 */
+            _mm512_maskz_mov_ps(seen, exp_below16(_mm512_sub_ps(x, top)))));  /* x ≤ top: top is x's largest, both times scale */
         __m512 p16 = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
         sum = _mm512_mask_add_ps(sum, live, sum, p16);
         _mm512_mask_storeu_ps(row + s0, live, p16);

