@@ -86,29 +86,12 @@ static inline float exp_fixed(float x) {
 }
 
 #ifdef __AVX512F__
-/* exp_fixed on 16 lanes: the same operations in the same order, so the same bits per lane. */
-static inline __m512 exp_fixed16(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
-    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), x);
-    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-/* exp_fixed16 where every lane is ≤ 0 or NaN (a softmax's x − top): the same bits in 4 fewer operations.
- * Its upper clamp never acts there, and k ∈ [−126, 0] makes 2^k a normal power of two, so p · 2^k is
- * one correctly rounded product however it is formed — vscalefps forms it from k directly where
- * exp_fixed16 converts k to an integer and builds 2^k's bits (subnormal results included; checked on
- * every float ≤ 0). A softmax's exps: 1.29 → 0.98 cycles an element (AMD EPYC Zen 4, one core). */
-static inline __m512 exp_below16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+/* exp_fixed on 16 lanes, x already clamped to [−87, 88] (or NaN): the same operations in the same
+ * order, so the same bits per lane — but for the last step, p · 2^k, which is one correctly rounded
+ * product however it is formed: vscalefps forms it from k directly, where exp_fixed builds 2^k's bits
+ * from k as an integer (k ∈ [−126, 127]: a normal power of two; checked on every float, overflow and
+ * subnormal results included). */
+static inline __m512 exp_clamped16(__m512 x) {
     __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), x);
@@ -121,6 +104,13 @@ static inline __m512 exp_below16(__m512 x) {
     p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, k);
 }
+/* exp_fixed on 16 lanes (the max and min pass NaNs on, as the scalar clamps do). */
+static inline __m512 exp_fixed16(__m512 x) {
+    return exp_clamped16(_mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x)));
+}
+/* exp_fixed16 where every lane is ≤ 0 or NaN (a softmax's x − top), whose upper clamp never acts there.
+ * A softmax's exps, with the product by vscalefps: 1.29 → 0.98 cycles an element (AMD EPYC Zen 4, one core). */
+static inline __m512 exp_below16(__m512 x) { return exp_clamped16(_mm512_max_ps(_mm512_set1_ps(-87.0f), x)); }
 /* out[j] lane l = r[l] lane j: a 16 × 16 transpose of 32-bit lanes in registers. */
 static inline __attribute__((always_inline)) void transpose16(const __m512 r[16], __m512 out[16]) {
     __m512 t[16], u[16];
