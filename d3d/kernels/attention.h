@@ -1080,8 +1080,13 @@ static void amx_attention_blocks(const uint16_t *q, const uint16_t *k, const uin
 #define TILES_SEGMENTS_f32(...) (void)0
 
 /* Scratch floats for B x T queries over S keys (either path's, for both element types). */
+/* Floats from one query head's row of scores to the next: S rounded up to whole cache lines, an odd
+ * number of them, so that the rows of a block (S a multiple of 1,024 floats after a 512-row chunk of a
+ * prompt) do not all fall in one set of the L1 cache, which their 16-key stores go to together. */
+static inline int64_t score_stride(int64_t S) { return ((S + 15) / 16 | 1) * 16; }
+
 int64_t d3d_attention_scratch(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D) {
-    int64_t chains = B * (T < QUERY_BLOCK ? T : QUERY_BLOCK) * H * (S + 1);
+    int64_t chains = B * (T < QUERY_BLOCK ? T : QUERY_BLOCK) * H * (score_stride(S) + 1);
 #ifdef D3D_AMX
     if (amx_attention_fits(D, H / Hkv)) {
         int64_t tiles = B * amx_plan_floats(T < QUERY_BLOCK ? T : QUERY_BLOCK, H, Hkv, S);
@@ -1104,7 +1109,8 @@ static void NAME##_body(const T_ELEM *q, const T_ELEM *k, const T_ELEM *v, const
     }                                                                                                \
     SCORE_JOB_STATE(T_ELEM)                                                                          \
     int64_t rows = T < QUERY_BLOCK ? T : QUERY_BLOCK;  /* scratch rows per batch row */              \
-    float *totals = scores + B * rows * H * S;  /* each query's softmax denominator */               \
+    const int64_t stride_ = score_stride(S);                                                         \
+    float *totals = scores + B * rows * H * stride_;  /* each query's softmax denominator */         \
     for (int64_t t0 = 0; t0 < T; t0 += QUERY_BLOCK) {                                                \
         int64_t t1 = T - t0 < QUERY_BLOCK ? T : t0 + QUERY_BLOCK, nt = t1 - t0;                       \
         /* the keys this block sees: causally up to S - T + t1 - 1, with a mask any */               \
@@ -1297,7 +1303,7 @@ static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads)
                 for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {                        \
                     int nh = (g + 1) * group - h0 < 4 ? (int)((g + 1) * group - h0) : 4;             \
                     float o[4][PART_DIMS];                                                           \
-                    WEIGHTED_SUM_##SUFFIX(ROW(b, t, h0), S, nh, vb, end, v_row, 0, dn, o);           \
+                    WEIGHTED_SUM_##SUFFIX(ROW(b, t, h0), stride_, nh, vb, end, v_row, 0, dn, o);           \
                     for (int i = 0; i < nh; i++) {                                                   \
                         float total = totals[(b * rows + t - t0) * H + h0 + i], inv = total > 0.0f ? 1.0f / total : 0.0f; \
                         T_ELEM *outr = out + ((b * T + t) * H + h0 + i) * D + d0;                    \
@@ -1313,7 +1319,7 @@ static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads)
 #define SUM_ITEMS(B, nt) ((B) * SUM_SPLIT(B, nt) * Hkv * parts)
 
 /* the scratch row of query (b, t, h), t in the block t0 … t1-1 */
-#define ROW(b, t, h) (scores + (((b) * rows + (t) - t0) * H + (h)) * S)
+#define ROW(b, t, h) (scores + (((b) * rows + (t) - t0) * H + (h)) * stride_)
 #define ATTENTION_PASSES(SUFFIX, T_ELEM, LOAD, STORE)                                                \
     /* 1. scores. Over a tiled cache, each thread's span of the block's tiles as one run (AVX2:      \
      * ATTENTION_TILE_RUN, a prefill chunk's scores after 3,584 tokens 0.89 -> 0.41 s, AMD EPYC Zen 3; \
@@ -1515,7 +1521,8 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
             const T_ELEM *v = (const T_ELEM *)seg_->v_cache + layer * seg_->kv_layer;                \
             const uint8_t *mask = seg_->mask;                                                        \
             T_ELEM *out = out_all + row0_ * H * D;                                                   \
-            float *scores = area_, *totals = scores + rows * H * S;                                  \
+            const int64_t stride_ = score_stride(S);                                                 \
+            float *scores = area_, *totals = scores + rows * H * stride_;                            \
             const int64_t kv_batch = 0, kv_head = seg_->kv_head, v_row = seg_->v_row, v_part = seg_->v_part; \
             const int64_t k_tiled = seg_->k_tiled;                                                   \
             const int64_t keys = mask ? S : S - T + t1, tiles = (keys + KEY_TILE - 1) / KEY_TILE;    \
@@ -1524,7 +1531,7 @@ int64_t d3d_segments_scratch(const d3d_segment *g, int64_t n, int64_t H, int64_t
             (void)out; (void)q; (void)k; (void)v; (void)k_tiled;                                     \
             int64_t first_ = ((me - base_) % threads + threads) % threads;  /* this thread's rank here */\
             BODY                                                                                     \
-            area_ += rows * H * (S + 1);                                                             \
+            area_ += rows * H * (stride_ + 1);                                                       \
         }                                                                                            \
     }
 
