@@ -12,7 +12,8 @@ and `LABEL=grouped`: this build with the 4-bit lookups off (G4 blocks and bf16 c
 D3D_LOOKUPS=1 beside `this` on L4).
 
 Usage: python scripts/rows_ab.py --builds before=/path/to/rowexact-….so,this [--rows 1,2,3,4,5,8,9,17]
-       [--context 256] [--rounds 7] [--weights stored|dequantized|…]
+       [--context 256] [--rounds 7] [--weights stored|dequantized|…] [--last-only] [--raw]
+(a 4K prompt's prefill: --rows 1,4096 --context 0 --last-only)
 Prints one JSON line: per row count, each build's median cost in one-token steps of the first build.
 """
 
@@ -40,6 +41,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--weights", default="stored", help="how the target's weights are read (d3d.quantized.WEIGHTS)")
+    parser.add_argument("--last-only", action="store_true",
+                        help="the rows are a prompt's prefill: only the last row's logits (as generation asks)")
+    parser.add_argument("--raw", action="store_true",
+                        help="also each round's ms per forward (this host's memory has two speeds: compare round by round)")
     args = parser.parse_args()
     target = load_target(weights=args.weights).decoder
     target.pack_weights()
@@ -61,8 +66,9 @@ def main() -> None:
     vocab = target.config.vocab_size
     sizes = [int(n) for n in args.rows.split(",")]
     cache = target.new_cache(args.context + max(sizes))
-    target(torch.randint(0, vocab, (1, args.context), generator=generator), cache=cache)
-    cache.commit()
+    if args.context:
+        target(torch.randint(0, vocab, (1, args.context), generator=generator), cache=cache)
+        cache.commit()
     ids = {n: torch.randint(0, vocab, (n,), generator=generator) for n in sizes}
     times, logits = {}, {}
     for round_ in range(args.rounds):
@@ -72,7 +78,7 @@ def main() -> None:
                 target.row_exact, target._layer_table = kernels, None  # the table of this build's streams
 
                 def forward():
-                    (rows, _), = target.forward_rows([SequenceRows(ids[n], cache)])
+                    (rows, _), = target.forward_rows([SequenceRows(ids[n], cache, last_only=args.last_only)])
                     cache.commit(0)
                     return rows
                 logits.setdefault(n, {})[label] = forward()
@@ -81,6 +87,8 @@ def main() -> None:
                     forward()
                 times.setdefault((n, label), []).append((time.perf_counter() - started) / 3 * 1000)
     target.row_exact = this
+    if args.raw:
+        print(json.dumps({f"{n} rows, {label}": [round(t, 1) for t in times[(n, label)]] for n in sizes for label in builds}))
     unit = median(times[(1, next(iter(builds)))])
     same = all(torch.equal(got, next(iter(by.values()))) for by in logits.values() for got in by.values())
     print(json.dumps({"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
