@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from d3d.memory import huge_zeros
+
 
 V_PART = 32  # values of d a split V stores together (attention.h's V_PART)
 KEY_TILE = 16  # slots a tiled cache stores together (attention.h's KEY_TILE)
@@ -111,9 +113,12 @@ class KVCache:
         slots = capacity + -capacity % KEY_TILE if tile_keys else capacity  # whole tiles
         shape = (num_layers, batch_size, num_kv_heads, slots, head_dim)
         key_shape = (*shape[:3], slots // KEY_TILE, head_dim // 2, KEY_TILE, 2) if tile_keys else shape
-        self.keys = torch.zeros(key_shape, dtype=dtype, device=device)
         value_shape = (*shape[:3], head_dim // V_PART, slots, V_PART) if split else shape
-        self.values = torch.zeros(value_shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":  # streamed by every step: huge pages (d3d.memory)
+            self.keys, self.values = huge_zeros(key_shape, dtype), huge_zeros(value_shape, dtype)
+        else:
+            self.keys = torch.zeros(key_shape, dtype=dtype, device=device)
+            self.values = torch.zeros(value_shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0  # committed slots
         self.pending = 0  # slots written by the last forward but not yet committed

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from d3d.memory import huge_mapping
+
 # formats.h's enum, by name
 WEIGHT_FORMATS = {"plain": 0, "packed": 1, "u4": 2, "i8": 3, "u6": 4, "s4": 5, "g4": 6, "g8": 7, "a4": 8, "lane_packed": 9, "t4": 10, "l4": 11, "ql": 12, "quad_packed": 13, "qs": 14}
 QUANTIZED_FORMATS = ("u4", "i8", "u6", "s4")
@@ -115,13 +117,6 @@ class HugePageArena:
         self._used = 0
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _map(size: int) -> torch.Tensor:
-        memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        return torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive
-
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         if not hasattr(mmap, "MAP_ANONYMOUS"):
             return torch.empty(shape, dtype=dtype)
@@ -129,8 +124,8 @@ class HugePageArena:
         with self._lock:
             if self._chunk is None or self._used + size > self._chunk.numel():  # the chunk (or reserve) is full
                 if size > self.CHUNK:
-                    return self._map(size).view(dtype).view(shape)
-                self._chunk, self._used = self._map(self.CHUNK), 0
+                    return huge_mapping(size).view(dtype).view(shape)
+                self._chunk, self._used = huge_mapping(self.CHUNK), 0
             block = self._chunk[self._used:self._used + size]
             self._used += -(-size // self.ALIGN) * self.ALIGN
         return block.view(dtype).view(shape)
@@ -142,7 +137,7 @@ class HugePageArena:
         ~4 ms a MB, 2.4 s of the embedded target's ~4 s load), and the load has Python to run meanwhile."""
         if not hasattr(mmap, "MAP_ANONYMOUS") or size <= 0:
             return
-        block = self._map(size)
+        block = huge_mapping(size)
         with self._lock:
             self._chunk, self._used = block, 0
         threading.Thread(target=_populate, args=(block,), name="d3d-populate", daemon=True).start()
