@@ -191,3 +191,42 @@ def test_tiled_keys_hold_the_same_values():
 def test_tiled_keys_go_with_split_values():
     with pytest.raises(ValueError, match="split values"):
         KVCache(num_layers=1, num_kv_heads=1, head_dim=64, capacity=8, tile_keys=True)
+
+
+def thp_eligible(address: int) -> bool | None:
+    """Whether Linux may back the mapping holding `address` with transparent huge pages (its smaps
+    `THPeligible`), or None where this kernel does not say."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    return None
+
+
+def test_a_cpu_cache_is_zeros_in_memory_advised_for_huge_pages():
+    """A CPU cache is zeros, writable, in its own mapping advised for huge pages (every step streams it,
+    as it streams the weights); where huge pages come only on request (THP `madvise`), a tensor from
+    torch's allocator of the same size is not eligible (the negative control)."""
+    cache = KVCache(2, 3, 64, 4096, dtype=torch.bfloat16, split=True, tile_keys=True)
+    for t in (cache.keys, cache.values):
+        assert t.is_contiguous() and not t.any()
+    cache.keys[1, 0, 2, -1] = 1.5
+    assert cache.keys.sum().item() == 1.5 * cache.keys[1, 0, 2, -1].numel()
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    if "[never]" in mode or thp_eligible(cache.keys.data_ptr()) is None:
+        pytest.skip(f"huge pages off or unreported ({mode.strip()})")
+    assert thp_eligible(cache.keys.data_ptr()) and thp_eligible(cache.values.data_ptr())
+    if "[madvise]" in mode:
+        plain = torch.zeros_like(cache.keys)
+        assert not thp_eligible(plain.data_ptr())
