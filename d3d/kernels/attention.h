@@ -284,20 +284,22 @@ static inline void sum_values_f32(const float (*acc)[16], float *o) {
  * +0 · v or 0 · 0 first, which changes no chain (P_ZERO), so a V row past a call's last visible key
  * is read as 0, never from memory, and a query's bits are its own. Two keys an operation for one. */
 #define PAIR_SUMS_bf16(D, group) (PAIRS_bf16(D) && (group) <= SUM_HEADS)
-/* row[s] for s < S = bf16(exp(row[s] - top)) (0 for -inf), written over the row as 16-bit values
- * from its start (row[S] = 0 for odd S), and sums[l] += those rounded values for s = l mod 16, in s
- * order. The bf16 values never overtake the floats still to be read. */
+/* 16 keys of EXP_SUM_PAIRS from s0, its `live` ones (whole vectors, then the tail): its from_, half_, top_, sum_ */
 #define EXP_PAIRS_STEP(s0, live)                                                                     \
     {                                                                                                \
-        __m512 x = _mm512_maskz_loadu_ps(live, (row) + (s0));                                        \
+        __m512 x = _mm512_maskz_loadu_ps(live, from_ + (s0));                                        \
         __mmask16 seen = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);   \
         __m256i p = (__m256i)_mm512_maskz_cvtneps_pbh(seen, exp_below16(_mm512_sub_ps(x, top_)));    \
         _mm256_mask_storeu_epi16(half_ + (s0), live, p);                                             \
         sum_ = _mm512_mask_add_ps(sum_, live, sum_, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(p), 16))); \
     }
+/* row[s] for s < S = bf16(exp(row[s] - top)) (0 for -inf), written over the row as 16-bit values
+ * from its start (row[S] = 0 for odd S), and sums[l] += those rounded values for s = l mod 16, in s
+ * order. The bf16 values never overtake the floats still to be read. */
 #define EXP_SUM_PAIRS(row, S, top, sums)                                                             \
     do {                                                                                             \
         __m512 sum_ = _mm512_loadu_ps(sums), top_ = _mm512_set1_ps(top);                             \
+        const float *from_ = (row);                                                                  \
         uint16_t *half_ = (uint16_t *)(row);                                                         \
         int64_t s0 = 0;                                                                              \
         for (; s0 + LANES <= (S); s0 += LANES) EXP_PAIRS_STEP(s0, (__mmask16)0xffff)                 \
@@ -1090,12 +1092,12 @@ static void amx_attention_blocks(const uint16_t *q, const uint16_t *k, const uin
 #define TILES_BLOCKS_f32(...) (void)0
 #define TILES_SEGMENTS_f32(...) (void)0
 
-/* Scratch floats for B x T queries over S keys (either path's, for both element types). */
 /* Floats from one query head's row of scores to the next: S rounded up to whole cache lines, an odd
  * number of them, so that the rows of a block (S a multiple of 1,024 floats after a 512-row chunk of a
  * prompt) do not all fall in one set of the L1 cache, which their 16-key stores go to together. */
 static inline int64_t score_stride(int64_t S) { return ((S + 15) / 16 | 1) * 16; }
 
+/* Scratch floats for B x T queries over S keys (either path's, for both element types). */
 int64_t d3d_attention_scratch(int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t S, int64_t D) {
     int64_t chains = B * (T < QUERY_BLOCK ? T : QUERY_BLOCK) * H * (score_stride(S) + 1);
 #ifdef D3D_AMX
@@ -1314,7 +1316,7 @@ static inline int64_t sum_split(int64_t items, int64_t batches, int64_t threads)
                 for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {                        \
                     int nh = (g + 1) * group - h0 < 4 ? (int)((g + 1) * group - h0) : 4;             \
                     float o[4][PART_DIMS];                                                           \
-                    WEIGHTED_SUM_##SUFFIX(ROW(b, t, h0), stride_, nh, vb, end, v_row, 0, dn, o);           \
+                    WEIGHTED_SUM_##SUFFIX(ROW(b, t, h0), stride_, nh, vb, end, v_row, 0, dn, o);     \
                     for (int i = 0; i < nh; i++) {                                                   \
                         float total = totals[(b * rows + t - t0) * H + h0 + i], inv = total > 0.0f ? 1.0f / total : 0.0f; \
                         T_ELEM *outr = out + ((b * T + t) * H + h0 + i) * D + d0;                    \
