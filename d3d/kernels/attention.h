@@ -1093,8 +1093,8 @@ static void amx_attention_blocks(const uint16_t *q, const uint16_t *k, const uin
 #define TILES_SEGMENTS_f32(...) (void)0
 
 /* Floats from one query head's row of scores to the next: S rounded up to whole cache lines, an odd
- * number of them, so that the rows of a block (S a multiple of 1,024 floats after a 512-row chunk of a
- * prompt) do not all fall in one set of the L1 cache, which their 16-key stores go to together. */
+ * number of them, so that the rows of a block (S a multiple of 512 floats after a prompt's 512-row
+ * chunks) do not fall in one or two sets of the L1 cache, which their 16-key stores go to together. */
 static inline int64_t score_stride(int64_t S) { return ((S + 15) / 16 | 1) * 16; }
 
 /* Scratch floats for B x T queries over S keys (either path's, for both element types). */
