@@ -46,6 +46,14 @@ KEPT_SCRATCH = 16 << 20  # bytes of a forward's scratch kept per thread and role
 KEEP_ROWS = 32  # the most rows a forward can keep past its last layer's keys and values (attention.h's QUERY_BLOCK)
 
 
+def _each_float(function, x: torch.Tensor) -> torch.Tensor:
+    """A C function (in, out, n) of each element, over fp32 x."""
+    x = x.float().contiguous()
+    out = torch.empty_like(x)
+    function(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
 class RowExactKernels(WeightStreams):
     """The compiled row-exact kernels, over CPU tensors in bf16 or fp32 (no autograd)."""
 
@@ -171,17 +179,11 @@ class RowExactKernels(WeightStreams):
 
     def exp_fixed(self, x: torch.Tensor) -> torch.Tensor:
         """The softmax's exp (rowexact.c's exp_fixed) of each element of fp32 x."""
-        x = x.float().contiguous()
-        out = torch.empty_like(x)
-        self.library.d3d_exp_fixed(x.data_ptr(), out.data_ptr(), x.numel())
-        return out
+        return _each_float(self.library.d3d_exp_fixed, x)
 
     def exp_below(self, x: torch.Tensor) -> torch.Tensor:
         """The vector softmax's exp (rowexact.c's exp_below16, for x ≤ 0) of each element of fp32 x."""
-        x = x.float().contiguous()
-        out = torch.empty_like(x)
-        self.library.d3d_exp_below(x.data_ptr(), out.data_ptr(), x.numel())
-        return out
+        return _each_float(self.library.d3d_exp_below, x)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax over the last dimension of bf16 or fp32 logits — `d3d.sampling.greedy_ids`'s
