@@ -36,8 +36,8 @@
  *   QL      U4 blocks in quads for the AVX-512 BF16 lookups (linear.h's quads; where the AMX tiles are off): a quad is 4
  *           output columns, a run 8 quads (32 columns, the last zero-padded); per run and per 32
  *           weights, its 8 quads' block_ql — the 4 columns' scales and offsets, then the 128 codes in
- *           8 quadwords: the code of word w of the quad's vector at step s (column w/8, weight
- *           8·s + w mod 8) is nibble 4·s + w mod 4 of quadword w/4. The same values, decoded as a lookup
+ *           32 words: the code of word w of the quad's vector at step s (column w/8, weight
+ *           8·s + w mod 8) is bits 4·s … 4·s + 3 of word w. The same values, decoded as a lookup
  *           in the quad's 4 tables of 16 — through the quads' chains (linear.h), at every row count.
  *   QS      S4 blocks in quads, as QL (each offset −0, the table's codes q − 8: s·(q − 8), as S4's).
  *   QUAD_PACKED  the bf16 values of a QL or QS weight for its calls of many rows: per 16 output columns (N

@@ -1430,9 +1430,9 @@ static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part
  * BF16 with VBMI where the AMX tiles are off; d3d_quads(0), D3D_QUADS=0 turns them off):
  * a vector of 32 bf16 weights is a quad — 4 output columns × 8 consecutive k —, so its 4 columns'
  * tables of 16 values (one fma and half a rounding each per block, the 4 scales and offsets each one
- * 128-bit broadcast) fit the two registers one vpermi2w reads, and each code, placed by
- * vpmultishiftqb from the quad block's one 64-byte load of codes and its column's bits set by one
- * vpternlogd, decodes in one lookup: 4 vector operations per 32 weights with the pair dot product,
+ * 128-bit broadcast) fit the two registers one vpermi2w reads, and each code, placed by a word shift
+ * from the quad block's one 64-byte load of codes and its column's bits set by one vpternlogd,
+ * decodes in one lookup: 4 vector operations per 32 weights with the pair dot product,
  * where the grouped blocks' decode (grouped_pair) takes 9. (AMD EPYC Zen 4, one row from cache:
  * 5.5 cycles per 32 weights a thread with a 128-bit broadcast of each step's codes and 8 scalar
  * broadcasts of the scales and offsets per block, 4.7-4.9 with these loads.) A lane of a quad is one column's pair
@@ -1462,14 +1462,6 @@ static inline __m512i quad_columns(void) {  /* word w: its column in the quad, t
     return _mm512_loadu_si512(c);
 }
 
-/* Step s's multishift control: word i of each quadword takes the 8 bits from 2 below its code
- * (nibble 4s + i of the quadword), so that the code lands in the index's bits 2-5. */
-static inline __m512i quad_control(int s) {
-    uint64_t c = 0;
-    for (int i = 0; i < 4; i++) c |= (uint64_t)((16 * s + 4 * i + 62) % 64) << (16 * i);
-    return _mm512_set1_epi64((long long)c);
-}
-
 /* Code q of the table's 16 values at element e of every 128-bit lane for table register t (0-3):
  * 4t + e / 4 — the lanes' elements are the quad's 4 columns, e mod 4 (quad_tables). */
 static inline __m512 quad_codes(int t) {
@@ -1478,10 +1470,10 @@ static inline __m512 quad_codes(int t) {
     return _mm512_loadu_ps(q);
 }
 
-/* Word w of a quad block's vector at step s (column w/8, weight 8s + w mod 8): nibble 4s + w mod 4
- * of its 64 code bytes' quadword w/4. */
+/* Word w of a quad block's vector at step s (column w/8, weight 8s + w mod 8): bits 4s … 4s + 3 of its
+ * 64 code bytes' word w, so that one shift puts each step's code in the index's bits 2-5. */
 static inline void place_quad_code(uint8_t q[64], int s, int w, int code) {
-    int nibble = 16 * (w / 4) + 4 * s + w % 4;
+    int nibble = 4 * w + s;
     q[nibble / 2] |= (uint8_t)(code << (4 * (nibble % 2)));
 }
 
@@ -1516,12 +1508,11 @@ static int64_t quad_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
     return size;
 }
 
-/* The quads' constants: each step's multishift control, the columns' index bits, and the codes of
- * the 4 table registers' elements (q − 8 for S4 blocks, whose offsets are −0: quad_pack). */
-typedef struct { __m512i control[4], columns; __m512 codes[4]; } quad_consts;
+/* The quads' constants: the columns' index bits, and the codes of the 4 table registers' elements
+ * (q − 8 for S4 blocks, whose offsets are −0: quad_pack). */
+typedef struct { __m512i columns; __m512 codes[4]; } quad_consts;
 static inline quad_consts quad_consts_for(int64_t format) {
     quad_consts k;
-    for (int s = 0; s < 4; s++) k.control[s] = quad_control(s);
     k.columns = quad_columns();
     for (int t = 0; t < 4; t++)
         k.codes[t] = format == D3D_QS ? _mm512_sub_ps(quad_codes(t), _mm512_set1_ps(8.0f)) : quad_codes(t);
@@ -1537,11 +1528,14 @@ static inline __attribute__((always_inline)) void quad_tables(const block_ql *at
     *t23 = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(scale, k->codes[3], offset), _mm512_fmadd_ps(scale, k->codes[2], offset));
 }
 
-/* Step s of a quad block whose 64 code bytes are `codes`: its vector of 32 weights. */
+/* Step s of a quad block whose 64 code bytes are `codes`: its vector of 32 weights. Each word's code
+ * for step s is shifted into the index's bits 2-5 by a word shift — not vpmultishiftqb, which takes the
+ * FMA pipes vdpbf16ps needs (AMD EPYC Zen 4, one row from cache: 2.83 against 3.00 TSC cycles per 32
+ * weights, a /tmp harness over the same blocks, the same bits). */
 static inline __attribute__((always_inline)) __m512bh quad_vector(__m512i codes, int s, __m512i t01, __m512i t23,
                                                                   const quad_consts *k) {
-    __m512i index = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(k->control[s], codes), _mm512_set1_epi16(0x3C),
-                                              k->columns, 0xEA);  /* code << 2 | column */
+    __m512i placed = s == 0 ? _mm512_slli_epi16(codes, 2) : _mm512_srli_epi16(codes, 4 * s - 2);
+    __m512i index = _mm512_ternarylogic_epi32(placed, _mm512_set1_epi16(0x3C), k->columns, 0xEA);  /* code << 2 | column */
     return (__m512bh)_mm512_permutex2var_epi16(t01, index, t23);
 }
 
