@@ -110,7 +110,7 @@ def machine_key(decoder: Decoder) -> list:
     """What a measurement on `decoder` depends on: CPU, kernel build, torch, dtype, device, threads, shapes,
     and the weights the kernels stream (a GGUF's blocks cost less to read than bf16 copies)."""
     kernels = decoder.row_exact
-    build = (kernels.path.name + " amx" * kernels.amx + " lookups" * kernels.lookups + " quads" * kernels.quads) if kernels is not None \
+    build = (kernels.path.name + " amx" * kernels.amx + " quads" * kernels.quads) if kernels is not None \
         else "torch-" + torch.__version__
     return [cpu_name(), cpu_flags_line(), build, torch.__version__, str(decoder.dtype), str(decoder.device),
             torch.get_num_threads(), decoder.config.to_dict(), decoder.streamed_weights()]

@@ -7,9 +7,10 @@ A build is a compiled kernel library: this checkout's (`this`), or another check
 (-P: without it, `python -c` run in this checkout imports this checkout's d3d before PYTHONPATH's, and
 builds this checkout's sources.)
 Every build reads the same weight streams (packed once by this checkout), so only the kernels differ
-— except `LABEL=plain`: this build reading bf16 values as stored (PLAIN) where it would lane-pack them,
-and `LABEL=grouped`: this build with the 4-bit lookups off (G4 blocks and bf16 copies, under
-D3D_LOOKUPS=1 beside `this` on L4).
+(a build that lays out a copy otherwise — e.g. before a change to the quads' code order — reads other
+values: its times hold, its logits are not comparable) — except `LABEL=plain`: this build reading
+bf16 values as stored (PLAIN) where it would lane-pack them, and `LABEL=grouped`: this build with the
+4-bit quads off (G4 blocks and bf16 copies; AVX-512 BF16 with VBMI).
 
 Usage: python scripts/rows_ab.py --builds before=/path/to/rowexact-….so,this [--rows 1,2,3,4,5,8,9,17]
        [--context 256] [--rounds 7] [--weights stored|dequantized|…] [--last-only] [--raw]
@@ -54,12 +55,12 @@ def main() -> None:
         label, _, path = spec.partition("=")
         if path == "plain":
             builds[label] = this.same_streams(this.library, this.path, lane_packs=False)
-        elif path == "grouped":  # this build with the 4-bit lookups off: its own library copy, G4 and dense copies
+        elif path == "grouped":  # this build with the 4-bit quads off: its own library copy, G4 and dense copies
             copy = Path(tempfile.mkdtemp()) / this.path.name
             shutil.copy(this.path, copy)
             other = builds[label] = this.same_streams(ctypes.CDLL(str(copy)), copy)
             other._dense, other._grouped = {}, {}
-            other.set_lookups(False)
+            other.set_quads(False)
         else:
             builds[label] = this if label == "this" and not path else this.same_streams(ctypes.CDLL(path), Path(path))
     generator = torch.Generator().manual_seed(0)

@@ -90,11 +90,11 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
     grouped = kernels.grouped_rows
     if grouped:  # a few rows read the grouped blocks where this path has a form for them
         made = kernels._grouped_stream(weight, kernels.stream(weight))
-        forms = {"u4": {"t4"}, "s4": {"t4"}} if kernels.lane_packs else {"u4": {"g4", "a4", "l4", "ql"}, "s4": {"qs", None}, "i8": {"g8"}}
+        forms = {"u4": {"t4"}, "s4": {"t4"}} if kernels.lane_packs else {"u4": {"g4", "a4", "ql"}, "s4": {"qs", None}, "i8": {"g8"}}
         assert (made and made.format) in forms.get(kernels.stream(weight).format, {None}), made
     try:
         # several rows from the bf16 values, one from the grouped blocks (AVX-512 BF16), or decoding the blocks;
-        # looked-up blocks at every row count, through their own chains: L4 the plain layout's, QL the quads'
+        # quads (QL) through their own chains at every row count
         for dense_rows, kernels.grouped_rows in ((True, grouped), (True, False), (False, False)):
             kernels.dense_rows = dense_rows
             streams = kernels._weight(weight)[1]
@@ -111,46 +111,10 @@ def test_a_quantized_linear_is_the_dequantized_linear_bit_for_bit(kernels, type_
         kernels.dense_rows, kernels.grouped_rows = True, grouped
 
 
-def test_looked_up_4bit_blocks_are_their_values_through_the_plain_chains(kernels):
-    """Where the build has the lookups (AVX-512 BF16 with VBMI) and they are switched on, a Q4_1
-    weight's grouped copy is L4, read at every row count — one row, the fused 2-4, the strip's tiles
-    with remainders — with the bits of its bf16 values through the plain layout's chains
-    (`linear_reference`), bias and residual included, each row the row alone's; and switched off, the
-    grouped blocks (G4) again, with the packed layout's bits."""
-    was, quads_were = kernels.lookups, kernels.quads
-    kernels.set_quads(False)  # (its own test below)
-    if not kernels.set_lookups(True):
-        kernels.set_quads(quads_were)
-        pytest.skip("no 4-bit lookups in this build (AVX-512 BF16 with VBMI only)")
-    try:
-        for outputs, width in ((100, 256), (48, 1536)):
-            raw = random_blocks("Q4_1", outputs, width, seed=11)
-            weight = loader_values("Q4_1", raw)
-            plain = weight.clone()
-            kernels.use_stream(weight, stream_of(kernels, "Q4_1", raw))
-            assert kernels.one_row_stream(weight).format == "l4" and kernels.path_name.startswith("avx512")
-            x = (torch.randn(19, width, generator=torch.Generator().manual_seed(12)) * 3).to(torch.bfloat16)
-            bias = torch.randn(outputs, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
-            residual = torch.randn(19, outputs, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
-            alone = torch.cat([kernels.linear(x[i:i + 1], weight, bias) for i in range(19)])
-            for rows in (1, 2, 3, 4, 5, 7, 9, 17, 19):
-                assert torch.equal(kernels.linear(x[:rows], weight, bias), kernels.linear_reference(x[:rows], plain, bias)), rows
-                assert torch.equal(kernels.linear(x[:rows], weight, bias), alone[:rows]), rows
-                assert torch.equal(kernels.linear(x[:rows], weight, None, residual[:rows]),
-                                   kernels.linear_reference(x[:rows], plain, None, residual[:rows])), rows
-        kernels.set_lookups(False)
-        assert kernels.one_row_stream(weight).format == "g4"
-        outputs = [kernels.linear(x[:rows], weight, bias) for rows in (1, 17)]
-        assert all(torch.equal(out, kernels.linear(x[:out.shape[0]], plain, bias)) for out in outputs)
-    finally:
-        kernels.set_lookups(was)
-        kernels.set_quads(quads_were)
-
-
 def chains_of(kernels, form: str | None):
     """The linear whose bits a weight read in this grouped form has, over its dequantized values: the
-    plain layout's chains (L4), the quads' (QL), else the path's own for a bf16 weight."""
-    return {"l4": kernels.linear_reference, "ql": quad_reference, "qs": quad_reference}.get(form, kernels.linear)
+    quads' chains (QL, QS), else the path's own for a bf16 weight."""
+    return {"ql": quad_reference, "qs": quad_reference}.get(form, kernels.linear)
 
 
 def quad_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -179,10 +143,8 @@ def test_4bit_blocks_looked_up_in_quads_are_their_values_through_the_quads_chain
     off, the grouped blocks (G4; Q4_0 has none: its blocks and bf16 values) again, with the packed layout's
     bits — which differ from the quads' on 2 of Q4_1's 1,900 outputs (the negative control: the reference
     tells the chains apart)."""
-    was, lookups_were = kernels.quads, kernels.lookups
-    kernels.set_lookups(False)  # (they come first where both are on)
+    was = kernels.quads
     if not kernels.set_quads(True):
-        kernels.set_lookups(lookups_were)
         pytest.skip("no 4-bit quads in this build (AVX-512 BF16 with VBMI only)")
     weights = []
     try:
@@ -215,7 +177,6 @@ def test_4bit_blocks_looked_up_in_quads_are_their_values_through_the_quads_chain
             assert not torch.equal(kernels.linear(x, weight, None), quad_reference(x, plain))
     finally:
         kernels.set_quads(was)
-        kernels.set_lookups(lookups_were)
 
 
 @pytest.mark.parametrize("parts", [[("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)], [("Q4_K", 64), ("Q4_0", 30)]],
@@ -342,11 +303,11 @@ def test_the_embedded_gguf_streams_its_own_blocks_with_the_dequantized_logits():
             results.append((first, together, torch.stack(steps)))
     (first, together, steps), (first_bf16, together_bf16, steps_bf16) = results
     assert torch.equal(together, steps), "a 17-row forward differs from its one-token steps"
-    looked_up = {name for name, w in weights.items() if kernels.one_row_stream(w).format in ("l4", "ql", "qs")}
+    looked_up = {name for name, w in weights.items() if kernels.one_row_stream(w).format in ("ql", "qs")}
     if not looked_up:
         assert torch.equal(first, first_bf16) and torch.equal(together, together_bf16) and torch.equal(steps, steps_bf16)
         return
-    # AVX-512 BF16 with the lookups: the 4-bit weights' chains are the plain layout's, the bf16 weights'
+    # AVX-512 BF16 with the quads: the 4-bit weights' chains are the quads', the bf16 weights'
     # the packed layout's — so weight by weight, the stream's linear is its dequantized values' linear
     # through the chains it takes, at one row and at 17
     assert "lm_head.weight" not in looked_up and all("layers." in name for name in looked_up)

@@ -132,26 +132,22 @@ class RowExactKernels(WeightStreams):
         # lanes: U4 and S4 blocks as tables of their 16 values (T4). The same bits. False leaves them
         # to the blocks and the bf16 values (for tests and measurements).
         self.grouped_rows = bool(library.d3d_grouped_linear())
-        # (id, amx, lookups, quads) → the grouped copy
-        self._grouped: dict[tuple[int, bool, bool, bool], tuple[weakref.ref, int, WeightStream | None]] = {}
+        # (id, amx, quads) → the grouped copy
+        self._grouped: dict[tuple[int, bool, bool], tuple[weakref.ref, int, WeightStream | None]] = {}
         self._descriptors: dict = {}  # id(weight) → its descriptor and streams (`_weight`)
         self.arena = HugePageArena()
         self._kept_scratch = threading.local()  # `_scratch_for`'s buffers, per thread (the AMX check below uses them)
         library.d3d_amx.argtypes = [i32]
         library.d3d_amx.restype = i32
         library.d3d_kernel_path.restype = ctypes.c_char_p
-        # AVX-512 BF16 without the tiles: 4-bit blocks looked up in their tables (formats.h's L4), where
-        # the build has them and D3D_LOOKUPS is "1" — one-token steps faster, verifications slower.
-        if hasattr(library, "d3d_lookups"):  # (not in an older build, e.g. one of scripts/rows_ab.py's)
-            library.d3d_lookups.argtypes, library.d3d_lookups.restype = [i32], i32
-        # ... or looked up in quads of 4 columns (formats.h's QL): on unless D3D_QUADS is "0" — on an AMD
+        # AVX-512 BF16 with VBMI, without the tiles: 4-bit blocks looked up in quads of 4 columns
+        # (formats.h's QL), on unless D3D_QUADS is "0" — on an AMD
         # EPYC Zen 4 a one-token step 0.8 of the grouped blocks', a 17-row verification the same, AR 1.14x
         # and the default 1.02x faster end to end (docs/performance.md)
-        if hasattr(library, "d3d_quads"):
+        if hasattr(library, "d3d_quads"):  # (not in an older build, e.g. one of scripts/rows_ab.py's)
             library.d3d_quads.argtypes, library.d3d_quads.restype = [i32], i32
         self.quads = False
         self.set_quads(os.environ.get("D3D_QUADS", "1") != "0")
-        self.set_lookups(os.environ.get("D3D_LOOKUPS", "0") == "1")
         # Intel's AMX tiles for every bf16 linear, where the build, the CPU and Linux allow it and
         # D3D_AMX is not "0" — kept only if its rows pass `_amx_refusal`'s check.
         self.amx_refused: str | None = None
@@ -219,19 +215,10 @@ class RowExactKernels(WeightStreams):
         self.epoch += 1
         return self.amx
 
-    def set_lookups(self, on: bool) -> bool:
-        """Switch this process's 4-bit weights to the lookups (L4) or back (to the quads where they are
-        on, else the grouped blocks) where the build has them; returns whether they are on. Like
-        `set_amx`: the bits differ, the layer tables are rebuilt, and each form has its own grouped copies."""
-        self.lookups = hasattr(self.library, "d3d_lookups") and bool(self.library.d3d_lookups(int(on)))
-        self.path_name = self.library.d3d_kernel_path().decode()
-        self.epoch += 1
-        return self.lookups
-
     def set_quads(self, on: bool) -> bool:
         """Switch this process's 4-bit weights to the quads (QL, and their bf16 values in quads for calls
-        of many rows) or back where the build has them; returns whether they are on. As `set_lookups`:
-        the bits differ, the layer tables are rebuilt, each form has its own copies."""
+        of many rows) or back to the grouped blocks (G4) where the build has them; returns whether they are
+        on. As `set_amx`: the bits differ, the layer tables are rebuilt, each form has its own copies."""
         self.quads = hasattr(self.library, "d3d_quads") and bool(self.library.d3d_quads(int(on)))
         self.path_name = self.library.d3d_kernel_path().decode()
         self.epoch += 1
@@ -355,7 +342,7 @@ class RowExactKernels(WeightStreams):
     def linear_reference(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          residual: torch.Tensor | None = None) -> torch.Tensor:
         """x (M, K) @ weight (N, K)ᵀ (+ bias, + residual) by the plain layout's chains (dot_block_*), whatever
-        this build's own path: where a weight takes the lanes or the lookups, every kernel must give these bits."""
+        this build's own path: where a weight takes the lanes or the quads, every kernel must give these bits."""
         x, weight = x.contiguous(), weight.contiguous()
         residual = residual.contiguous() if residual is not None else None
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)

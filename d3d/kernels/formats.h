@@ -29,10 +29,6 @@
  *           each column's block_u4 in column order, its codes placed for vpmultishiftqb — weight k's
  *           nibble at bit 64·((k/4) mod 2) + 4·(4·(k/8) + k mod 4) of the 16 bytes. The same values,
  *           decoded as a lookup in the block's table of its 16.
- *   L4      U4 blocks for the AVX-512 BF16 lookups (linear.h; made where the AMX tiles are off): per
- *           16-column group (the last zero-padded) and per 32 weights, the group's 16 blocks in
- *           column order, codes placed as A4's. The same values, decoded as a lookup in the block's
- *           table — for every row count, through the plain layout's chains.
  *   QL      U4 blocks in quads for the AVX-512 BF16 lookups (linear.h's quads; where the AMX tiles are off): a quad is 4
  *           output columns, a run 8 quads (32 columns, the last zero-padded); per run and per 32
  *           weights, its 8 quads' block_ql — the 4 columns' scales and offsets, then the 128 codes in
@@ -64,7 +60,7 @@
  * every decoded weight is 0 or at least 2^-24 in magnitude, being a sum of fp16 multiples.
  */
 
-enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9, D3D_T4 = 10, D3D_L4 = 11, D3D_QL = 12, D3D_QUAD_PACKED = 13, D3D_QS = 14 };
+enum { D3D_PLAIN = 0, D3D_PACKED = 1, D3D_U4 = 2, D3D_I8 = 3, D3D_U6 = 4, D3D_S4 = 5, D3D_G4 = 6, D3D_G8 = 7, D3D_A4 = 8, D3D_LANE_PACKED = 9, D3D_T4 = 10, D3D_QL = 12, D3D_QUAD_PACKED = 13, D3D_QS = 14 };
 
 #define CHUNK 32  /* weights of a row per block of every quantized format */
 

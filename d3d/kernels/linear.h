@@ -1155,29 +1155,17 @@ static void grouped_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_par
 
 
 /* ---------------------------------------------------------------------------------------------
- * 4-bit blocks looked up (formats.h's L4; AVX-512 BF16 with VBMI, where the AMX tiles are off): a Q4
- * block has only 16 values, so a column's 32 weights decode as a lookup in the block's table — its 16
- * values bf16(fma(s, q, o)) made by one fma and one rounding (vcvtne2ps2bf16, exact here as in
- * grouped_pair), each code put in the low bits of a 16-bit index by vpmultishiftqb, vpermw reading the
- * table (its entries twice: an index's fifth bit is the next code's) — 5 vector operations per 32
- * weights with the pair dot product, against grouped_pair's 9. The 32 values are one column's, in k
- * order: so the chains are the plain layout's (dot_block_bf16: per row and column 16 lanes, lane l
- * over the pairs 2l, 2l + 1 of each 32 values of k, folded by fold_lanes), not the packed layout's.
- * A weight read this way therefore takes them at every row count — one row 16 columns at a time,
- * 2–4 rows decoding each block once for all of them, more rows decoding a group's blocks once into a
- * strip (L1) that 4 x 4 tiles read — and never the packed bf16 copy; its bits are those of its bf16
- * values through the plain layout's chains (d3d_linear_reference_bf16), whatever the row count.
- * Off unless asked for (d3d_lookups(1); D3D_LOOKUPS=1): on an AMD EPYC Zen 4 a one-token step took
- * 0.82 of the grouped path's, 2–5 rows the same, but 8–17 rows 1.1–1.2× (their fold: 16 lanes per
- * output; and the strip's decoding, where the packed copy is read as stored), and the default's
- * speculation lost more than AR gained (docs/performance.md). A process keeps to one form: the bits
- * differ from the grouped path's.
+ * 4-bit blocks looked up (AVX-512 BF16 with VBMI): a Q4 block has only 16 values, so a column's 32
+ * weights decode as a lookup in the block's table — its 16 values bf16(fma(s, q, o)) made by one fma
+ * and one rounding (vcvtne2ps2bf16, exact here as in grouped_pair), each code put in the low bits of a
+ * 16-bit index by vpmultishiftqb, vpermw reading the table (its entries twice: an index's fifth bit
+ * is the next code's). The AMX tiles' 4-bit operand (formats.h's A4, amx.h) is decoded so; the quads
+ * below are the same idea with 4 columns to a vector. (A path that read every row count through
+ * these one-column lookups, L4, was slower than the quads at every row count on an AMD EPYC Zen 4 —
+ * 1.12× a one-token step, 1.18-1.28× 2-17 rows — and was removed; docs/performance.md.)
  * ------------------------------------------------------------------------------------------- */
 #if defined(D3D_AVX512_BF16) && defined(__AVX512VBMI__)
 #define D3D_LOOKUP 1
-static int lookups_on;
-#define LOOKUP_FUSED 4  /* calls of up to this many rows decode each block straight into their dot products */
-#define LOOKUP_AHEAD 1536  /* bytes ahead in a group's stream prefetched (AMD EPYC Zen 4, 2 threads) */
 
 /* The multishift control: output qword j's words read source qword j % 2 (the 16 code bytes are
  * broadcast to every 128-bit lane) at the 4-bit slots place_code puts weights 4j … 4j + 3 in. */
@@ -1196,7 +1184,7 @@ static inline __m512i lookup_control(void) {
 static inline __m512 lookup_codes(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 
 /* Put weight k's code where lookup_block reads it: bit 64·((k/4) mod 2) + 4·(4·(k/8) + k mod 4) of
- * the block's 16 code bytes (formats.h's A4 and L4). */
+ * the block's 16 code bytes (formats.h's A4). */
 static inline void place_nibble(uint8_t q[16], int k, int code) {
     int bit = 64 * ((k / 4) % 2) + 4 * (4 * (k / 8) + k % 4);
     q[bit / 8] |= (uint8_t)(code << (bit % 8));
@@ -1211,35 +1199,16 @@ static inline __attribute__((always_inline)) __m512bh lookup_block(const block_u
     return (__m512bh)_mm512_permutexvar_epi16(index, table);
 }
 
-/* fold_lanes of 16 accumulators at once, the same additions, in two halves. fold_quarter: of 4
- * accumulators, lanes i + (i + 8), then i + (i + 4) — a_c's four partial sums in 128-bit lane c. */
-static inline __attribute__((always_inline)) __m512 fold_quarter(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    __m512 h0 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-    __m512 h1 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(h0, h1, 0x88), _mm512_shuffle_f32x4(h0, h1, 0xDD));
-}
-/* fold_finish: of 4 quarters, (0 + 2) + (1 + 3) — lane 4c + i the fold of quarter i's lane c. */
-static inline __attribute__((always_inline)) __m512 fold_finish(__m512 q0, __m512 q1, __m512 q2, __m512 q3) {
-    __m512d f0 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(q0, q1), _mm512_unpackhi_ps(q0, q1)));
-    __m512d f1 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(q2, q3), _mm512_unpackhi_ps(q2, q3)));
-    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(f0, f1)), _mm512_castpd_ps(_mm512_unpackhi_pd(f0, f1)));
-}
-/* Lane j = fold_lanes(acc[j]): quarter i holds the columns i, i + 4, i + 8, i + 12. */
-static inline __attribute__((always_inline)) __m512 fold16(const __m512 acc[16]) {
-    return fold_finish(fold_quarter(acc[0], acc[4], acc[8], acc[12]), fold_quarter(acc[1], acc[5], acc[9], acc[13]),
-                       fold_quarter(acc[2], acc[6], acc[10], acc[14]), fold_quarter(acc[3], acc[7], acc[11], acc[15]));
-}
-
-/* Block b of the 16-column group g of a weight whose blocks are placed for the lookups (A4, L4):
- * groups in runs of `run` (the last run as many as remain), each run block by block — the run's
- * groups' 16 blocks side by side at each block step. L4 takes runs of one group, A4 of four. */
+/* Block b of the 16-column group g of a weight whose blocks are placed for the lookups (A4): groups
+ * in runs of `run` (the last run as many as remain), each run block by block — the run's groups' 16
+ * blocks side by side at each block step. */
 static inline const block_u4 *looked_up_at(const void *data, int64_t g, int64_t b, int64_t groups, int64_t blocks,
                                            int64_t run) {
     int64_t first = g / run * run, width = groups - first < run ? groups - first : run;
     return (const block_u4 *)data + (first * blocks + b * width + g - first) * 16;
 }
 
-/* Bytes of the A4 or L4 copy of a U4 weight (N, K) in runs of `run` groups, and with `out` the copy
+/* Bytes of the A4 copy of a U4 weight (N, K) in runs of `run` groups, and with `out` the copy
  * (columns past N zero): each block's scale and offset, its codes placed by place_code. */
 static int64_t looked_up_pack(const d3d_weight *w, int64_t N, int64_t K, void *out, int64_t run) {
     int64_t blocks = K / CHUNK, groups = (N + 15) / 16, size = groups * 16 * blocks * (int64_t)sizeof(block_u4);
@@ -1267,162 +1236,6 @@ static inline __attribute__((always_inline)) __m512bh load_reg(const uint16_t *p
 #else
     return (__m512bh)_mm512_loadu_si512(p);
 #endif
-}
-
-/* The group's blocks LOOKUP_AHEAD bytes on from block `at` (16 blocks: 6 lines). */
-static inline __attribute__((always_inline)) void lookup_prefetch(const block_u4 *at) {
-    for (int line = 0; line < 16 * (int)sizeof(block_u4); line += 64)
-        _mm_prefetch((const char *)at + LOOKUP_AHEAD + line, _MM_HINT_T0);
-}
-
-/* One row: a group's 16 columns at once, each block decoded into its column's chain. */
-static inline __attribute__((always_inline)) void lookup_one_row(const uint16_t *x, const block_u4 *at, int64_t blocks,
-                                                                 __m512i control, __m512 codes, __m512 acc[16]) {
-    for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++, at += 16) {
-        lookup_prefetch(at);
-        __m512bh xb = (__m512bh)_mm512_loadu_si512(x + b * CHUNK);
-        for (int c = 0; c < 16; c++) acc[c] = _mm512_dpbf16_ps(acc[c], xb, lookup_block(at + c, control, codes));
-    }
-}
-
-#define LOOKUP_STEP_LINES ((16 * (int)sizeof(block_u4) + 63) / 64)  /* cache lines of a group's block step */
-
-/* Pass p's share of the next group's block step `step` (lines p, p + 4, …): spread over a group's 4
- * passes, the next group's stream arrives while this one's passes compute from cache. */
-static inline __attribute__((always_inline)) void lookup_next(const block_u4 *next, int64_t step, int p) {
-    if (!next) return;
-    for (int line = p; line < LOOKUP_STEP_LINES; line += 4)
-        _mm_prefetch((const char *)(next + step * 16) + 64 * line, _MM_HINT_T0);
-}
-
-/* R ≤ 4 rows x the 4 columns at, at + 4, at + 8, at + 12 of a group (16 blocks a block step): each
- * block decoded once for every row; acc[4r + c]. A thread's first pass (`ahead`) prefetches its
- * stream; pass p also fetches its share of the next group's (`next`, or none). */
-static inline __attribute__((always_inline)) void lookup_rows(const uint16_t *x, int64_t x_stride, const block_u4 *at,
-                                                              int64_t blocks, const int R, int ahead, const block_u4 *next,
-                                                              int p, __m512i control, __m512 codes, __m512 acc[16]) {
-    __m512 a[4][4];  /* the chains, local so that they stay in registers */
-    for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++, at += 16) {
-        if (ahead) lookup_prefetch(at);
-        lookup_next(next, b, p);
-        __m512bh xb[4];
-        for (int r = 0; r < R; r++) xb[r] = load_reg(x + r * x_stride + b * CHUNK);
-        for (int c = 0; c < 4; c++) {
-            __m512bh w = lookup_block(at + 4 * c, control, codes);
-            for (int r = 0; r < R; r++) a[r][c] = _mm512_dpbf16_ps(a[r][c], xb[r], w);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) acc[4 * r + c] = a[r][c];
-}
-
-/* Block j of a group (stream order: block step j / 16, column j % 16) decoded into a strip: per 32
- * values of k, 16 columns' 32 bf16 side by side in the order 0, 4, 8, 12, 1, 5, 9, 13, … */
-static inline __attribute__((always_inline)) void strip_block(const block_u4 *group, int64_t j, uint16_t *strip,
-                                                              __m512i control, __m512 codes) {
-    int64_t b = j >> 4, c = j & 15;
-    _mm512_storeu_si512(strip + (b * 16 + (c & 3) * 4 + (c >> 2)) * CHUNK, (__m512i)lookup_block(group + j, control, codes));
-}
-
-/* Blocks from … end of a group decoded into its strip, its stream prefetched at each block step. */
-static inline __attribute__((always_inline)) void strip_blocks(const block_u4 *group, int64_t from, int64_t end,
-                                                               uint16_t *strip, __m512i control, __m512 codes) {
-    for (int64_t j = from; j < end; j++) {
-        if ((j & 15) == 0) lookup_prefetch(group + j);
-        strip_block(group, j, strip, control, codes);
-    }
-}
-
-/* R ≤ 4 rows x 4 columns of a strip: the 4 from `strip` on; acc[4r + c]. Between its k steps it
- * decodes the next group's blocks from … end into next_strip (`per` a step), so that the decoding
- * overlaps the products. */
-static inline __attribute__((always_inline)) void strip_tile(const uint16_t *x, int64_t x_stride, const uint16_t *strip,
-                                                             int64_t K, const int R, const block_u4 *next,
-                                                             uint16_t *next_strip, int64_t from, int64_t end, int64_t per,
-                                                             __m512i control, __m512 codes, __m512 acc[16]) {
-    __m512 a[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
-    for (int64_t k = 0, j = from; k < K; k += CHUNK) {
-        int64_t to = j + per < end ? j + per : end;
-        strip_blocks(next, j, to, next_strip, control, codes);
-        j = to;
-        const uint16_t *wk = strip + k * 16;
-        __m512bh w[4];
-        for (int c = 0; c < 4; c++) w[c] = load_reg(wk + CHUNK * c);
-        for (int r = 0; r < R; r++) {
-            __m512bh xr = load_reg(x + r * x_stride + k);
-            for (int c = 0; c < 4; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], xr, w[c]);
-        }
-    }
-    for (int r = 0; r < 4; r++)
-        for (int c = 0; c < 4; c++) acc[4 * r + c] = a[r][c];
-}
-
-/* Every row of a call over an L4 weight; threads own runs of 16-column groups (contiguous: runs of
- * one). Past LOOKUP_FUSED rows a group's blocks are decoded into a strip (16 x K bf16; two a thread,
- * in the scratch panel_scratch sizes) by the group before's tiles, between their products. */
-static void lookup_bf16_body(const uint16_t *x, int64_t x_stride, const d3d_part *l4, const uint16_t *bias,
-                             const uint16_t *residual, uint16_t *y, int64_t M, int64_t N, int64_t K, float *scratch) {
-    int64_t groups = (N + 15) / 16, blocks = K / CHUNK;
-    int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-    int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
-    uint16_t *mine = (uint16_t *)(scratch + me * (GROUPS * 16 * K / 2)), *strips[2] = {mine, mine + 16 * K};
-    const __m512i control = lookup_control();
-    const __m512 codes = lookup_codes();
-    if (M > LOOKUP_FUSED && first < last)  /* the thread's first strip, before any tile */
-        strip_blocks(looked_up_at(l4->data, first, 0, groups, blocks, 1), 0, 16 * blocks, strips[0], control, codes);
-    for (int64_t g = first; g < last; g++) {
-        const block_u4 *at = looked_up_at(l4->data, g, 0, groups, blocks, 1);
-        const block_u4 *next = g + 1 < last ? at + blocks * 16 : 0;
-        uint16_t *strip = strips[(g - first) & 1], *next_strip = strips[(g - first + 1) & 1];
-        int64_t n0 = g * 16;
-        int live = N - n0 < 16 ? (int)(N - n0) : 16;
-        __m512 acc[16];
-        if (M == 1) {
-            lookup_one_row(x, at, blocks, control, codes, acc);
-            store16_bf16(fold16(acc), bias ? bias + n0 : 0, residual ? residual + n0 : 0, y + n0, live);
-            continue;
-        }
-        int64_t tiles = (M + 3) / 4;  /* rows in tiles of at most 4, as even as possible (9 → 3, 3, 3) */
-        for (int64_t t = 0, m0 = 0; t < tiles; t++) {
-            int R = (int)(M * (t + 1) / tiles - m0);
-            const uint16_t *xr = x + m0 * x_stride;
-            __m512 quarters[4][4];  /* [row][pass]: pass p takes the columns p, p + 4, p + 8, p + 12 */
-            for (int p = 0; p < 4; p++) {
-                int ahead = p == 0 && g == first;  /* later groups' streams were fetched by the passes before */
-                if (M > LOOKUP_FUSED) {  /* this tile and pass's share of the next group's blocks */
-                    int64_t total = next ? 16 * blocks : 0, calls = tiles * 4, i = t * 4 + p;
-                    int64_t from = total * i / calls, end = total * (i + 1) / calls, per = (end - from + blocks - 1) / blocks;
-                    const uint16_t *sp = strip + p * 4 * CHUNK;
-                    switch (R) {
-                        case 1: strip_tile(xr, x_stride, sp, K, 1, next, next_strip, from, end, per, control, codes, acc); break;
-                        case 2: strip_tile(xr, x_stride, sp, K, 2, next, next_strip, from, end, per, control, codes, acc); break;
-                        case 3: strip_tile(xr, x_stride, sp, K, 3, next, next_strip, from, end, per, control, codes, acc); break;
-                        default: strip_tile(xr, x_stride, sp, K, 4, next, next_strip, from, end, per, control, codes, acc); break;
-                    }
-                }
-                else switch (R) {  /* one tile: each block decoded straight into its products */
-                    case 1: lookup_rows(xr, x_stride, at + p, blocks, 1, ahead, next, p, control, codes, acc); break;
-                    case 2: lookup_rows(xr, x_stride, at + p, blocks, 2, ahead, next, p, control, codes, acc); break;
-                    case 3: lookup_rows(xr, x_stride, at + p, blocks, 3, ahead, next, p, control, codes, acc); break;
-                    default: lookup_rows(xr, x_stride, at + p, blocks, 4, ahead, next, p, control, codes, acc); break;
-                }
-                for (int r = 0; r < R; r++)
-                    quarters[r][p] = fold_quarter(acc[4 * r], acc[4 * r + 1], acc[4 * r + 2], acc[4 * r + 3]);
-            }
-            for (int r = 0; r < R; r++) {
-                int64_t at_row = (m0 + r) * N + n0;
-                store16_bf16(fold_finish(quarters[r][0], quarters[r][1], quarters[r][2], quarters[r][3]),
-                             bias ? bias + n0 : 0, residual ? residual + at_row : 0, y + at_row, live);
-            }
-            m0 += R;
-        }
-    }
-    _Pragma("omp barrier")
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1698,8 +1511,7 @@ static void quad_packed_body(const uint16_t *x, int64_t x_stride, const uint16_t
 
 /* The format of the grouped copy of `w` that this process's calls of a few rows read (0: none):
  * with AVX-512 BF16, A4 for U4 weights while the AMX tiles are on (where the build has them), else
- * L4 where the lookups are on, else QL (QS for S4) where the quads are (L4 and the quads: every row
- * count reads them), else G4; G8 for I8 weights; with the AVX2 lanes, T4 for weights with runs of
+ * QL (QS for S4) where the quads are (calls of up to QUAD_FUSED rows read them), else G4; G8 for I8 weights; with the AVX2 lanes, T4 for weights with runs of
  * 4-bit blocks (U4, S4). */
 int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
     if (K % CHUNK) return 0;
@@ -1714,11 +1526,10 @@ int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
     if (amx_on && format == D3D_U4) return D3D_A4;
 #endif
 #ifdef D3D_LOOKUP
-    int tiles = 0;  /* the AMX tiles read their own forms (and the bf16 values), never the lookups' */
+    int tiles = 0;  /* the AMX tiles read their own forms (and the bf16 values), never the quads' */
 #ifdef D3D_AMX
     tiles = amx_on;
 #endif
-    if (!tiles && lookups_on && format == D3D_U4) return D3D_L4;
     if (!tiles && quads_on && format == D3D_U4) return D3D_QL;
     if (!tiles && quads_on && format == D3D_S4) return D3D_QS;
 #endif
@@ -1727,18 +1538,8 @@ int64_t d3d_group_format(const d3d_weight *w, int64_t K) {
 #endif
 }
 
-/* Turn the 4-bit lookups on or off for this process's grouped copies made from now on (where the
+/* Turn the quads (QL, QS) on or off for this process's grouped copies made from now on (where the
  * build has them); returns whether they are on. */
-int d3d_lookups(int on) {
-#ifdef D3D_LOOKUP
-    return lookups_on = on != 0;
-#else
-    (void)on;
-    return 0;
-#endif
-}
-
-/* Turn the quads (QL) on or off likewise; returns whether they are on. */
 int d3d_quads(int on) {
 #ifdef D3D_LOOKUP
     return quads_on = on != 0;
@@ -1757,7 +1558,6 @@ int64_t d3d_group_pack(const d3d_weight *w, int64_t N, int64_t K, void *out) {
 #endif
     if (format == D3D_T4) return table_pack(w, K, out);
 #ifdef D3D_LOOKUP
-    if (format == D3D_L4) return looked_up_pack(w, N, K, out, 1);
     if (format == D3D_QL || format == D3D_QS) return quad_pack(w, N, K, out);
 #endif
     return group_pack(w, N, K, out);
@@ -1807,7 +1607,6 @@ static void linear_bf16(const uint16_t *x, int64_t x_stride, const d3d_weight *w
     }
 #endif
 #ifdef D3D_LOOKUP
-    if (w->grouped.data && w->grouped.format == D3D_L4) { lookup_bf16_body(x, x_stride, &w->grouped, bias, residual, y, M, N, K, scratch); return; }
     if (w->grouped.data && (w->grouped.format == D3D_QL || w->grouped.format == D3D_QS)) {
         if (M > QUAD_FUSED && w->dense.data && w->dense.format == D3D_QUAD_PACKED)
             quad_packed_body(x, x_stride, w->dense.data, bias, residual, y, M, N, K);

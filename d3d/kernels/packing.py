@@ -22,7 +22,7 @@ import torch
 from d3d.memory import huge_mapping
 
 # formats.h's enum, by name
-WEIGHT_FORMATS = {"plain": 0, "packed": 1, "u4": 2, "i8": 3, "u6": 4, "s4": 5, "g4": 6, "g8": 7, "a4": 8, "lane_packed": 9, "t4": 10, "l4": 11, "ql": 12, "quad_packed": 13, "qs": 14}
+WEIGHT_FORMATS = {"plain": 0, "packed": 1, "u4": 2, "i8": 3, "u6": 4, "s4": 5, "g4": 6, "g8": 7, "a4": 8, "lane_packed": 9, "t4": 10, "ql": 12, "quad_packed": 13, "qs": 14}
 QUANTIZED_FORMATS = ("u4", "i8", "u6", "s4")
 BLOCK = 32  # weights of a row per block of every quantized format
 BLOCK_BYTES = {"u4": 24, "i8": 36, "u6": 32, "s4": 20}  # formats.h's block structs

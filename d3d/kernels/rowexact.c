@@ -330,8 +330,6 @@ const char *d3d_kernel_path(void) {
 #endif
 #endif
 #if defined(D3D_LOOKUP)
-    if (lookups_on)
-        return "avx512: packed bf16 pair dot products (bf16; 4-bit blocks looked up in their tables, other quantized blocks grouped, decoded in registers; attention as pair dot products), packed fp32 FMA (fp32)";
     if (quads_on)
         return "avx512: packed bf16 pair dot products (bf16; 4-bit blocks looked up in quads, other quantized blocks grouped, decoded in registers; attention as pair dot products), packed fp32 FMA (fp32)";
 #endif

@@ -31,12 +31,11 @@ class WeightStreams:
     dense_rows: bool
     grouped_rows: bool
     amx: bool
-    lookups: bool
     quads: bool
     epoch: int
     _streams: dict[int, tuple[weakref.ref, int, WeightStream]]
     _dense: dict[tuple[str, int], tuple[weakref.ref, int, WeightStream]]  # (format, id(weight)) → its copy
-    _grouped: dict[tuple[int, bool, bool, bool], tuple[weakref.ref, int, WeightStream | None]]
+    _grouped: dict[tuple[int, bool, bool], tuple[weakref.ref, int, WeightStream | None]]
     _descriptors: dict[int, tuple[weakref.ref, tuple[int, int], tuple, tuple[Weight, tuple[WeightStream | None, ...]]]]
 
     def _remember(self, weight: torch.Tensor, stream: WeightStream) -> WeightStream:
@@ -129,7 +128,7 @@ class WeightStreams:
         """The C descriptor of the weight, and the streams it points into (keep them alive): made once
         per weight and kept while the weight, its version and this path's choices are (a linear call
         after a forward, whose stream leaves nothing of Python in the caches, spent ~60 µs remaking it)."""
-        key = (self.epoch, self.dense_rows, self.grouped_rows, self.amx, self.lookups, self.quads)
+        key = (self.epoch, self.dense_rows, self.grouped_rows, self.amx, self.quads)
         entry = self._descriptors.get(id(weight))
         now = (weight._version, weight.data_ptr())  # changed in place, or given other storage
         if entry is not None and entry[0]() is weight and entry[1] == now and entry[2] == key:
@@ -144,10 +143,9 @@ class WeightStreams:
         if not stream.quantized or not self.dense_rows:
             return Weight.of(stream), (stream,)
         grouped = self._grouped_stream(weight, stream) if self.grouped_rows else None
-        # looked-up blocks (L4) serve every row count, through chains of their own: no bf16 copy; quads
-        # (QL) take their bf16 values in quads past a few rows, the same chains
+        # quads (QL, QS) take their bf16 values in quads past a few rows, the same chains
         form = grouped.format if grouped is not None else None
-        dense = None if form == "l4" else self._copy(weight, "quad_packed", quad_packed) if form in ("ql", "qs") \
+        dense = self._copy(weight, "quad_packed", quad_packed) if form in ("ql", "qs") \
             else self._own_stream(weight)
         return Weight.of(stream, dense, grouped), (stream, dense, grouped)
 
@@ -184,7 +182,7 @@ class WeightStreams:
         """The quantized stream's blocks grouped 16 rows at a time in the form this process's path
         reads (G4/G8, or A4 while the AMX tiles are on; made once per stream and form), or None where
         its formats have no grouped form."""
-        key = (id(weight), self.amx, self.lookups, self.quads)  # the form depends on the path (set_amx, set_lookups, set_quads)
+        key = (id(weight), self.amx, self.quads)  # the form depends on the path (set_amx, set_quads)
         entry = self._grouped.get(key)
         if entry is not None and entry[0]() is weight and entry[1] == weight._version:
             return entry[2]
