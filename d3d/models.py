@@ -28,6 +28,7 @@ from torch import nn
 
 from d3d.cache import V_PART, KVCache
 from d3d.config import ConfigError, ModelConfig
+from d3d.graphs import fixed_rows_hidden, fixed_rows_linear, fixed_rows_of
 from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKernels, Segment, TorchKernels,
                          row_exact_kernels)
 from d3d.kernels.plan import MAX_ROWS as PLANNED_ROWS, ForwardPlan
@@ -175,6 +176,7 @@ class Decoder(nn.Module):
         self._layer_table: tuple[tuple[nn.Module, ...], LayerTable | None] | None = None
         self._holds, self._held = 0, False  # `holding_weights`: open holds, and whether the table was checked in them
         self._plans = threading.local()  # each thread's `ForwardPlan` (`planned_hidden`)
+        self.fixed_rows: int | None = None  # rows of every decoding forward on PyTorch's ops (d3d.graphs; None: GPUs')
 
     @classmethod
     def for_weights(cls, config: ModelConfig, kernels: KernelChoice = "auto") -> Decoder:
@@ -540,7 +542,11 @@ class Decoder(nn.Module):
         return logits[0], None if features is None else features[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.kernels_for(hidden).linear(hidden, self.head_weight, None)
+        kernels = self.kernels_for(hidden)
+        rows = fixed_rows_of(self) if kernels is TorchKernels else 0
+        if 0 < hidden.numel() // hidden.shape[-1] <= rows:  # a decoding forward's rows: their head too (d3d.graphs)
+            return fixed_rows_linear(hidden, self.head_weight, rows)
+        return kernels.linear(hidden, self.head_weight, None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None,
@@ -564,7 +570,9 @@ class Decoder(nn.Module):
         """The final-normed hidden states (B, T, hidden) — (B, 1, hidden) with `last_only` — that
         `logits_and_features` takes its logits from, and its features."""
         if cache is not None and positions is None and mask is None and not feature_layers and len(input_ids) == 1:
-            hidden = self.planned_hidden(self._fused_table(), input_ids[0], cache, last_only)  # a decoding step's plan
+            table = self._fused_table()  # a decoding step's plan on the CPU kernels, fixed rows on a GPU's
+            hidden = self.planned_hidden(table, input_ids[0], cache, last_only) if table is not None \
+                else fixed_rows_hidden(self, input_ids[0], cache, last_only)
             if hidden is not None:
                 return hidden[None], None
         if positions is None:

@@ -29,10 +29,12 @@ def tokens_of(steps) -> list[int]:
     return [t for s in steps for t in s.tokens]
 
 
-@pytest.fixture(params=DEVICES)
+@pytest.fixture(params=["cpu", "cpu-fixed-rows", pytest.param("cuda", marks=CUDA)])
 def models(request):
-    device = torch.device(request.param)
+    device = torch.device(request.param.removesuffix("-fixed-rows"))
     target = make_decoder(tiny_config(tie_word_embeddings=False, max_position_embeddings=256), seed=1).to(device)
+    if request.param.endswith("-fixed-rows"):  # a GPU's forwards (d3d.graphs) in their CPU form: PyTorch's ops
+        target.row_exact, target.fixed_rows = None, 16
     drafter = Drafter.from_target(target, [0], block_size=8)
     return target, drafter
 

@@ -35,6 +35,7 @@ from d3d.costs import measure
 from d3d.devices import resolve_device, synchronize
 from d3d.drafter import Drafter
 from d3d.engine import reference_generate
+from d3d.graphs import fixed_rows_of
 from d3d.loading import load_state
 from d3d.models import Decoder
 
@@ -106,11 +107,16 @@ def ar_speed(hf, target: Decoder, prompt: list[int], new_tokens: int, rounds: in
     ids = torch.tensor([prompt], device=device)
     config = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
-    def ours() -> list[int]:
+    def ours(fixed_rows: int | None = None) -> list[int]:
+        """d3d's AR: in fixed rows, as CUDA graphs, where the device takes them (d3d.graphs); 0: eager."""
         from d3d.config import GenerationConfig
 
-        return [t for s in reference_generate(target, prompt, GenerationConfig(max_new_tokens=new_tokens))
-                for t in s.tokens]
+        target.fixed_rows = fixed_rows
+        try:
+            return [t for s in reference_generate(target, prompt, GenerationConfig(max_new_tokens=new_tokens))
+                    for t in s.tokens]
+        finally:
+            target.fixed_rows = None
 
     def theirs() -> list[int]:
         with torch.no_grad():
@@ -128,18 +134,26 @@ def ar_speed(hf, target: Decoder, prompt: list[int], new_tokens: int, rounds: in
         with torch.no_grad():
             hf.generate(ids, **warm)
         ours()
-    rates: dict[str, list[float]] = {"d3d": [], "transformers": []}
+    contestants = [("d3d", ours), ("transformers", theirs)]
+    if fixed_rows_of(target):  # the graphs' gain: the same loop on PyTorch's own shapes, eager
+        ours(0)
+        contestants.append(("d3d_eager", lambda: ours(0)))
+    rates: dict[str, list[float]] = {name: [] for name, _ in contestants}
     tokens = {}
     for _ in range(rounds):
-        for name, function in (("d3d", ours), ("transformers", theirs)):
+        for name, function in contestants:
             tokens[name], seconds = timed(function)
             rates[name].append(len(tokens[name]) / seconds)
-    d3d_rate, hf_rate = statistics.median(rates["d3d"]), statistics.median(rates["transformers"])
+    rate = {name: statistics.median(values) for name, values in rates.items()}
     agree = next((i for i, (a, b) in enumerate(zip(tokens["d3d"], tokens["transformers"])) if a != b),
                  min(len(tokens["d3d"]), len(tokens["transformers"])))
-    return {"d3d_tokens_per_second": round(d3d_rate, 2), "transformers_tokens_per_second": round(hf_rate, 2),
-            "ratio": round(d3d_rate / hf_rate, 3), "new_tokens": new_tokens, "rounds": rounds,
-            "tokens_agreeing_before_first_difference": agree}
+    result = {"d3d_tokens_per_second": round(rate["d3d"], 2), "transformers_tokens_per_second": round(rate["transformers"], 2),
+              "ratio": round(rate["d3d"] / rate["transformers"], 3), "new_tokens": new_tokens, "rounds": rounds,
+              "tokens_agreeing_before_first_difference": agree, "fixed_rows": fixed_rows_of(target)}
+    if "d3d_eager" in rate:
+        result["d3d_eager_tokens_per_second"] = round(rate["d3d_eager"], 2)
+        result["graphs_speedup"] = round(rate["d3d"] / rate["d3d_eager"], 3)
+    return result
 
 
 def check(device_name: str, size: str, out: Path, dtype: torch.dtype, with_tests: bool = True) -> dict[str, Any]:
@@ -213,7 +227,9 @@ def markdown(report: dict[str, Any]) -> str:
                   f"(exit {report['tests']['returncode']})", ""]
     lines += [f"AR: d3d {ar['d3d_tokens_per_second']} tok/s, transformers generate "
               f"{ar['transformers_tokens_per_second']} tok/s → {ar['ratio']}x ({ar['new_tokens']} tokens, median of "
-              f"{ar['rounds']} rounds; same greedy tokens for the first {ar['tokens_agreeing_before_first_difference']})",
+              f"{ar['rounds']} rounds; same greedy tokens for the first {ar['tokens_agreeing_before_first_difference']})"
+              + (f"; in {ar['fixed_rows']} fixed rows as CUDA graphs, against {ar['d3d_eager_tokens_per_second']} tok/s "
+                 f"eager ({ar['graphs_speedup']}x)" if "graphs_speedup" in ar else ""),
               "", f"Costs: one-token step {costs['step_ms']} ms; verify 16 rows = {costs['verify16_steps']} steps; "
               f"drafter pass for 15 drafts = {costs['draft16_steps']} steps", "",
               "Sweep (simulated drafter, full blocks, greedy):", "", sweep_table(report["sweep"]),
