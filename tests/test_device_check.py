@@ -45,5 +45,5 @@ def test_device_check_runs_every_device_test_on_a_gpu():
     import torch
 
     cpu, cuda = child_pytest(torch.device("cpu")), child_pytest(torch.device("cuda"))
-    assert cpu[-2:] == cuda[-2:] == ["tests/test_devices.py", "tests/test_simulate.py"]
+    assert cpu[-3:] == cuda[-3:] == ["tests/test_devices.py", "tests/test_simulate.py", "tests/test_graphs.py"]
     assert cpu[cpu.index("-k") + 1] == "cpu" and "-k" not in cuda and cuda[3:6] == ["-q", "-p", "no:cacheprovider"]

@@ -5,7 +5,7 @@ default (`smollm2-135m-config.json`, the embedded model's config), a tiny one fo
 form — with a random drafter of the default drafter's depth and the acceptance-controlled drafter
 (`d3d.simulate`) for speed. Four parts, each recorded with its wall time:
 
-1. tests: `tests/test_devices.py` and `tests/test_simulate.py` on this device (pytest; the output's tail kept);
+1. tests: `tests/test_devices.py`, `tests/test_simulate.py` and `tests/test_graphs.py` on this device (pytest; the output's tail kept);
 2. AR: d3d's `reference_generate` against transformers' `generate` on the same random weights and
    device, greedy, interleaved rounds, median tokens/s (their token agreement reported, not enforced);
 3. costs: a verification of 15 drafts (16 rows) and a drafter pass ÷ a one-token step (`d3d.costs`);
@@ -84,7 +84,7 @@ def child_pytest(device: torch.device) -> list[str]:
     """The child pytest: on the CPU only the CPU cases (the suite runs the rest), on a GPU all of them."""
     select = ["-k", "cpu"] if device.type == "cpu" else []
     return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select,
-            "tests/test_devices.py", "tests/test_simulate.py"]
+            "tests/test_devices.py", "tests/test_simulate.py", "tests/test_graphs.py"]
 
 
 def run_tests(device: torch.device, out: Path) -> dict[str, Any]:
