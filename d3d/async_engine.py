@@ -47,6 +47,7 @@ import torch
 from d3d.cache import KVCache
 from d3d.config import ConfigError, GenerationConfig, SamplingConfig, _JsonMixin
 from d3d.drafter import Drafter
+from d3d.exactness import verify_mode
 from d3d.models import Decoder
 from d3d.sampling import make_generator, probabilities
 from d3d.sequence import Sequence, Step
@@ -332,6 +333,7 @@ def async_generate(target: Decoder, drafter: Drafter, prompt_ids: list[int], con
     sequence = Sequence(prompt_ids, target.config.max_position_embeddings, config)
     generator = make_generator(sampling, target.device)
     step, target_cache = prefill(target, sequence, sampling, generator)
+    verify_mode(target)  # the exactness check (on a GPU, its graph's capture) before the drafter's worker shares the device
     yield step
     if sequence.finish_reason is not None:
         return

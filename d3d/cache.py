@@ -105,7 +105,11 @@ class CacheFullError(RuntimeError):
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  batch_size: int = 1, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", split: bool = False, tile_keys: bool = False) -> None:
+                 device: torch.device | str = "cpu", split: bool = False, tile_keys: bool = False,
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`storage`: plain keys and values (num_layers, batch_size, num_kv_heads, ≥ capacity, head_dim) to
+        hold instead of fresh zeros — a GPU's pooled caches (d3d.graphs), whose slots past `capacity`
+        no forward reads."""
         if split and head_dim % V_PART:
             raise ValueError(f"split values need a head_dim that is a multiple of {V_PART}, not {head_dim}")
         if tile_keys and not split:
@@ -114,7 +118,12 @@ class KVCache:
         shape = (num_layers, batch_size, num_kv_heads, slots, head_dim)
         key_shape = (*shape[:3], slots // KEY_TILE, head_dim // 2, KEY_TILE, 2) if tile_keys else shape
         value_shape = (*shape[:3], head_dim // V_PART, slots, V_PART) if split else shape
-        if torch.device(device).type == "cpu":  # streamed by every step: huge pages (d3d.memory)
+        if storage is not None:
+            keys, values = storage
+            assert not split and not tile_keys and keys.shape == values.shape and keys.shape[:3] == shape[:3] \
+                and keys.shape[3] >= capacity and keys.shape[4] == head_dim, "plain storage of this cache's shape"
+            self.keys, self.values = keys, values
+        elif torch.device(device).type == "cpu":  # streamed by every step: huge pages (d3d.memory)
             self.keys, self.values = huge_zeros(key_shape, dtype), huge_zeros(value_shape, dtype)
         else:
             self.keys = torch.zeros(key_shape, dtype=dtype, device=device)

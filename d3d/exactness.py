@@ -28,6 +28,7 @@ import torch
 
 from d3d.kernels import cpu_flags_line
 from d3d.files import write_text
+from d3d.graphs import fixed_rows_of
 from d3d.loading import cache_root
 from d3d.models import Decoder
 
@@ -112,8 +113,9 @@ def machine_key(decoder: Decoder) -> list:
     kernels = decoder.row_exact
     build = (kernels.path.name + " amx" * kernels.amx + " quads" * kernels.quads) if kernels is not None \
         else "torch-" + torch.__version__
-    return [cpu_name(), cpu_flags_line(), build, torch.__version__, str(decoder.dtype), str(decoder.device),
-            torch.get_num_threads(), decoder.config.to_dict(), decoder.streamed_weights()]
+    device = str(decoder.device) + (f" {torch.cuda.get_device_name(decoder.device)}" if decoder.device.type == "cuda" else "")
+    return [cpu_name(), cpu_flags_line(), build, torch.__version__, str(decoder.dtype), device,
+            torch.get_num_threads(), decoder.config.to_dict(), decoder.streamed_weights(), fixed_rows_of(decoder)]
 
 
 def _cache_file(decoder: Decoder) -> Path:
@@ -130,7 +132,7 @@ def cached_check(decoder: Decoder) -> InvarianceReport:
         return InvarianceReport(**data)
     except (OSError, ValueError, TypeError):
         pass
-    report = check_row_invariance(decoder)
+    report = check_row_invariance(decoder, max(MAX_ROWS, fixed_rows_of(decoder)))  # every row of the fixed rows
     write_text(path, json.dumps(asdict(report), indent=2))
     return report
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from d3d.cache import V_PART, KVCache
 from d3d.config import ConfigError, ModelConfig
-from d3d.graphs import fixed_rows_hidden, fixed_rows_linear, fixed_rows_of
+from d3d.graphs import fixed_rows_hidden, fixed_rows_linear, fixed_rows_of, pooled_cache
 from d3d.kernels import (DecoderShape, KernelBuildError, LayerTable, RowExactKernels, Segment, TorchKernels,
                          row_exact_kernels)
 from d3d.kernels.plan import MAX_ROWS as PLANNED_ROWS, ForwardPlan
@@ -295,6 +295,8 @@ class Decoder(nn.Module):
         if capacity > self.config.max_position_embeddings:
             raise ValueError(f"cache of {capacity} exceeds the model's context of "
                              f"{self.config.max_position_embeddings} positions")
+        if batch_size == 1 and self.device.type == "cuda" and fixed_rows_of(self):
+            return pooled_cache(self, capacity)  # storage whose graph an ended request captured (d3d.graphs)
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, batch_size, self.dtype, self.device,
                        split=self.splits_values, tile_keys=self.tiles_keys)
@@ -543,8 +545,8 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         kernels = self.kernels_for(hidden)
-        rows = fixed_rows_of(self) if kernels is TorchKernels else 0
-        if 0 < hidden.numel() // hidden.shape[-1] <= rows:  # a decoding forward's rows: their head too (d3d.graphs)
+        rows = fixed_rows_of(self) if kernels is TorchKernels and not torch.is_grad_enabled() else 0
+        if rows and hidden.numel():  # the head in the fixed rows of the forwards (d3d.graphs)
             return fixed_rows_linear(hidden, self.head_weight, rows)
         return kernels.linear(hidden, self.head_weight, None)
 
@@ -569,12 +571,16 @@ class Decoder(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The final-normed hidden states (B, T, hidden) — (B, 1, hidden) with `last_only` — that
         `logits_and_features` takes its logits from, and its features."""
-        if cache is not None and positions is None and mask is None and not feature_layers and len(input_ids) == 1:
+        if cache is not None and positions is None and mask is None and len(input_ids) == 1:
             table = self._fused_table()  # a decoding step's plan on the CPU kernels, fixed rows on a GPU's
-            hidden = self.planned_hidden(table, input_ids[0], cache, last_only) if table is not None \
-                else fixed_rows_hidden(self, input_ids[0], cache, last_only)
-            if hidden is not None:
-                return hidden[None], None
+            if table is None:
+                found = fixed_rows_hidden(self, input_ids[0], cache, last_only, feature_layers)
+                if found is not None:
+                    return found[0][None], None if found[1] is None else found[1][None]
+            elif not feature_layers:
+                hidden = self.planned_hidden(table, input_ids[0], cache, last_only)
+                if hidden is not None:
+                    return hidden[None], None
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)

@@ -95,15 +95,82 @@ def test_a_prompt_in_pieces_stores_what_its_steps_would(device):
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 
 
-def test_the_head_takes_a_forwards_rows_as_one_call_of_fixed_rows():
+def test_the_head_takes_a_forwards_rows_as_calls_of_fixed_rows():
     generator = torch.Generator().manual_seed(1)
-    x, weight = torch.randn(CPU_ROWS, 24, generator=generator), torch.randn(40, 24, generator=generator)
+    x, weight = torch.randn(CPU_ROWS + 5, 24, generator=generator), torch.randn(40, 24, generator=generator)
     whole = graphs.fixed_rows_linear(x, weight, CPU_ROWS)
     torch.testing.assert_close(whole, x @ weight.T)
     for count in (1, 2, 7, CPU_ROWS):
         assert torch.equal(graphs.fixed_rows_linear(x[:count], weight, CPU_ROWS), whole[:count]), count
-    with pytest.raises(AssertionError):
-        graphs.fixed_rows_linear(torch.randn(CPU_ROWS + 1, 24), weight, CPU_ROWS)
+    assert torch.equal(graphs.fixed_rows_linear(x[CPU_ROWS:], weight, CPU_ROWS), whole[CPU_ROWS:])
+
+
+@torch.no_grad()
+def test_the_residual_stream_for_drafters_that_read_it_comes_from_the_same_rows():
+    """A DFlash-style drafter reads the target's residual stream after some layers: the forwards that
+    give it take the fixed rows too — k-row forwards' hidden states and features are their steps',
+    bit for bit, and reading them changes no bit of the hidden states."""
+    decoder = torch_decoder(torch.bfloat16, "cpu")
+    generator = torch.Generator().manual_seed(4)
+    context, block = (torch.randint(0, tiny_config().vocab_size, (1, n), generator=generator) for n in (20, 9))
+    cache = decoder.new_cache(64)
+    decoder(context, cache=cache)
+    cache.commit()
+    together, features = decoder.final_hidden(block, [0, 1], cache=cache)
+    cache.commit(0)
+    alone, _ = decoder.final_hidden(block, cache=cache)
+    cache.commit(0)
+    assert torch.equal(together, alone)
+    steps = []
+    for i in range(9):
+        steps.append(decoder.final_hidden(block[:, i:i + 1], [0, 1], cache=cache))
+        cache.commit()
+    assert torch.equal(together, torch.cat([h for h, _ in steps], 1))
+    assert torch.equal(features, torch.cat([f for _, f in steps], 1))
+
+
+def test_a_dflash_drafters_output_is_the_targets_in_fixed_rows():
+    """The engines' identity with a drafter that reads hidden states (the review found it broken when
+    those forwards took their own shapes while plain decoding took the fixed rows)."""
+    from d3d.config import GenerationConfig
+    from d3d.drafter import Drafter
+    from d3d.engine import generate_from_sources, reference_generate
+    from d3d.sources import drafter_source
+
+    target = make_decoder(tiny_config(tie_word_embeddings=False, max_position_embeddings=256), seed=1,
+                          dtype=torch.bfloat16)
+    target.row_exact, target.fixed_rows = None, CPU_ROWS
+    drafter = Drafter.from_target(target, [0], block_size=8, kind="dflash")
+    for seed in range(3):
+        prompt = torch.randint(0, target.config.vocab_size, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        config = GenerationConfig(max_new_tokens=48)  # (prompt 1 differed at token 47 before)
+        expected = [t for s in reference_generate(target, prompt, config) for t in s.tokens]
+        got = [t for s in generate_from_sources(target, [drafter_source(drafter)], prompt, config) for t in s.tokens]
+        assert got == expected, seed
+
+
+@torch.no_grad()
+def test_a_pooled_cache_comes_back_with_its_runner():
+    """A GPU's caches come from a pool (`pooled_cache`, here called directly on the CPU): an ended
+    request's storage and the runner captured over it serve the next request of that slot count, and the
+    new request decodes as one on fresh storage does."""
+    decoder = torch_decoder(torch.bfloat16, "cpu")
+    prompt = torch.randint(0, tiny_config().vocab_size, (1, 30), generator=torch.Generator().manual_seed(5))
+
+    def decode(cache) -> torch.Tensor:
+        logits = decoder(prompt, cache=cache, last_only=True)
+        cache.commit()
+        return logits
+
+    fresh = decode(decoder.new_cache(40))
+    first = graphs.pooled_cache(decoder, 40)
+    assert first.keys.shape[3] == 64 and first.capacity == 40
+    assert torch.equal(decode(first), fresh)
+    keys, runner = first.keys, first.pooled.runner
+    del first
+    second = graphs.pooled_cache(decoder, 50)  # the same slot count: the same storage, the same runner
+    assert second.keys is keys and graphs.runner_for(decoder, second, CPU_ROWS) is runner
+    assert torch.equal(decode(second), fresh)
 
 
 def test_fixed_rows_stay_off_for_the_cpu_kernels_unless_asked():
