@@ -95,6 +95,7 @@ class Drafter(nn.Module):
         super().__init__()
         self.config = config
         self.decoder = Decoder.for_weights(config.model) if loading else Decoder(config.model)
+        self.decoder.fixed_rows = 0  # a drafter's passes take their own shapes: drafts need no exactness (d3d.graphs)
         if config.shared_embeddings:
             # Shared modules, not copies: the target's embedding and head are stored once.
             self.decoder.embed_tokens = target.embed_tokens

@@ -39,7 +39,7 @@ from d3d.cache import KVCache, slots_of
 from d3d.kernels import TorchKernels
 
 FIXED_ROWS = 32  # rows of every decoding forward on a GPU: a step, a verification of up to 31 drafts
-IDLE_CACHES = 4  # pooled caches (and their graphs) kept idle per slot count, per decoder
+IDLE_CACHES = 8  # pooled caches (and their graphs) kept idle per slot count, per decoder
 
 
 def fixed_rows_of(decoder: Any) -> int:
@@ -77,14 +77,19 @@ class FixedRows:
         self._decoder = weakref.ref(decoder)
         self.rows, self.keys, self.values, self.feature_layers = rows, keys, values, feature_layers
         device = keys.device
+        with torch.inference_mode(False):  # plain tensors, whatever mode the first request ran in
+            self._buffers(device, slots_of(keys, values))
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the graph's output buffers
+        self.captures = device.type == "cuda"
+
+    def _buffers(self, device: torch.device, slots: int) -> None:
+        rows = self.rows
         self.ids = torch.zeros(1, rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, rows, dtype=torch.long, device=device)
         self.source = torch.zeros(rows, dtype=torch.long, device=device)  # the real row each row's keys come from
         self.steps = torch.arange(rows, device=device)
-        self.slots = torch.arange(slots_of(keys, values), device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the graph's output buffers
-        self.captures = device.type == "cuda"
+        self.slots = torch.arange(slots, device=device)
 
     def serves(self, decoder: Any, keys: torch.Tensor, rows: int, feature_layers: tuple[int, ...]) -> bool:
         return (self._decoder() is decoder and self.keys is keys and self.rows == rows
@@ -122,11 +127,12 @@ class FixedRows:
             for _ in range(2):
                 self._forward()
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
+        graph, current = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 outputs = self._forward()
         except RuntimeError as error:
+            torch.cuda.set_stream(current)  # a failed capture_end leaves the capture stream current
             self.captures = False
             warnings.warn(f"d3d: capturing the decoding forward as a CUDA graph failed ({error}); running it "
                           "eagerly in fixed rows (the same bits, more launches)", stacklevel=2)
@@ -155,30 +161,38 @@ class FixedRows:
 
 
 class _Pooled:
-    """A pooled cache's storage and the runner captured over it."""
+    """A pooled cache's storage, the runners captured over it (by rows and feature layers), and the
+    addresses of the weights they were captured with."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys, self.values, self.runner = keys, values, None
+        self.keys, self.values = keys, values
+        self.runners: dict[tuple[int, tuple[int, ...]], FixedRows] = {}
+        self.weights: tuple[int, ...] = ()
 
 
 _pools: weakref.WeakKeyDictionary[Any, dict[tuple, list[_Pooled]]] = weakref.WeakKeyDictionary()
-_runners: weakref.WeakKeyDictionary[KVCache, FixedRows] = weakref.WeakKeyDictionary()  # unpooled caches'
+_runners: weakref.WeakKeyDictionary[KVCache, dict] = weakref.WeakKeyDictionary()  # unpooled caches' runners
 
 
 def pooled_cache(decoder: Any, capacity: int) -> KVCache:
     """A cache of one sequence for a GPU decoder in fixed rows, over storage of a power-of-two slot count
-    (≥ capacity) that an ended request left — with the graph captured over it, so a new request replays
-    instead of capturing again (a capture synchronises the device and empties PyTorch's allocator). Up to
-    IDLE_CACHES idle storages are kept per slot count; the cache's slots past `capacity` go unread."""
+    (≥ capacity) that an ended request left, zeroed — with the graphs captured over it, so a new request
+    replays instead of capturing again (a capture synchronises the device and empties PyTorch's
+    allocator), unless the decoder's weights have moved since (graphs hold their addresses). Up to
+    IDLE_CACHES idle storages are kept per slot count; a cache's slots past `capacity` hold zeros."""
     c = decoder.config
     slots = max(64, 1 << (capacity - 1).bit_length())
-    key = (slots, decoder.dtype, decoder.device)
-    idle = _pools.setdefault(decoder, {}).setdefault(key, [])
-    if idle:
+    idle = _pools.setdefault(decoder, {}).setdefault((slots, decoder.dtype, decoder.device), [])
+    try:
         entry = idle.pop()
-    else:
+        entry.keys.zero_(), entry.values.zero_()  # nothing an earlier request left (a NaN would poison the mask)
+    except IndexError:
         shape = (c.num_layers, 1, c.num_kv_heads, slots, c.head_dim)
-        entry = _Pooled(*(torch.zeros(shape, dtype=decoder.dtype, device=decoder.device) for _ in range(2)))
+        with torch.inference_mode(False):
+            entry = _Pooled(*(torch.zeros(shape, dtype=decoder.dtype, device=decoder.device) for _ in range(2)))
+    weights = tuple(p.data_ptr() for p in decoder.parameters())
+    if weights != entry.weights:
+        entry.runners, entry.weights = {}, weights
     cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, 1, decoder.dtype, decoder.device,
                     storage=(entry.keys, entry.values))
     cache.pooled = entry
@@ -198,13 +212,10 @@ def runner_for(decoder: Any, cache: KVCache, rows: int, feature_layers: tuple[in
     if cache.batch_size != 1 or cache.split or cache.tiled:
         return None
     pooled = getattr(cache, "pooled", None)
-    runner = pooled.runner if pooled is not None else _runners.get(cache)
+    runners = pooled.runners if pooled is not None else _runners.setdefault(cache, {})
+    runner = runners.get((rows, feature_layers))
     if runner is None or not runner.serves(decoder, cache.keys, rows, feature_layers):
-        runner = FixedRows(decoder, cache.keys, cache.values, rows, feature_layers)
-        if pooled is not None:
-            pooled.runner = runner
-        else:
-            _runners[cache] = runner
+        runner = runners[rows, feature_layers] = FixedRows(decoder, cache.keys, cache.values, rows, feature_layers)
     return runner
 
 
@@ -216,7 +227,7 @@ def fixed_rows_hidden(decoder: Any, ids: torch.Tensor, cache: KVCache, last_only
     them, so that its keys and values are the bits its tokens' steps would store (a prefix reused from
     an earlier request, or a prompt that arrives in parts, decodes as the whole would) —, or None where
     that path does not apply: fixed rows off, or a cache it cannot read."""
-    rows = fixed_rows_of(decoder)
+    rows = fixed_rows_of(decoder) if not torch.is_grad_enabled() else 0  # decoding, never a forward to train
     runner = runner_for(decoder, cache, rows, tuple(feature_layers)) if rows else None
     if runner is None:
         return None

@@ -35,6 +35,7 @@ class Entry:
     tokens: torch.Tensor  # (L,) the token at each stored position
     keys: torch.Tensor  # `KVCache.snapshot`'s copies of the L positions
     values: torch.Tensor
+    slots: int | None = None  # a GPU's pooled cache's slot count (d3d.graphs: attention reads them all)
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +74,10 @@ class PrefixCache:
         with self._lock:
             self.stats.lookups += 1
             best, length = None, 0
+            slots = slots_read(cache)
             for key, entry in self.entries.items():
+                if entry.slots != slots:  # computed over other slots: on a GPU, maybe other bits
+                    continue
                 common = common_prefix(prompt, entry.tokens)
                 if common > length:
                     best, length = key, common
@@ -103,7 +107,7 @@ class PrefixCache:
                 if common == len(entry.tokens):  # the new entry extends this one
                     self._drop(key)
             keys, values = cache.snapshot(count)
-            entry = Entry(stored, keys, values)
+            entry = Entry(stored, keys, values, slots_read(cache))
             self.entries[self._next_key] = entry
             self._next_key += 1
             self.nbytes += entry.nbytes
@@ -117,6 +121,12 @@ class PrefixCache:
 
     def _drop(self, key: int) -> None:
         self.nbytes -= self.entries.pop(key).nbytes
+
+
+def slots_read(cache: KVCache) -> int | None:
+    """The slots every forward over `cache` reads where that is all of them (a GPU's pooled caches,
+    d3d.graphs), else None (the CPU kernels read the keys before each row, whatever the storage)."""
+    return cache.keys.shape[3] if getattr(cache, "pooled", None) is not None else None
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -43,8 +43,8 @@ def test_fixed_rows_make_every_verification_its_steps_bits(dtype, device):
     cache = decoder.new_cache(64)
     decoder(torch.arange(5, device=device)[None], cache=cache)  # a prefill of 5 rows: fixed rows too
     cache.commit()
-    runner = graphs._runners.get(cache)
-    assert runner is not None and runner.rows == rows and (runner.graph is not None) == (device == "cuda")
+    runner = graphs.runner_for(decoder, cache, rows)  # the one the prefill made
+    assert runner.rows == rows and (runner.graph is not None) == (device == "cuda") and runner.ids[0, 4] == 4
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -166,11 +166,16 @@ def test_a_pooled_cache_comes_back_with_its_runner():
     first = graphs.pooled_cache(decoder, 40)
     assert first.keys.shape[3] == 64 and first.capacity == 40
     assert torch.equal(decode(first), fresh)
-    keys, runner = first.keys, first.pooled.runner
+    keys, runner = first.keys, first.pooled.runners[CPU_ROWS, ()]
     del first
-    second = graphs.pooled_cache(decoder, 50)  # the same slot count: the same storage, the same runner
-    assert second.keys is keys and graphs.runner_for(decoder, second, CPU_ROWS) is runner
+    second = graphs.pooled_cache(decoder, 50)  # the same slot count: the same storage (zeroed), the same runner
+    assert second.keys is keys and not keys.any() and graphs.runner_for(decoder, second, CPU_ROWS) is runner
     assert torch.equal(decode(second), fresh)
+    with torch.no_grad():
+        next(decoder.parameters()).data = next(decoder.parameters()).data.clone()  # a weight moved
+    del second
+    third = graphs.pooled_cache(decoder, 50)
+    assert third.keys is keys and graphs.runner_for(decoder, third, CPU_ROWS) is not runner
 
 
 def test_fixed_rows_stay_off_for_the_cpu_kernels_unless_asked():
@@ -180,3 +185,31 @@ def test_fixed_rows_stay_off_for_the_cpu_kernels_unless_asked():
     assert graphs.fixed_rows_of(decoder) == 8
     cache = decoder.new_cache(32)  # split values where the row-exact kernels read them: not this path's
     assert (graphs.runner_for(decoder, cache, 8) is None) == cache.split
+
+
+@torch.no_grad()
+def test_a_stored_prefix_serves_only_caches_whose_forwards_read_as_many_slots():
+    """On a GPU attention reads every slot of a pooled cache's storage, so a prefix computed over 64
+    slots may hold other bits than one computed over 128: the prefix cache restores an entry only into a
+    cache of the same slot count (and CPU caches, which read the keys before each row, only their own)."""
+    from d3d.prefix_cache import PrefixCache
+
+    decoder = torch_decoder(torch.bfloat16, "cpu")
+    prompt = list(range(1, 21))
+    store = PrefixCache(1 << 20)
+    cache = graphs.pooled_cache(decoder, 40)  # 64 slots
+    decoder(torch.tensor([prompt]), cache=cache)
+    cache.commit()
+    store.keep(prompt, cache)
+    assert store.restore(graphs.pooled_cache(decoder, 100), prompt, 20) == 0  # 128 slots
+    assert store.restore(decoder.new_cache(40), prompt, 20) == 0  # a CPU cache
+    assert store.restore(graphs.pooled_cache(decoder, 50), prompt, 20) == 20
+
+
+def test_fixed_rows_never_serve_a_forward_that_records_gradients():
+    decoder = torch_decoder(torch.float32, "cpu")
+    cache = decoder.new_cache(32)
+    with torch.enable_grad():
+        assert graphs.fixed_rows_hidden(decoder, torch.arange(3), cache) is None
+    with torch.no_grad():
+        assert graphs.fixed_rows_hidden(decoder, torch.arange(3), cache) is not None
