@@ -67,7 +67,10 @@ def cpu_name() -> str:
 
 def kernel_name(decoder: Decoder, dtype: torch.dtype) -> str:
     kernels = decoder.kernels_for(torch.empty(0, dtype=dtype, device=decoder.device))
-    return f"row-exact: {kernels.path_name}" if kernels.name == "row-exact" else kernels.name
+    if kernels.name == "row-exact":
+        return f"row-exact: {kernels.path_name}"
+    rows = fixed_rows_of(decoder)  # d3d.graphs: a GPU's decoding forwards
+    return f"{kernels.name}, {rows} fixed rows{' as CUDA graphs' * (decoder.device.type == 'cuda')}" if rows else kernels.name
 
 
 @torch.no_grad()

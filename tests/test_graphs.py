@@ -40,6 +40,7 @@ def test_fixed_rows_make_every_verification_its_steps_bits(dtype, device):
     assert rows == (CPU_ROWS if device == "cpu" else graphs.FIXED_ROWS)
     report = check_row_invariance(decoder, max_rows=min(rows, 17), context=20)
     assert report.invariant, report.mismatched_rows
+    assert report.kernels == f"torch, {rows} fixed rows" + " as CUDA graphs" * (device == "cuda")  # what doctor names
     cache = decoder.new_cache(64)
     decoder(torch.arange(5, device=device)[None], cache=cache)  # a prefill of 5 rows: fixed rows too
     cache.commit()
