@@ -5,9 +5,9 @@ On a GPU, PyTorch's kernels choose their algorithms by shape, so a token's logit
 row count (the exactness check then verifies row by row, `d3d.exactness`), and a 135M-parameter step is
 bound by its ~400 kernel launches, not by its bytes. Both have one answer. Every decoding forward of up
 to R rows — a one-token step, a verification of up to R − 1 drafts — runs as R rows: the rows past the
-real ones repeat the last of them (the same id and position, so the same keys and values, written to
-the same slot; a longer prompt goes in pieces of R), attention reads the cache's every slot under a mask (slot ≤ the row's position), and the
-head runs over R rows too (`fixed_rows_linear`). For one shape a matmul and attention compute each row
+real ones repeat the last of them (the same id and position; their keys and values taken from it, written
+to its slot; a longer prompt goes in pieces of R), attention reads the cache's every slot under a mask
+(slot ≤ the row's position), and the head runs in calls of R rows too (`fixed_rows_linear`). For one shape a matmul and attention compute each row
 from its own input alone, whatever the other rows hold, so a row's logits are the same bits in a step
 and in a verification: row-exact by construction, as the CPU kernels are (`d3d.kernels`), and checked on
 the running GPU all the same (`d3d.exactness`, over every row of the fixed rows). Forwards that also
