@@ -129,6 +129,7 @@ class KVCache:
             self.keys = torch.zeros(key_shape, dtype=dtype, device=device)
             self.values = torch.zeros(value_shape, dtype=dtype, device=device)
         self.capacity = capacity
+        self.pooled: object | None = None  # the pooled storage (d3d.graphs) this cache holds, if any
         self.length = 0  # committed slots
         self.pending = 0  # slots written by the last forward but not yet committed
 

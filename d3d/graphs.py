@@ -45,9 +45,8 @@ IDLE_CACHES = 8  # pooled caches (and their graphs) kept idle per slot count, pe
 def fixed_rows_of(decoder: Any) -> int:
     """The row count `decoder`'s decoding forwards take (0: their own shapes): its `fixed_rows` where
     set, else FIXED_ROWS on a CUDA device unless D3D_GRAPHS is "0". Only for PyTorch's ops."""
-    rows = getattr(decoder, "fixed_rows", None)
-    if rows is not None:
-        return rows
+    if decoder.fixed_rows is not None:
+        return decoder.fixed_rows
     return FIXED_ROWS if decoder.device.type == "cuda" and os.environ.get("D3D_GRAPHS", "1") != "0" else 0
 
 
@@ -211,7 +210,7 @@ def runner_for(decoder: Any, cache: KVCache, rows: int, feature_layers: tuple[in
     holds more than one sequence."""
     if cache.batch_size != 1 or cache.split or cache.tiled:
         return None
-    pooled = getattr(cache, "pooled", None)
+    pooled = cache.pooled
     runners = pooled.runners if pooled is not None else _runners.setdefault(cache, {})
     runner = runners.get((rows, feature_layers))
     if runner is None or not runner.serves(decoder, cache.keys, rows, feature_layers):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from d3d.cache import KVCache
+from d3d.cache import KVCache, slots_of
 
 # `d3d serve`'s and `d3d chat`'s default budget: ~23K positions of SmolLM2-135M in bf16 (22.5 KiB each),
 # ~3.5K of an 8B model with 8 KV heads of 128 (144 KiB each).
@@ -126,7 +126,7 @@ class PrefixCache:
 def slots_read(cache: KVCache) -> int | None:
     """The slots every forward over `cache` reads where that is all of them (a GPU's pooled caches,
     d3d.graphs), else None (the CPU kernels read the keys before each row, whatever the storage)."""
-    return cache.keys.shape[3] if getattr(cache, "pooled", None) is not None else None
+    return slots_of(cache.keys, cache.values) if cache.pooled is not None else None
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
