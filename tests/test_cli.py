@@ -263,6 +263,20 @@ def test_unknown_choices_are_argparse_errors(capsys):
         assert "invalid choice" in capsys.readouterr().err
 
 
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(capsys, tiny_default):
+    """A port out of range or taken by another server: exit 2 at once, before the model loads."""
+    import socket
+    code, _, err = run_cli(capsys, "serve", "--port", "70000")
+    assert_usage_error(code, err, "--port must be 0 … 65535")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        code, _, err = run_cli(capsys, "serve", "--port", port)
+    assert_usage_error(code, err, f"cannot listen on 127.0.0.1:{port}", "already running there")
+    assert tiny_default == []  # nothing was loaded
+
+
 # -- generate / chat / data: valid input on the tiny target -----------------------------------
 
 def test_generate_compare_ar_json_on_tiny_target(capsys, tiny_default):

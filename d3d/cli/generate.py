@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -134,9 +136,29 @@ def serve_command(args: argparse.Namespace) -> int:
     limits = Limits(max_queue=args.max_queue, max_batch=args.max_batch, deadline=args.deadline or None, max_body_bytes=args.max_body_bytes,
                     api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
                     shutdown_grace=args.shutdown_grace, prefix_cache_mb=args.prefix_cache)
+    check_address(args.host, args.port)
     pipeline = load_pipeline(args)
     serve(pipeline, args.host, args.port, args.model_name or default_model_name(args.target), args.method, limits)
     return 0
+
+
+def check_address(host: str, port: int) -> None:
+    """Fail before the model loads where the server could not listen: a port out of range, a host that
+    does not resolve, an address taken or not permitted (uvicorn would say so only after the load)."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be 0 … 65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as error:
+        raise ConfigError(f"cannot listen on {host!r}: {error.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as error:
+            hint = " (is a server already running there? choose another --port)" if error.errno == errno.EADDRINUSE else ""
+            raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror}{hint}") from None
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
