@@ -9,6 +9,8 @@ that the engines stay token-only. CLI, server and benchmark all consume this gen
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +24,11 @@ from d3d.drafter import Drafter, layer_selection
 from d3d.batch import SharedBatch
 from d3d.engine import generate_from_sources, reference_generate
 from d3d.run import OnCommit, Run
+from d3d.exactness import machine_key
 from d3d.export import exported_from
 from d3d.loading import Target, load_target
 from d3d.lookup import LookupConfig
-from d3d.prefix_cache import PrefixCache
+from d3d.prefix_cache import PREFIX_DISK_MB, PrefixCache
 from d3d.quantized import QUANTIZE_TO
 from d3d.sequence import Step
 from d3d.sources import ARDrafterSource, DraftSource, default_sources
@@ -88,6 +91,14 @@ class Pipeline:
         loaded = load_target(target, dtype, weights)
         return cls(loaded, *resolve_drafter(loaded, drafter, target, drafter_layers, drafter_weights),
                    ar_drafter=load_ar_drafter(loaded, ar_drafter), async_config=async_config)
+
+    def keep_prefixes(self, max_mb: int, folder: str | Path | None = None, disk_mb: int = PREFIX_DISK_MB) -> None:
+        """Start later prompts from ended generations' keys and values (`d3d.prefix_cache`): `max_mb`
+        MiB of them in memory, and with `folder` also on disk for later processes, in its subfolder
+        for this target's weights, machine and kernels (`prefix_key`). Off with neither."""
+        if folder is not None:
+            folder = Path(folder) / prefix_key(self.target)
+        self.prefixes = PrefixCache(max_mb << 20, folder, disk_mb << 20) if max_mb or folder is not None else None
 
     def encode(self, prompt: str | list[dict[str, str]], chat: bool = True) -> list[int]:
         tokenizer = self.target.tokenizer
@@ -249,6 +260,21 @@ class HeldText:
             size += len(piece)
         self.text = self.text[length:]
         return taken
+
+
+def prefix_key(target: Target) -> str:
+    """What a stored prefix's bits depend on: the CPU, kernel build, dtype and shapes
+    (`d3d.exactness.machine_key`), and the target's weight files as they are now (paths, sizes,
+    modification times: a file rewritten in place keys a new folder)."""
+    stamps = []
+    for place in {target.name, target.folder} - {""}:
+        path = Path(place)
+        for file in sorted(path.rglob("*") if path.is_dir() else [path] if path.is_file() else []):
+            if file.suffix in (".gguf", ".safetensors", ".json") and file.is_file():
+                stat = file.stat()
+                stamps.append([str(file.resolve()), stat.st_size, stat.st_mtime_ns])
+    key = json.dumps([machine_key(target.decoder), target.name, stamps], sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
 def first_stop(text: str, stop: list[str], start: int) -> int | None:

@@ -167,7 +167,8 @@ class Run:
             if self.prefilling:
                 return None
             if self.prefixes is not None:  # requests sharing this prompt need not wait for its answer
-                self.prefixes.keep(sequence.tokens, self.cache)
+                # (in memory: a folder gets it as the run ends, not before its first token)
+                self.prefixes.keep(sequence.tokens, self.cache, to_disk=False)
             return self._committed(sequence.commit([pick(logits[-1], self.config.sampling, self.generator)], 0, 0),
                                    logits, last=True)
         started = time.perf_counter()

@@ -50,7 +50,6 @@ from d3d.logprobs import TokenLogprobs, content
 from d3d.metrics import CONTENT_TYPE, ServerMetrics
 from d3d.openai_schema import (ApiError, ChatRequest, CompletionRequest, Job, api_error, chat_job, completion_job,
                                http_error, invalid_request, server_error)
-from d3d.prefix_cache import PrefixCache
 from d3d.scheduler import DeadlineExceeded, MainThread, QueueFull, Scheduler, Unavailable, WorkerThreads
 from d3d.sequence import PromptError
 from d3d.stats import SpecStats
@@ -73,6 +72,7 @@ class Limits:
     shutdown_grace: float = 30.0  # on shutdown, seconds the running generations may take to finish
     max_batch: int = 1  # generations decoding at once, in one continuous batch when above 1
     prefix_cache_mb: int = 0  # MiB of ended generations' keys and values kept for later prompts (0: none)
+    prefix_cache_dir: str | None = None  # where they are also kept on disk, for later processes
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
@@ -192,7 +192,7 @@ class Server:
         self.metrics = metrics
         self.scheduler = Scheduler(limits.max_queue, limits.max_batch)
         # every generation starts from the longest stored prefix of its prompt and leaves its own
-        pipeline.prefixes = PrefixCache(limits.prefix_cache_mb << 20) if limits.prefix_cache_mb else None
+        pipeline.keep_prefixes(limits.prefix_cache_mb, limits.prefix_cache_dir)
         # the continuous batch the admitted generations decode in (none: one at a time); its gates
         # see the queue (with nobody waiting, only the runs the batch waits on draft)
         self.batch = (SharedBatch(Batch(pipeline.target.decoder, backlog=self.scheduler.waiting_count))

@@ -14,7 +14,7 @@ from d3d.batch import MAX_BATCH
 from d3d.cli.common import add_model_arguments, add_sampling_arguments, load_pipeline
 from d3d.config import ConfigError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
-from d3d.prefix_cache import PREFIX_CACHE_MB, PrefixCache
+from d3d.prefix_cache import PREFIX_CACHE_MB
 
 
 @dataclass
@@ -63,7 +63,10 @@ def describe(label: str, result: RunResult) -> str:
 def generate(args: argparse.Namespace) -> int:
     """Stream one generation; with --compare-ar also run plain AR decoding and report the speedup
     (exit 1 when at T = 0 the output is not AR's)."""
+    check_prefix_folder(args.prefix_cache_dir)
     pipeline = load_pipeline(args)
+    if args.prefix_cache_dir:  # a prompt computed by an earlier run starts from its stored keys and values
+        pipeline.keep_prefixes(PREFIX_CACHE_MB, args.prefix_cache_dir)
     method: Method = args.method
     if args.compare_ar:
         warm = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
@@ -106,9 +109,10 @@ def chat(args: argparse.Namespace) -> int:
     """An interactive chat: each line you type is a user turn; an empty line or Ctrl-D ends it."""
     if args.prefix_cache < 0:
         raise ConfigError(f"--prefix-cache must be at least 0 MiB, got {args.prefix_cache}")
+    check_prefix_folder(args.prefix_cache_dir)
     pipeline = load_pipeline(args)
     # each turn's prompt is the conversation so far: only the new message is computed
-    pipeline.prefixes = PrefixCache(args.prefix_cache << 20) if args.prefix_cache else None
+    pipeline.keep_prefixes(args.prefix_cache, args.prefix_cache_dir)
     args.chat = True
     messages: list[dict[str, str]] = []
     method: Method = "speculative"
@@ -135,11 +139,25 @@ def serve_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"d3d serve needs the serve extra: pip install 'd3d-decoding[serve]' ({error})") from None
     limits = Limits(max_queue=args.max_queue, max_batch=args.max_batch, deadline=args.deadline or None, max_body_bytes=args.max_body_bytes,
                     api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
-                    shutdown_grace=args.shutdown_grace, prefix_cache_mb=args.prefix_cache)
+                    shutdown_grace=args.shutdown_grace, prefix_cache_mb=args.prefix_cache,
+                    prefix_cache_dir=args.prefix_cache_dir)
     check_address(args.host, args.port)
+    check_prefix_folder(args.prefix_cache_dir)
     pipeline = load_pipeline(args)
     serve(pipeline, args.host, args.port, args.model_name or default_model_name(args.target), args.method, limits)
     return 0
+
+
+def check_prefix_folder(folder: str | None) -> None:
+    """--prefix-cache-dir names a folder this process can make and write (checked before the load)."""
+    if folder is None:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--prefix-cache-dir {folder}: {error.strerror}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--prefix-cache-dir {folder}: not writable")
 
 
 def check_address(host: str, port: int) -> None:
@@ -174,6 +192,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                    help="speculative: context lookup where it matches, the drafter elsewhere (default); "
                         "drafter / lookup: one source alone; async: the drafter, drafting ahead during "
                         "verification; ar: plain decoding; ar_drafter: the AR-drafter baseline (--ar-drafter)")
+    add_prefix_cache_argument(p, memory=False)
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.set_defaults(handler=generate)
@@ -208,8 +227,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=serve_command)
 
 
-def add_prefix_cache_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_MB, metavar="MB",
-                   help="MiB of ended generations' keys and values kept so that a later prompt starting with the "
-                        "same tokens (a chat's next turn, a shared system prompt) computes only the rest; "
-                        f"exact, the same output (default {PREFIX_CACHE_MB}; 0: off)")
+def add_prefix_cache_argument(p: argparse.ArgumentParser, memory: bool = True) -> None:
+    if memory:
+        p.add_argument("--prefix-cache", type=int, default=PREFIX_CACHE_MB, metavar="MB",
+                       help="MiB of ended generations' keys and values kept so that a later prompt starting with the "
+                            "same tokens (a chat's next turn, a shared system prompt) computes only the rest; "
+                            f"exact, the same output (default {PREFIX_CACHE_MB}; 0: off)")
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="also keep those keys and values on disk in DIR (a subfolder per target, machine and "
+                        "kernel build; at most 4 GiB, the least recently used leaving first), so that a later "
+                        "run asked about the same long document starts from them instead of its prefill; exact")
