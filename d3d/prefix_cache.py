@@ -86,9 +86,9 @@ class PrefixCache:
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             for staging in self.folder.glob("*.tmp"):  # a write a killed process left half done
-                if staging.stat().st_mtime < time.time() - 3600:
+                if file_time(staging) < time.time() - 3600:
                     staging.unlink(missing_ok=True)
-            for path in sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
+            for path in sorted(self.folder.glob("*.safetensors"), key=file_time):
                 entry = self._read(path, tensors=False)
                 if entry is not None:
                     self.stored.append(entry)
@@ -119,7 +119,7 @@ class PrefixCache:
                 entry = self._read(entry.path, tensors=True)
                 if entry is None:
                     return 0
-                os.utime(entry.path)
+                touch(entry.path)
                 self.stored.append(self.stored.pop(next(i for i, e in enumerate(self.stored) if e.path == entry.path)))
                 self._hold(entry)
                 self.stats.disk_hits += 1
@@ -171,7 +171,7 @@ class PrefixCache:
         for stored in list(self.stored):
             common = common_prefix(entry.tokens, stored.tokens)
             if common == count:  # a longer file holds it
-                os.utime(stored.path)
+                touch(stored.path)
                 entry.path = stored.path
                 return
             if common == len(stored.tokens):
@@ -179,7 +179,7 @@ class PrefixCache:
         size = entry.nbytes + 4096
         if size > self.disk_bytes:
             return
-        while self.stored and sum(e.path.stat().st_size for e in self.stored if e.path.exists()) + size > self.disk_bytes:
+        while self.stored and sum(file_size(e.path) for e in self.stored) + size > self.disk_bytes:
             self._remove(self.stored[0])
         digest = hashlib.sha256(entry.tokens.numpy().tobytes()).hexdigest()[:24]
         path = self.folder / f"{digest}.safetensors"
@@ -225,6 +225,28 @@ class PrefixCache:
 
     def _drop(self, key: int) -> None:
         self.nbytes -= self.entries.pop(key).nbytes
+
+
+def touch(path: Path) -> None:
+    """Mark a file used now (the folder's recency); another process may have removed it."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # removed by another process sharing the folder
+        return 0
+
+
+def file_time(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def slots_read(cache: KVCache) -> int | None:

@@ -80,6 +80,23 @@ def test_a_damaged_file_is_removed_and_never_restored_from(tmp_path):
     assert files(tmp_path) == [] and later.stored == []
 
 
+def test_two_processes_sharing_the_folder_survive_each_others_removals(tmp_path):
+    first = PrefixCache(MIB, tmp_path)
+    first.keep(list(range(12)), filled_cache(12, False))
+    second = PrefixCache(MIB, tmp_path)  # lists the file
+    first.clear()  # and removes it
+    assert second.restore(KVCache(2, 2, 32, 64), list(range(12)), 11) == 0 and second.stored == []
+    third = PrefixCache(MIB, tmp_path)
+    first.keep(list(range(6)), filled_cache(6, False))
+    fourth = PrefixCache(MIB, tmp_path)
+    first.clear()
+    fourth.keep(list(range(12)), filled_cache(12, False))  # extends a file gone already
+    third.keep(list(range(3)), filled_cache(3, False))  # listed the folder before that file: writes its own
+    later = PrefixCache(MIB, tmp_path)  # processes see each other's files as they start
+    assert sorted(len(e.tokens) for e in later.stored) == [3, 12]
+    assert later.restore(KVCache(2, 2, 32, 64), list(range(12)), 11) == 11
+
+
 def test_a_disk_that_refuses_the_file_leaves_memory_working(tmp_path, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
