@@ -4,6 +4,7 @@ one (`d3d.generation.load_target` / `d3d.loading.load_target` patched); the slow
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -404,3 +405,23 @@ def test_generate_end_to_end_on_real_target(capsys, real_default):
     assert summary["identical_to_ar"] is True
     assert summary["new_tokens"] == 8 and summary["method"] == "speculative"
     assert "UNTRAINED" in err and "SmolLM2" in err
+
+
+def test_the_prompt_from_files_and_standard_input(capsys, tiny_default, tmp_path, monkeypatch):
+    """--file puts a file's text before the prompt, '-' reads the prompt from standard input: the same
+    output as the same text given inline; a file that cannot be read is a usage error."""
+    document = tmp_path / "notes.md"
+    document.write_text("some notes\nover two lines")
+    base = ["--max-new-tokens", "8", "--drafter", "none", "--no-chat"]
+    code, inline, _ = run_cli(capsys, "generate", "some notes\nover two lines\n\nSummarise.", *base)
+    assert code == 0
+    code, from_file, _ = run_cli(capsys, "generate", "--file", str(document), "Summarise.", *base)
+    assert code == 0 and from_file == inline
+    monkeypatch.setattr("sys.stdin", io.StringIO("Summarise."))
+    code, from_stdin, _ = run_cli(capsys, "generate", "--file", str(document), "-", *base)
+    assert code == 0 and from_stdin == inline
+    code, _, err = run_cli(capsys, "generate", "--file", str(tmp_path / "missing.md"), "hi", *base)
+    assert_usage_error(code, err, "cannot read the prompt from", "missing.md")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00")
+    code, _, err = run_cli(capsys, "generate", "--file", str(tmp_path / "binary"), "hi", *base)
+    assert_usage_error(code, err, "cannot read the prompt from")

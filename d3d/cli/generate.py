@@ -63,6 +63,7 @@ def describe(label: str, result: RunResult) -> str:
 def generate(args: argparse.Namespace) -> int:
     """Stream one generation; with --compare-ar also run plain AR decoding and report the speedup
     (exit 1 when at T = 0 the output is not AR's)."""
+    args.prompt = read_prompt(args.prompt, args.file)
     check_prefix_folder(args.prefix_cache_dir)
     pipeline = load_pipeline(args)
     if args.prefix_cache_dir:  # a prompt computed by an earlier run starts from its stored keys and values
@@ -148,6 +149,19 @@ def serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_prompt(prompt: str, files: list[str]) -> str:
+    """The prompt as given ("-": standard input), after the text of each --file, a blank line
+    apart: `d3d generate --file paper.md "Summarise it."`."""
+    def text_of(name: str) -> str:
+        try:
+            return sys.stdin.read() if name == "-" else open(name, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as error:
+            where = "standard input" if name == "-" else name
+            raise ConfigError(f"cannot read the prompt from {where}: {getattr(error, 'strerror', None) or error}") from None
+
+    return "\n\n".join([*map(text_of, files), text_of(prompt) if prompt == "-" else prompt])
+
+
 def check_prefix_folder(folder: str | None) -> None:
     """--prefix-cache-dir names a folder this process can make and write (checked before the load)."""
     if folder is None:
@@ -182,7 +196,10 @@ def check_address(host: str, port: int) -> None:
 def add_commands(commands: argparse._SubParsersAction) -> None:
     """generate, chat, serve"""
     p = commands.add_parser("generate", help="generate from one prompt")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt ('-': read it from standard input)")
+    p.add_argument("--file", action="append", default=[], metavar="PATH",
+                   help="put this file's text before the prompt, a blank line apart (repeatable): "
+                        "d3d generate --file notes.md \"Summarise it.\"")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the chat template (default); --no-chat for a raw completion prompt")
     p.add_argument("--compare-ar", action="store_true", help="also run plain AR decoding and print the speedup")
