@@ -9,12 +9,13 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from d3d.batch import MAX_BATCH
 from d3d.cli.common import add_model_arguments, add_sampling_arguments, load_pipeline
 from d3d.config import ConfigError
 from d3d.generation import METHODS, Chunk, Method, Pipeline
-from d3d.prefix_cache import PREFIX_CACHE_MB
+from d3d.prefix_cache import PREFIX_CACHE_MB, PREFIX_DISK_MB
 
 
 @dataclass
@@ -154,7 +155,7 @@ def read_prompt(prompt: str, files: list[str]) -> str:
     apart: `d3d generate --file paper.md "Summarise it."`."""
     def text_of(name: str) -> str:
         try:
-            return sys.stdin.read() if name == "-" else open(name, encoding="utf-8").read()
+            return sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             where = "standard input" if name == "-" else name
             raise ConfigError(f"cannot read the prompt from {where}: {getattr(error, 'strerror', None) or error}") from None
@@ -252,5 +253,5 @@ def add_prefix_cache_argument(p: argparse.ArgumentParser, memory: bool = True) -
                             f"exact, the same output (default {PREFIX_CACHE_MB}; 0: off)")
     p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
                    help="also keep those keys and values on disk in DIR (a subfolder per target, machine and "
-                        "kernel build; at most 4 GiB, the least recently used leaving first), so that a later "
+                        f"kernel build; at most {PREFIX_DISK_MB} MiB, the least recently used leaving first), so that a later "
                         "run asked about the same long document starts from them instead of its prefill; exact")
