@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import d3d.cli
+import d3d.cli.generate
 import d3d.generation
 import d3d.loading
 from d3d.cli import main
@@ -354,6 +355,22 @@ def test_chat_reads_turns_until_empty_line(capsys, tiny_default, monkeypatch):
     assert code == 0 and "prefix cache" not in err
     code, _, err = run_cli(capsys, "chat", "--drafter", "none", "--prefix-cache", "-1")
     assert_usage_error(code, err, "--prefix-cache")
+
+
+def test_chat_opens_with_the_files_text(capsys, tiny_default, tmp_path, monkeypatch):
+    """chat --file: the file's text, then the first line typed, is the first turn (later turns as typed)."""
+    seen = []
+    monkeypatch.setattr(d3d.cli.generate, "run", lambda pipeline, messages, args, method, echo:
+                        seen.append([m["content"] for m in messages if m["role"] == "user"])
+                        or d3d.cli.generate.RunResult("ok", [], []))
+    monkeypatch.setattr(d3d.cli.generate, "describe", lambda label, result: "")
+    (tmp_path / "notes.md").write_text("the notes")
+    lines = iter(["What do they say?", "And then?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    code, _, _ = run_cli(capsys, "chat", "--drafter", "none", "--file", str(tmp_path / "notes.md"))
+    assert code == 0 and seen == [["the notes\n\nWhat do they say?"], ["the notes\n\nWhat do they say?", "And then?"]]
+    code, _, err = run_cli(capsys, "chat", "--drafter", "none", "--file", str(tmp_path / "missing.md"))
+    assert_usage_error(code, err, "missing.md")
 
 
 def test_data_on_tiny_target(capsys, tiny_default, tmp_path):

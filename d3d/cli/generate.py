@@ -108,9 +108,11 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def chat(args: argparse.Namespace) -> int:
-    """An interactive chat: each line you type is a user turn; an empty line or Ctrl-D ends it."""
+    """An interactive chat: each line you type is a user turn; an empty line or Ctrl-D ends it. With
+    --file, the files' text opens the first turn."""
     if args.prefix_cache < 0:
         raise ConfigError(f"--prefix-cache must be at least 0 MiB, got {args.prefix_cache}")
+    documents = [read_text(name) for name in args.file]
     check_prefix_folder(args.prefix_cache_dir)
     pipeline = load_pipeline(args)
     # each turn's prompt is the conversation so far: only the new message is computed
@@ -125,6 +127,8 @@ def chat(args: argparse.Namespace) -> int:
             break
         if not line:
             break
+        if not messages and documents:
+            line = "\n\n".join([*documents, line])
         messages.append({"role": "user", "content": line})
         print("assistant> ", end="", flush=True)
         result = run(pipeline, messages, args, method, echo=True)
@@ -153,14 +157,16 @@ def serve_command(args: argparse.Namespace) -> int:
 def read_prompt(prompt: str, files: list[str]) -> str:
     """The prompt as given ("-": standard input), after the text of each --file, a blank line
     apart: `d3d generate --file paper.md "Summarise it."`."""
-    def text_of(name: str) -> str:
-        try:
-            return sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            where = "standard input" if name == "-" else name
-            raise ConfigError(f"cannot read the prompt from {where}: {getattr(error, 'strerror', None) or error}") from None
+    return "\n\n".join([*map(read_text, files), read_text(prompt) if prompt == "-" else prompt])
 
-    return "\n\n".join([*map(text_of, files), text_of(prompt) if prompt == "-" else prompt])
+
+def read_text(name: str) -> str:
+    """A file's text ("-": standard input), or a usage error saying why not."""
+    try:
+        return sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        where = "standard input" if name == "-" else name
+        raise ConfigError(f"cannot read the prompt from {where}: {getattr(error, 'strerror', None) or error}") from None
 
 
 def check_prefix_folder(folder: str | None) -> None:
@@ -198,9 +204,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     """generate, chat, serve"""
     p = commands.add_parser("generate", help="generate from one prompt")
     p.add_argument("prompt", help="the prompt ('-': read it from standard input)")
-    p.add_argument("--file", action="append", default=[], metavar="PATH",
-                   help="put this file's text before the prompt, a blank line apart (repeatable): "
-                        "d3d generate --file notes.md \"Summarise it.\"")
+    add_file_argument(p, "the prompt")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the chat template (default); --no-chat for a raw completion prompt")
     p.add_argument("--compare-ar", action="store_true", help="also run plain AR decoding and print the speedup")
@@ -215,6 +219,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     add_sampling_arguments(p)
     p.set_defaults(handler=generate)
     p = commands.add_parser("chat", help="interactive multi-turn chat")
+    add_file_argument(p, "your first message")
     add_model_arguments(p)
     add_sampling_arguments(p)
     add_prefix_cache_argument(p)
@@ -243,6 +248,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     add_prefix_cache_argument(p)
     add_model_arguments(p)
     p.set_defaults(handler=serve_command)
+
+
+def add_file_argument(p: argparse.ArgumentParser, before: str) -> None:
+    p.add_argument("--file", action="append", default=[], metavar="PATH",
+                   help=f"put this file's text ('-': standard input) before {before}, a blank line apart "
+                        "(repeatable): --file notes.md \"Summarise it.\"")
 
 
 def add_prefix_cache_argument(p: argparse.ArgumentParser, memory: bool = True) -> None:
