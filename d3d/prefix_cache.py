@@ -29,6 +29,7 @@ import hashlib
 import os
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,9 +86,9 @@ class PrefixCache:
         self.stored: list[Entry] = []  # the folder's entries, tokens only, least recently used first
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            for staging in self.folder.glob("*.tmp"):  # a write a killed process left half done
+            for staging in self.folder.glob("*.tmp*"):  # a write a killed process left half done
                 if file_time(staging) < time.time() - 3600:
-                    staging.unlink(missing_ok=True)
+                    remove_file(staging)
             for path in sorted(self.folder.glob("*.safetensors"), key=file_time):
                 entry = self._read(path, tensors=False)
                 if entry is not None:
@@ -95,8 +96,9 @@ class PrefixCache:
 
     def __len__(self) -> int:
         """Prefixes stored: in memory, or in the folder only."""
-        paths = {e.path for e in self.entries.values()}
-        return len(self.entries) + sum(e.path not in paths for e in self.stored)
+        with self._lock:
+            paths = {e.path for e in self.entries.values()}
+            return len(self.entries) + sum(e.path not in paths for e in self.stored)
 
     def restore(self, cache: KVCache, prompt_ids: list[int], limit: int) -> int:
         """Copy the longest stored prefix of `prompt_ids`, at most `limit` positions, into `cache`
@@ -104,56 +106,72 @@ class PrefixCache:
         prompt = torch.tensor(prompt_ids[:max(0, limit)], dtype=torch.long)
         with self._lock:
             self.stats.lookups += 1
-            best, length = None, 0
             slots = slots_read(cache)
-            for key, entry in [*self.entries.items(), *((None, e) for e in self.stored)]:
-                if entry.slots != slots:  # computed over other slots: on a GPU, maybe other bits
-                    continue
-                common = common_prefix(prompt, entry.tokens)
-                if common > length:
-                    best, length = (key, entry), common
-            if best is None:
-                return 0
-            key, entry = best
-            if key is None:  # in the folder only: read it (memory keeps it too, where it fits)
-                entry = self._read(entry.path, tensors=True)
-                if entry is None:
+            while True:  # a file that fails its read leaves the list: then the next best
+                best, length = None, 0
+                for key, entry in [*self.entries.items(), *((None, e) for e in self.stored)]:
+                    if entry.slots != slots:  # computed over other slots: on a GPU, maybe other bits
+                        continue
+                    common = common_prefix(prompt, entry.tokens)
+                    if common > length:
+                        best, length = (key, entry), common
+                if best is None:
                     return 0
-                touch(entry.path)
-                self.stored.append(self.stored.pop(next(i for i, e in enumerate(self.stored) if e.path == entry.path)))
-                self._hold(entry)
+                key, entry = best
+                if key is not None:
+                    self.entries.move_to_end(key)
+                    cache.restore(entry.keys, entry.values, length)
+                    break
+                read = self._read(entry.path, tensors=True)  # in the folder only: read it whole
+                try:  # as listed (another process may have replaced it), and of this cache's layout
+                    if read is None or read.slots != slots or common_prefix(prompt, read.tokens) < length:
+                        raise ValueError("not the file listed")
+                    cache.restore(read.keys, read.values, length)
+                except ValueError:
+                    self._forget(entry)
+                    continue
+                touch(read.path)
+                self.stored = [e for e in self.stored if e.path != read.path]
+                self.stored.append(Entry(read.tokens, None, None, read.slots, read.path))
+                self._hold(read)  # memory keeps it too, where it fits
                 self.stats.disk_hits += 1
-            else:
-                self.entries.move_to_end(key)
-            cache.restore(entry.keys, entry.values, length)
+                break
             self.stats.hits += 1
             self.stats.reused_tokens += length
         return length
 
     def keep(self, tokens: list[int], cache: KVCache, to_disk: bool = True) -> None:
-        """Store `cache`'s first len(tokens) committed positions, whose tokens are `tokens` — as many
-        of the first as the whole budget holds, when not all; in the folder too unless not `to_disk`."""
+        """Store `cache`'s first len(tokens) committed positions, whose tokens are `tokens` — in memory
+        as many of the first as its budget holds, and unless not `to_disk` in the folder as many as
+        the folder's budget holds."""
         per_position = cache.position_bytes + 8  # and its token id
-        budget = max(self.max_bytes, self.disk_bytes if self.folder is not None else 0)
-        count = min(len(tokens), cache.length, budget // per_position)
-        if count == 0:
-            return
-        stored = torch.tensor(tokens[:count], dtype=torch.long)
+        length = min(len(tokens), cache.length)
+        in_memory = min(length, self.max_bytes // per_position)
+        on_disk = min(length, self.disk_bytes // per_position) if to_disk and self.folder is not None else 0
         with self._lock:
-            for key, entry in list(self.entries.items()):
-                common = common_prefix(stored, entry.tokens)
-                if common == count:  # already held, within a longer entry
-                    self.entries.move_to_end(key)
-                    if to_disk and entry.path is None:  # held in memory only so far
-                        self._write(entry)
-                    return
-                if common == len(entry.tokens):  # the new entry extends this one
-                    self._drop(key)
-            keys, values = cache.snapshot(count)
-            entry = Entry(stored, keys, values, slots_read(cache))
-            if to_disk:
-                self._write(entry)
-            self._hold(entry)
+            held = self._keep_in_memory(tokens[:in_memory], cache) if in_memory else None
+            if on_disk == 0:
+                return
+            if held is None or len(held.tokens) < on_disk:
+                held = Entry(torch.tensor(tokens[:on_disk], dtype=torch.long), *cache.snapshot(on_disk), slots_read(cache))
+            if held.path is None or not held.path.exists():  # not in the folder yet, or no longer
+                self._write(held)
+
+    def _keep_in_memory(self, tokens: list[int], cache: KVCache) -> Entry:
+        """The memory entry holding `tokens`' positions: one already there that holds them, or a new
+        one, replacing those it extends."""
+        count = len(tokens)
+        stored = torch.tensor(tokens, dtype=torch.long)
+        for key, entry in list(self.entries.items()):
+            common = common_prefix(stored, entry.tokens)
+            if common == count:  # already held, within a longer entry
+                self.entries.move_to_end(key)
+                return entry
+            if common == len(entry.tokens):  # the new entry extends this one
+                self._drop(key)
+        entry = Entry(stored, *cache.snapshot(count), slots_read(cache))
+        self._hold(entry)
+        return entry
 
     def _hold(self, entry: Entry) -> None:
         """Keep `entry` in memory, the least recently used leaving while over the budget."""
@@ -164,56 +182,63 @@ class PrefixCache:
             self._drop(next(iter(self.entries)))
 
     def _write(self, entry: Entry) -> None:
-        """`entry` into the folder too (if any): a file per entry, replacing the ones it extends."""
-        if self.folder is None:
-            return
+        """`entry` into the folder: a file per entry, replacing the ones it extends, with a checksum of
+        its bytes that a read checks (a file cut short or zeroed by a crash is never restored from)."""
         count = len(entry.tokens)
         for stored in list(self.stored):
+            if not stored.path.exists():  # removed by another process
+                self._forget(stored)
+                continue
             common = common_prefix(entry.tokens, stored.tokens)
             if common == count:  # a longer file holds it
                 touch(stored.path)
-                entry.path = stored.path
                 return
             if common == len(stored.tokens):
-                self._remove(stored)
+                self._forget(stored)
         size = entry.nbytes + 4096
         if size > self.disk_bytes:
             return
         while self.stored and sum(file_size(e.path) for e in self.stored) + size > self.disk_bytes:
-            self._remove(self.stored[0])
+            self._forget(self.stored[0])
         digest = hashlib.sha256(entry.tokens.numpy().tobytes()).hexdigest()[:24]
         path = self.folder / f"{digest}.safetensors"
         staging = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tensors = {"tokens": entry.tokens, "keys": entry.keys.contiguous(), "values": entry.values.contiguous()}
         try:
-            save_tensors({"tokens": entry.tokens, "keys": entry.keys.contiguous(), "values": entry.values.contiguous()},
-                         staging, metadata={"slots": str(entry.slots)})
+            save_tensors(tensors, staging, metadata={"slots": str(entry.slots), "crc32": str(checksum(tensors))})
             os.replace(staging, path)
-        except OSError:  # a full or read-only disk: memory keeps it
-            staging.unlink(missing_ok=True)
+        except Exception:  # noqa: BLE001 - a full, removed or read-only folder (safetensors' own error types too): memory keeps it
+            remove_file(staging)
             return
         entry.path = path
+        self.stored = [e for e in self.stored if e.path != path]
         self.stored.append(Entry(entry.tokens, None, None, entry.slots, path))
 
     def _read(self, path: Path, tensors: bool) -> Entry | None:
-        """The entry in `path` (its tokens only unless `tensors`); None, and the file removed, where it
-        cannot be read."""
+        """The entry in `path` (its tokens only unless `tensors`, then checked against its checksum);
+        None, and the file removed, where it cannot be read or does not check."""
         try:
             with safe_open(str(path), framework="pt") as file:
-                slots = file.metadata().get("slots", "None")
-                read = [file.get_tensor(name) for name in (("tokens", "keys", "values") if tensors else ("tokens",))]
-            entry = Entry(read[0], *(read[1:] if tensors else (None, None)),
-                          None if slots == "None" else int(slots), path)
+                metadata = file.metadata() or {}
+                names = ("tokens", "keys", "values") if tensors else ("tokens",)
+                read = {name: file.get_tensor(name) for name in names}
+            slots = metadata.get("slots", "None")
+            entry = Entry(read["tokens"], read.get("keys"), read.get("values"), None if slots == "None" else int(slots), path)
             if entry.tokens.dtype != torch.long or entry.tokens.dim() != 1:
                 raise ValueError("not a prefix's tokens")
+            if tensors and (str(checksum(read)) != metadata.get("crc32")
+                            or not entry.keys.shape[-2] == entry.values.shape[-2] == len(entry.tokens)):
+                raise ValueError("its bytes are not the ones written")
             return entry
         except Exception:  # noqa: BLE001 - a damaged or foreign file: never restore from it
             self.stored = [e for e in self.stored if e.path != path]
-            path.unlink(missing_ok=True)
+            remove_file(path)
             return None
 
-    def _remove(self, entry: Entry) -> None:
-        self.stored.remove(entry)
-        entry.path.unlink(missing_ok=True)
+    def _forget(self, entry: Entry) -> None:
+        """A folder entry, and its file, gone."""
+        self.stored = [e for e in self.stored if e.path != entry.path]
+        remove_file(entry.path)
 
     def clear(self) -> None:
         """Forget every stored prefix: memory's, and the folder's files."""
@@ -221,10 +246,25 @@ class PrefixCache:
             self.entries.clear()
             self.nbytes = 0
             for entry in list(self.stored):
-                self._remove(entry)
+                self._forget(entry)
 
     def _drop(self, key: int) -> None:
         self.nbytes -= self.entries.pop(key).nbytes
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> int:
+    """CRC-32 of the tensors' bytes, in name order."""
+    value = 0
+    for name in sorted(tensors):
+        value = zlib.crc32(tensors[name].contiguous().view(torch.uint8).numpy(), value)
+    return value
+
+
+def remove_file(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # a folder shared read-only, or another user's file
+        pass
 
 
 def touch(path: Path) -> None:

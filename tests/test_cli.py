@@ -371,6 +371,8 @@ def test_chat_opens_with_the_files_text(capsys, tiny_default, tmp_path, monkeypa
     assert code == 0 and seen == [["the notes\n\nWhat do they say?"], ["the notes\n\nWhat do they say?", "And then?"]]
     code, _, err = run_cli(capsys, "chat", "--drafter", "none", "--file", str(tmp_path / "missing.md"))
     assert_usage_error(code, err, "missing.md")
+    code, _, err = run_cli(capsys, "chat", "--drafter", "none", "--file", "-")
+    assert_usage_error(code, err, "give --file a path")
 
 
 def test_data_on_tiny_target(capsys, tiny_default, tmp_path):
@@ -439,6 +441,8 @@ def test_the_prompt_from_files_and_standard_input(capsys, tiny_default, tmp_path
     assert code == 0 and from_stdin == inline
     code, _, err = run_cli(capsys, "generate", "--file", str(tmp_path / "missing.md"), "hi", *base)
     assert_usage_error(code, err, "cannot read the prompt from", "missing.md")
+    code, _, err = run_cli(capsys, "generate", "--file", "-", "-", *base)
+    assert_usage_error(code, err, "standard input ('-') can be read once")
     (tmp_path / "binary").write_bytes(b"\xff\xfe\x00")
     code, _, err = run_cli(capsys, "generate", "--file", str(tmp_path / "binary"), "hi", *base)
     assert_usage_error(code, err, "cannot read the prompt from")

@@ -68,6 +68,28 @@ def test_the_folder_keeps_an_extended_entry_once_and_to_its_budget(tmp_path):
     assert {int(e.tokens[0]) for e in PrefixCache(MIB, tmp_path).stored} == {20, 40}
 
 
+def test_an_entry_larger_than_memory_keeps_what_fits_there_and_all_of_it_on_disk(tmp_path):
+    per_position = filled_cache(1, False).position_bytes + 8
+    store = PrefixCache(14 * per_position, tmp_path)
+    store.keep(list(range(20)), filled_cache(20, False, seed=5))
+    (held,) = store.entries.values()
+    assert len(held.tokens) == 14  # the prefix that fits, as without a folder
+    assert [len(e.tokens) for e in PrefixCache(MIB, tmp_path).stored] == [20]
+    source = filled_cache(20, False, seed=5)
+    target = KVCache(2, 2, 32, 64)
+    assert PrefixCache(0, tmp_path).restore(target, list(range(20)) + [1], 20) == 20
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(target.snapshot(20), source.snapshot(20)))
+
+
+def test_a_file_another_process_removed_is_written_again(tmp_path):
+    store = PrefixCache(MIB, tmp_path)
+    store.keep(list(range(12)), filled_cache(12, False))
+    (written,) = files(tmp_path)
+    written.unlink()
+    store.keep(list(range(12)), filled_cache(12, False))  # held in memory, its file gone: written again
+    assert files(tmp_path) == [written]
+
+
 def test_a_damaged_file_is_removed_and_never_restored_from(tmp_path):
     store = PrefixCache(MIB, tmp_path)
     store.keep(list(range(12)), filled_cache(12, False))
@@ -78,6 +100,20 @@ def test_a_damaged_file_is_removed_and_never_restored_from(tmp_path):
     good.write_bytes(good.read_bytes()[:-100])  # cut short after the listing read its tokens
     assert later.restore(KVCache(2, 2, 32, 64), list(range(12)), 11) == 0
     assert files(tmp_path) == [] and later.stored == []
+    store.keep(list(range(12)), filled_cache(12, False, seed=9))  # written again (memory held it)
+    (good,) = files(tmp_path)
+    data = bytearray(good.read_bytes())
+    data[-64:] = bytes(64)  # zeroed where a crash may leave blocks unwritten: same size, a valid header
+    good.write_bytes(bytes(data))
+    fresh = PrefixCache(MIB, tmp_path)
+    assert fresh.restore(KVCache(2, 2, 32, 64), list(range(12)), 11) == 0  # the checksum fails it
+    assert files(tmp_path) == []
+    store.keep(list(range(12)), filled_cache(12, False, seed=9))
+    shorter = PrefixCache(MIB, tmp_path)
+    shorter.keep(list(range(5)), filled_cache(5, False, seed=9))  # memory: a shorter prefix
+    (good,) = [f for f in files(tmp_path) if f != shorter.entries[next(iter(shorter.entries))].path]
+    good.write_bytes(good.read_bytes()[:-100])
+    assert shorter.restore(KVCache(2, 2, 32, 64), list(range(12)), 11) == 5  # the file fails: the next best
 
 
 def test_two_processes_sharing_the_folder_survive_each_others_removals(tmp_path):
@@ -98,6 +134,7 @@ def test_two_processes_sharing_the_folder_survive_each_others_removals(tmp_path)
 
 
 def test_a_disk_that_refuses_the_file_leaves_memory_working(tmp_path, monkeypatch):
+    """A full disk (OSError), and the folder removed under a running process (safetensors' own error)."""
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
@@ -106,6 +143,11 @@ def test_a_disk_that_refuses_the_file_leaves_memory_working(tmp_path, monkeypatc
     store.keep(list(range(12)), filled_cache(12, False))
     assert list(tmp_path.iterdir()) == [] and len(store) == 1  # no file, not even a staging one
     assert store.restore(KVCache(2, 2, 32, 64), list(range(12)), 11) == 11
+    monkeypatch.undo()
+    gone = PrefixCache(MIB, tmp_path / "gone")
+    (tmp_path / "gone").rmdir()
+    gone.keep(list(range(12)), filled_cache(12, False))
+    assert len(gone) == 1 and gone.restore(KVCache(2, 2, 32, 64), list(range(12)), 11) == 11
 
 
 def test_a_prompt_computed_by_an_earlier_process_decodes_exactly_as_from_scratch(models, tmp_path):
@@ -155,7 +197,7 @@ def test_a_folder_is_keyed_by_the_weights_files_as_they_are(tmp_path):
     weights.write_bytes(b"0" * 65)
     os.utime(weights, ns=(1, 1))
     assert prefix_key(target) != key
-    other = tiny_target(make_decoder(tiny_config("llama", tie_word_embeddings=False), seed=1, dtype=torch.bfloat16))
+    other = tiny_target(make_decoder(tiny_config("llama", tie_word_embeddings=False), seed=1, dtype=torch.bfloat16))  # its dtype
     other.folder = str(tmp_path)
     assert prefix_key(other) != prefix_key(target)
 

@@ -112,6 +112,8 @@ def chat(args: argparse.Namespace) -> int:
     --file, the files' text opens the first turn."""
     if args.prefix_cache < 0:
         raise ConfigError(f"--prefix-cache must be at least 0 MiB, got {args.prefix_cache}")
+    if "-" in args.file:
+        raise ConfigError("chat reads your messages from standard input: give --file a path")
     documents = [read_text(name) for name in args.file]
     check_prefix_folder(args.prefix_cache_dir)
     pipeline = load_pipeline(args)
@@ -157,6 +159,8 @@ def serve_command(args: argparse.Namespace) -> int:
 def read_prompt(prompt: str, files: list[str]) -> str:
     """The prompt as given ("-": standard input), after the text of each --file, a blank line
     apart: `d3d generate --file paper.md "Summarise it."`."""
+    if [*files, prompt].count("-") > 1:
+        raise ConfigError("standard input ('-') can be read once: as the prompt or as one --file")
     return "\n\n".join([*map(read_text, files), read_text(prompt) if prompt == "-" else prompt])
 
 
@@ -186,18 +190,22 @@ def check_address(host: str, port: int) -> None:
     does not resolve, an address taken or not permitted (uvicorn would say so only after the load)."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be 0 … 65535, got {port}")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+    try:  # every address the host names, as asyncio's server binds them ('': all interfaces)
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as error:
         raise ConfigError(f"cannot listen on {host!r}: {error.strerror}") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    for family, kind, proto, _, address in addresses:
         try:
-            probe.bind(address)
-        except OSError as error:
-            hint = " (is a server already running there? choose another --port)" if error.errno == errno.EADDRINUSE else ""
-            raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror}{hint}") from None
+            probe = socket.socket(family, kind, proto)
+        except OSError:  # a family this machine lacks (IPv6 switched off): the server skips it too
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            try:
+                probe.bind(address)
+            except OSError as error:
+                hint = " (is a server already running there? choose another --port)" if error.errno == errno.EADDRINUSE else ""
+                raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror}{hint}") from None
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
