@@ -128,11 +128,10 @@ class PrefixCache:
                         raise ValueError("not the file listed")
                     cache.restore(read.keys, read.values, length)
                 except ValueError:
-                    self._forget(entry)
+                    self._forget(entry.path)
                     continue
                 touch(read.path)
-                self.stored = [e for e in self.stored if e.path != read.path]
-                self.stored.append(Entry(read.tokens, None, None, read.slots, read.path))
+                self._list(read)
                 self._hold(read)  # memory keeps it too, where it fits
                 self.stats.disk_hits += 1
                 break
@@ -187,19 +186,19 @@ class PrefixCache:
         count = len(entry.tokens)
         for stored in list(self.stored):
             if not stored.path.exists():  # removed by another process
-                self._forget(stored)
+                self._forget(stored.path)
                 continue
             common = common_prefix(entry.tokens, stored.tokens)
             if common == count:  # a longer file holds it
                 touch(stored.path)
                 return
             if common == len(stored.tokens):
-                self._forget(stored)
+                self._forget(stored.path)
         size = entry.nbytes + 4096
         if size > self.disk_bytes:
             return
         while self.stored and sum(file_size(e.path) for e in self.stored) + size > self.disk_bytes:
-            self._forget(self.stored[0])
+            self._forget(self.stored[0].path)
         digest = hashlib.sha256(entry.tokens.numpy().tobytes()).hexdigest()[:24]
         path = self.folder / f"{digest}.safetensors"
         staging = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
@@ -211,8 +210,7 @@ class PrefixCache:
             remove_file(staging)
             return
         entry.path = path
-        self.stored = [e for e in self.stored if e.path != path]
-        self.stored.append(Entry(entry.tokens, None, None, entry.slots, path))
+        self._list(entry)
 
     def _read(self, path: Path, tensors: bool) -> Entry | None:
         """The entry in `path` (its tokens only unless `tensors`, then checked against its checksum);
@@ -231,14 +229,18 @@ class PrefixCache:
                 raise ValueError("its bytes are not the ones written")
             return entry
         except Exception:  # noqa: BLE001 - a damaged or foreign file: never restore from it
-            self.stored = [e for e in self.stored if e.path != path]
-            remove_file(path)
+            self._forget(path)
             return None
 
-    def _forget(self, entry: Entry) -> None:
-        """A folder entry, and its file, gone."""
+    def _list(self, entry: Entry) -> None:
+        """`entry`'s file listed as the folder's most recently used (its tokens only)."""
         self.stored = [e for e in self.stored if e.path != entry.path]
-        remove_file(entry.path)
+        self.stored.append(Entry(entry.tokens, None, None, entry.slots, entry.path))
+
+    def _forget(self, path: Path) -> None:
+        """A folder's file, listed or not, gone."""
+        self.stored = [e for e in self.stored if e.path != path]
+        remove_file(path)
 
     def clear(self) -> None:
         """Forget every stored prefix: memory's, and the folder's files."""
@@ -246,7 +248,7 @@ class PrefixCache:
             self.entries.clear()
             self.nbytes = 0
             for entry in list(self.stored):
-                self._forget(entry)
+                self._forget(entry.path)
 
     def _drop(self, key: int) -> None:
         self.nbytes -= self.entries.pop(key).nbytes
